@@ -1,0 +1,1 @@
+"""TileInfer deployments."""

@@ -1,0 +1,17 @@
+"""Errors a user can cause and fix: each carries a message meant to be read, not a traceback."""
+
+
+class TileInferError(Exception):
+    """Base of every error that the CLI and the server report as a plain message."""
+
+
+class ModelLoadError(TileInferError):
+    """A model path, file or config that cannot be loaded."""
+
+
+class InvalidRequestError(TileInferError):
+    """A prompt or sampling parameter that the engine cannot honour."""
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """A prompt (plus its requested tokens) longer than the model's context."""
