@@ -69,8 +69,10 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
         architectures = config.get("architectures") or []
-        architecture = architectures[0] if architectures else None
+        architecture = architectures[0] if architectures else config.get("model_type")
         family = SUPPORTED_ARCHITECTURES.get(architecture or "")
+        if family is None and architecture in SUPPORTED_ARCHITECTURES.values():
+            family = architecture  # a config without `architectures`, named by its model_type
         if family is None:
             raise ModelLoadError(
                 f"unsupported architecture {architecture!r}; supported: {supported_architectures_text()}"

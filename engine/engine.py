@@ -1,0 +1,237 @@
+"""The engine: requests in, tokens and text out, one step at a time.
+
+A step schedules sequences (scheduler), runs the model over their new tokens (runner), samples
+the next token of every sequence whose tokens are all computed (sampling), and turns the tokens
+into text with stop strings honoured (detokenizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.loader import LoadedModel, load_model
+from engine.model import Decoder
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, TokenLogprob, make_generator, sample
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # KV cache capacity in tokens; default: max_model_len
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        return DTYPES[self.dtype]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens reused from the prefix cache
+    new_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # the generated text so far, cut at a stop string
+    num_emitted_chars: int = 0  # of text, already returned to the caller
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self.config = config
+        self.spec = model.spec
+        self.tokenizer = model.tokenizer
+        self.model_name = model.name
+        self.device = torch.device(config.device)
+        self.max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)
+        if self.max_model_len < 2:
+            raise InvalidRequestError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        kv_cache_tokens = config.kv_cache_tokens or self.max_model_len
+        num_blocks = -(-kv_cache_tokens // config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        decoder = Decoder.from_weights(model.spec, model.weights, self.max_model_len)
+        self.runner = ModelRunner(decoder, num_blocks, config.block_size, config.torch_dtype())
+        self.eos_token_ids = frozenset(model.tokenizer.eos_token_ids) | frozenset(model.spec.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def load(cls, model: str, config: EngineConfig | None = None) -> Engine:
+        config = config or EngineConfig()
+        return cls(load_model(model, dtype=config.torch_dtype(), device=config.device), config)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        params.validate()
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not 0 <= token < self.spec.vocab_size for token in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        capacity = min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
+        if len(prompt_token_ids) >= capacity:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context holds at most "
+                f"{capacity - 1} prompt tokens plus one generated token"
+            )
+        request_id = request_id or f"req-{next(self._request_counter)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, list(prompt_token_ids), params, make_generator(params.seed, self.device))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.requests[request_id] = _Request(seq, detokenizer)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.remove(request.seq)
+            request.seq.status = SequenceStatus.FINISHED
+            request.seq.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        self.runner.copy_blocks(batch.block_copies)
+        logits = self.runner.run(batch.scheduled)
+        sampled: list[Sequence] = []
+        for item in batch.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_computed(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampled.append(seq)
+        if not sampled:
+            return []
+        token_ids, logprobs = sample(
+            logits,
+            [seq.params for seq in sampled],
+            [seq.prompt_token_ids for seq in sampled],
+            [seq.output_token_ids for seq in sampled],
+            [seq.generator for seq in sampled],
+        )
+        return [
+            self._append_token(seq, token_id, logprob)
+            for seq, token_id, logprob in zip(sampled, token_ids, logprobs, strict=True)
+        ]
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
+        request = self.requests[seq.request_id]
+        params = seq.params
+        seq.token_ids.append(token_id)
+        finish_reason = None
+        stops_on_token = token_id in params.stop_token_ids or (
+            token_id in self.eos_token_ids and not params.ignore_eos
+        )
+        if not stops_on_token:
+            request.text += request.detokenizer.push(token_id)
+        if stops_on_token or params.stop and self._cut_at_stop_string(request):
+            finish_reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            finish_reason = "length"
+        if finish_reason is None:
+            # hold back what could still turn out to be the start of a stop string
+            holdback = max((len(stop) - 1 for stop in params.stop), default=0)
+            visible = len(request.text) - holdback
+        else:
+            if finish_reason == "length":
+                request.text += request.detokenizer.flush()
+            visible = len(request.text)
+            self._finish(seq, finish_reason)
+        new_text = request.text[request.num_emitted_chars : max(visible, request.num_emitted_chars)]
+        request.num_emitted_chars += len(new_text)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token_id],
+            new_text=new_text,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+            new_logprobs=[logprob] if logprob is not None else [],
+        )
+
+    @staticmethod
+    def _cut_at_stop_string(request: _Request) -> bool:
+        """Cut request.text at the first stop string in it; True when one was found."""
+        longest = max(len(stop) for stop in request.seq.params.stop)
+        # only the new text, plus what a stop string could straddle, needs searching
+        search_from = max(0, request.num_emitted_chars - longest)
+        positions = [
+            found for stop in request.seq.params.stop if (found := request.text.find(stop, search_from)) >= 0
+        ]
+        if not positions:
+            return False
+        request.text = request.text[: min(positions)]
+        return True
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        del self.requests[seq.request_id]
+
+    # --- conveniences ---------------------------------------------------------------------------
+
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        """Add one request and step until it finishes, yielding its outputs (others may run too)."""
+        request_id = self.add_request(prompt_token_ids, params)
+        try:
+            while True:
+                for output in self.step():
+                    if output.request_id == request_id:
+                        yield output
+                        if output.finished:
+                            return
+        finally:
+            self.abort(request_id)
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
+        """Run one request to the end: (generated token ids, text, finish reason)."""
+        token_ids: list[int] = []
+        text = ""
+        finish_reason = ""
+        for output in self.stream(prompt_token_ids, params):
+            token_ids += output.new_token_ids
+            text += output.new_text
+            finish_reason = output.finish_reason or finish_reason
+        return token_ids, text, finish_reason

@@ -1,0 +1,55 @@
+"""One request's state: its tokens, its place in the KV cache, and how it is to be sampled."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chain hashes of its full blocks
+    num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
+    num_cached_prompt_tokens: int = 0  # of the prompt, reused from the prefix cache
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,316 @@
+"""The reference sampler: parameter validation, penalties, the filtered distributions, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.sampling import SamplingParams, apply_penalties, filtered_probs, make_generator, sample
+
+CPU = torch.device("cpu")
+# A small vocabulary with distinct, well-spread logits, so every filter has something to cut.
+SMALL_LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
+NUM_DRAWS = 20_000
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None] | None = None,
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+) -> list[int]:
+    num_seqs = logits.shape[0]
+    token_ids, _ = sample(
+        logits,
+        params,
+        prompts or [[]] * num_seqs,
+        outputs or [[]] * num_seqs,
+        generators or [None] * num_seqs,
+    )
+    return token_ids
+
+
+# --- validate() ---------------------------------------------------------------------------------------
+
+BAD_VALUES = [
+    ("max_tokens", 0),
+    ("max_tokens", 1.5),
+    ("max_tokens", True),
+    ("temperature", -0.1),
+    ("temperature", 2.5),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_p", math.nan),
+    ("top_k", -2),
+    ("top_k", 2.0),
+    ("min_p", -0.01),
+    ("min_p", 1.5),
+    ("presence_penalty", -2.5),
+    ("presence_penalty", 2.01),
+    ("frequency_penalty", 3.0),
+    ("frequency_penalty", -math.inf),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", math.inf),
+    ("repetition_penalty", math.nan),
+    ("seed", 1.5),
+    ("seed", 2**64),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("stop", ("",)),
+    ("stop", ("ok", 3)),
+    ("stop", "a string, not a list"),
+    ("stop_token_ids", (-1,)),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def test_validate_rejects_bad_value_naming_the_field(field: str, value: object) -> None:
+    params = SamplingParams(**{field: value})
+    with pytest.raises(InvalidRequestError, match=field):
+        params.validate()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(max_tokens=1, temperature=0.0, top_p=1e-3, top_k=-1, min_p=1.0),
+        SamplingParams(temperature=2.0, top_k=100_000, presence_penalty=-2.0, frequency_penalty=2.0),
+        SamplingParams(repetition_penalty=0.5, seed=0, logprobs=0, stop=("\n", "User:"), stop_token_ids=(2,)),
+        SamplingParams(logprobs=20, seed=2**63, top_p=1, temperature=1),
+    ],
+)
+def test_validate_accepts_good_values(params: SamplingParams) -> None:
+    params.validate()
+
+
+def test_is_greedy() -> None:
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert not SamplingParams(temperature=0.01).is_greedy
+
+
+# --- greedy and penalties -------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_and_ignores_generators() -> None:
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    generators = [make_generator(seed, CPU) for seed in range(6)]
+    token_ids = sample_rows(logits, [SamplingParams(temperature=0.0, top_k=5)] * 6, generators)
+    assert token_ids == logits.argmax(dim=-1).tolist()
+    # Greedy rows draw no noise, so a seeded generator is left where it was.
+    assert torch.equal(generators[0].get_state(), make_generator(0, CPU).get_state())
+
+
+def test_penalties_by_hand() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)]
+    # Seen: 0, 1 (prompt) and 1, 3, 3 (output). Repetition: positive divided, negative multiplied.
+    # Then frequency (0.5 per occurrence) and presence (0.25 once) for generated tokens only.
+    penalized = apply_penalties(logits, params, [[0, 1]], [[1, 3, 3]])
+    expected = [
+        2.0 / 2,  # prompt only: repetition, no frequency/presence
+        -1.0 * 2 - 0.5 * 1 - 0.25,
+        0.5,  # never seen
+        3.0 / 2 - 0.5 * 2 - 0.25,
+        -2.0,
+    ]
+    assert penalized[0].tolist() == pytest.approx(expected)
+    # The raw argmax (token 3) loses to token 0 once penalized.
+    greedy = [
+        SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    ]
+    assert sample_rows(logits, greedy, prompts=[[0, 1]], outputs=[[1, 3, 3]]) == [0]
+
+
+def test_presence_counts_once_frequency_counts_every_occurrence() -> None:
+    logits = torch.zeros(2, 4)
+    params = [SamplingParams(presence_penalty=1.5), SamplingParams(frequency_penalty=1.5)]
+    outputs = [[2, 2, 2, 1], [2, 2, 2, 1]]
+    penalized = apply_penalties(logits, params, [[0], [0]], outputs)
+    assert penalized[0].tolist() == pytest.approx([0.0, -1.5, -1.5, 0.0])
+    assert penalized[1].tolist() == pytest.approx([0.0, -1.5, -4.5, 0.0])
+
+
+def test_repetition_penalty_below_one_favours_seen_tokens_and_other_rows_are_untouched() -> None:
+    logits = torch.tensor([[1.0, -1.0, 1.0], [1.0, -1.0, 1.0]])
+    params = [SamplingParams(repetition_penalty=0.5), SamplingParams()]
+    penalized = apply_penalties(logits, params, [[0, 1], [0, 1]], [[], []])
+    assert penalized[0].tolist() == pytest.approx([2.0, -0.5, 1.0])
+    assert penalized[1].tolist() == pytest.approx([1.0, -1.0, 1.0])
+
+
+# --- distributions --------------------------------------------------------------------------------------
+
+
+def expected_distribution(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float):
+    """The intended distribution, written out plainly as HF's warpers describe it."""
+    scaled = [logit / temperature for logit in logits]
+    order = sorted(range(len(scaled)), key=lambda index: -scaled[index])
+    kept = order[:top_k] if top_k > 0 else order
+
+    def normalized(indices: list[int]) -> dict[int, float]:
+        weights = {index: math.exp(scaled[index]) for index in indices}
+        total = sum(weights.values())
+        return {index: weight / total for index, weight in weights.items()}
+
+    probs = normalized(kept)
+    mass, nucleus = 0.0, []
+    for index in kept:  # best first; stop once the mass before a token reaches top_p
+        if mass >= top_p:
+            break
+        nucleus.append(index)
+        mass += probs[index]
+    probs = normalized(nucleus)
+    best = max(probs.values())
+    return normalized([index for index in nucleus if probs[index] >= min_p * best])
+
+
+def chi_square_critical(degrees_of_freedom: int, z_score: float = 3.72) -> float:
+    """Upper chi-square quantile (z = 3.72: p of about 1e-4) by the Wilson-Hilferty approximation."""
+    k = degrees_of_freedom
+    return k * (1 - 2 / (9 * k) + z_score * math.sqrt(2 / (9 * k))) ** 3
+
+
+DISTRIBUTION_CASES = [
+    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+    dict(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0),
+    dict(temperature=1.7, top_k=0, top_p=1.0, min_p=0.0),
+    dict(temperature=0.7, top_k=3, top_p=1.0, min_p=0.0),
+    dict(temperature=1.0, top_k=0, top_p=0.8, min_p=0.0),
+    dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.2),
+    dict(temperature=1.3, top_k=6, top_p=0.9, min_p=0.1),
+]
+
+
+@pytest.mark.parametrize(
+    "case", DISTRIBUTION_CASES, ids=lambda case: "-".join(f"{k}={v}" for k, v in case.items())
+)
+def test_sampled_frequencies_match_the_filtered_distribution(case: dict) -> None:
+    expected = expected_distribution(SMALL_LOGITS, **case)
+    logits = torch.tensor(SMALL_LOGITS).expand(NUM_DRAWS, -1)
+    # One generator shared by all rows: the rows are successive draws from one seeded stream.
+    generator = make_generator(1234, CPU)
+    token_ids = sample_rows(logits, [SamplingParams(**case)] * NUM_DRAWS, [generator] * NUM_DRAWS)
+    counts = torch.bincount(torch.tensor(token_ids), minlength=len(SMALL_LOGITS)).tolist()
+
+    filtered_out = [index for index in range(len(SMALL_LOGITS)) if index not in expected]
+    assert [counts[index] for index in filtered_out] == [0] * len(filtered_out)
+    chi_square = sum((counts[index] - NUM_DRAWS * p) ** 2 / (NUM_DRAWS * p) for index, p in expected.items())
+    assert chi_square < chi_square_critical(len(expected) - 1), (counts, expected)
+
+
+def test_filtered_probs_equal_the_intended_distribution() -> None:
+    logits = torch.tensor([SMALL_LOGITS] * len(DISTRIBUTION_CASES))
+    probs = filtered_probs(logits, [SamplingParams(**case) for case in DISTRIBUTION_CASES])
+    for row, case in enumerate(DISTRIBUTION_CASES):
+        expected = expected_distribution(SMALL_LOGITS, **case)
+        dense = [expected.get(index, 0.0) for index in range(len(SMALL_LOGITS))]
+        assert probs[row].tolist() == pytest.approx(dense, abs=1e-6)
+
+
+def test_unseeded_rows_sample_the_same_distribution() -> None:
+    case = DISTRIBUTION_CASES[3]
+    expected = expected_distribution(SMALL_LOGITS, **case)
+    logits = torch.tensor(SMALL_LOGITS).expand(NUM_DRAWS, -1)
+    with torch.random.fork_rng():
+        torch.manual_seed(99)
+        token_ids = sample_rows(logits, [SamplingParams(**case)] * NUM_DRAWS)
+    counts = torch.bincount(torch.tensor(token_ids), minlength=len(SMALL_LOGITS)).tolist()
+    assert sum(counts[index] for index in expected) == NUM_DRAWS
+    chi_square = sum((counts[index] - NUM_DRAWS * p) ** 2 / (NUM_DRAWS * p) for index, p in expected.items())
+    assert chi_square < chi_square_critical(len(expected) - 1), (counts, expected)
+
+
+def test_top_k_keeps_ties_and_a_top_k_beyond_the_vocab_keeps_everything() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0], [1.0, 3.0, 3.0, 3.0, 0.0]])
+    probs = filtered_probs(logits, [SamplingParams(top_k=2), SamplingParams(top_k=1000)])
+    assert probs[0].tolist() == pytest.approx([0, 1 / 3, 1 / 3, 1 / 3, 0])
+    assert probs[1].tolist() == pytest.approx(torch.softmax(logits[1], dim=-1).tolist())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_k=1),
+        SamplingParams(top_p=0.01),
+        SamplingParams(min_p=1.0),
+        SamplingParams(temperature=2.0, top_k=3, top_p=0.5),
+    ],
+)
+def test_a_single_surviving_token_is_always_drawn(params: SamplingParams) -> None:
+    logits = torch.tensor([[0.0, 0.0, 9.0, -20.0, 0.0]] * 500)
+    generator = make_generator(7, CPU)
+    assert sample_rows(logits, [params] * 500, [generator] * 500) == [2] * 500
+
+
+# --- seeds ----------------------------------------------------------------------------------------------
+
+
+def seeded_sequence(seed: int, steps: int, companions: int = 0) -> list[int]:
+    """Draw `steps` tokens for one seeded row, optionally batched with unseeded, seeded and greedy rows."""
+    logits_stream = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
+    generators = [make_generator(seed, CPU)]
+    batch_params = [params]
+    for companion in range(companions):
+        batch_params += [
+            SamplingParams(temperature=0.8),
+            SamplingParams(seed=100 + companion),
+            SamplingParams(temperature=0),
+        ]
+        generators += [None, make_generator(100 + companion, CPU), None]
+    tokens = []
+    for _ in range(steps):
+        step_logits = torch.randn(1, 64, generator=logits_stream)
+        batch_logits = torch.cat([step_logits, torch.randn(len(batch_params) - 1, 64)])
+        tokens.append(sample_rows(batch_logits, batch_params, generators)[0])
+    return tokens
+
+
+def test_same_seed_same_tokens_different_seeds_differ() -> None:
+    first = seeded_sequence(seed=42, steps=30)
+    assert seeded_sequence(seed=42, steps=30) == first
+    assert seeded_sequence(seed=43, steps=30) != first
+
+
+def test_seeded_row_is_independent_of_its_batch() -> None:
+    assert seeded_sequence(seed=42, steps=30, companions=2) == seeded_sequence(seed=42, steps=30)
+
+
+def test_make_generator_without_seed_is_none() -> None:
+    assert make_generator(None, CPU) is None
+
+
+# --- logprobs -------------------------------------------------------------------------------------------
+
+
+def test_logprobs_are_the_raw_model_distribution() -> None:
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(3)) * 4
+    params = [
+        SamplingParams(temperature=0.6, repetition_penalty=1.8, top_k=10, logprobs=5),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(),
+    ]
+    token_ids, logprobs = sample(logits, params, [[1, 2, 3]] * 3, [[4, 4]] * 3, [make_generator(0, CPU)] * 3)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+
+    assert logprobs[2] is None
+    assert logprobs[1].top == []
+    assert logprobs[1].token_id == token_ids[1] == int(logits[1].argmax())
+    for row in (0, 1):
+        assert logprobs[row].logprob == pytest.approx(float(reference[row, token_ids[row]]), abs=1e-5)
+
+    top = logprobs[0].top
+    assert len(top) == 5
+    assert top[0][0] == int(logits[0].argmax())
+    assert [value for _, value in top] == sorted((value for _, value in top), reverse=True)
+    expected_values, expected_ids = reference[0].topk(5)
+    assert [token_id for token_id, _ in top] == expected_ids.tolist()
+    assert [value for _, value in top] == pytest.approx(expected_values.tolist(), abs=1e-5)
