@@ -41,6 +41,17 @@ class EngineConfig:
             raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         return DTYPES[self.dtype]
 
+    def torch_device(self) -> torch.device:
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as error:
+            raise InvalidRequestError(f"device must be cpu or cuda, got {self.device!r}") from error
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError("device cuda was asked for, but this machine has no usable CUDA GPU")
+        if device.type not in ("cpu", "cuda"):
+            raise InvalidRequestError(f"device must be cpu or cuda, got {self.device!r}")
+        return device
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -71,7 +82,7 @@ class Engine:
         self.spec = model.spec
         self.tokenizer = model.tokenizer
         self.model_name = model.name
-        self.device = torch.device(config.device)
+        self.device = config.torch_device()
         self.max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)
         if self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be at least 2, got {self.max_model_len}")
@@ -88,7 +99,7 @@ class Engine:
     @classmethod
     def load(cls, model: str, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
-        return cls(load_model(model, dtype=config.torch_dtype(), device=config.device), config)
+        return cls(load_model(model, dtype=config.torch_dtype(), device=config.torch_device()), config)
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -174,3 +174,10 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
         return F.linear(hidden, self.lm_head_weight).float()
+
+
+def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every canonical weight name the spec's decoder takes, with its shape (HF layout)."""
+    with torch.device("meta"):
+        decoder = Decoder(spec, max_positions=1)
+    return {name: tuple(tensor.shape) for name, tensor in decoder.state_dict().items()}

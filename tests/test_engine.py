@@ -33,10 +33,15 @@ def engine(smollm2_gguf: Path) -> Engine:
 @pytest.fixture(scope="module")
 def reference_model(smollm2_gguf: Path) -> transformers.PreTrainedModel:
     """transformers' own reading of the same GGUF (its dequantization, its modelling code)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
-    return model.eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = transformers.LlamaConfig(**load_gguf_checkpoint(str(smollm2_gguf))["config"])
+    model = transformers.LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(smollm2_gguf), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # the head is tied to the embedding
+    model.tie_weights()
+    return model.float().eval()
 
 
 def _prefix_length(a: list[int], b: list[int]) -> int:

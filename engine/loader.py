@@ -1,0 +1,56 @@
+"""Resolve what the user typed (the default alias, a folder, a .gguf file or a hub id) into a loaded model."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from engine import hub
+from engine.default_model import DEFAULT_MODEL_ALIAS, fetch_default_model
+from engine.errors import ModelLoadError
+from engine.gguf_loader import load_gguf_weights, read_gguf, spec_from_gguf
+from engine.safetensors_loader import load_safetensors_folder
+from engine.spec import ModelSpec
+from engine.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    name: str  # what the user typed (or the alias)
+    source: Path  # the folder or .gguf file actually read
+    spec: ModelSpec
+    weights: dict[str, torch.Tensor]  # canonical HF-llama names (see engine.safetensors_loader)
+    tokenizer: Tokenizer  # its eos ids may differ from spec.eos_token_ids; the engine merges them
+
+
+def resolve_model_source(model: str) -> Path:
+    """The folder or .gguf file that `model` names, downloading it first when it is a hub id."""
+    if model == DEFAULT_MODEL_ALIAS:
+        return fetch_default_model()
+    path = Path(model).expanduser()
+    if path.exists():
+        if path.is_dir() or path.suffix == ".gguf":
+            return path
+        raise ModelLoadError(f"{path} is neither a folder of safetensors nor a .gguf file")
+    if hub.is_hub_id(model):
+        return hub.resolve_hub_model(model)
+    raise ModelLoadError(
+        f"no such model: {model} (a folder, a .gguf file, a hub id, or {DEFAULT_MODEL_ALIAS})"
+    )
+
+
+def load_model(
+    model: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LoadedModel:
+    source = resolve_model_source(model)
+    if source.is_dir():
+        spec, weights = load_safetensors_folder(source, dtype, device)
+        tokenizer = Tokenizer.from_folder(source)
+    else:
+        reader = read_gguf(source)
+        tokenizer = Tokenizer.from_gguf(reader)
+        spec = spec_from_gguf(reader)
+        weights = load_gguf_weights(reader, spec, dtype, device)
+    return LoadedModel(name=model, source=source, spec=spec, weights=weights, tokenizer=tokenizer)
