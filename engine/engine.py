@@ -103,20 +103,28 @@ class Engine:
 
     # --- requests -------------------------------------------------------------------------------
 
-    def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> str:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError (or ContextLengthExceededError) for a request the engine cannot
+        run. Reads only fixed configuration, so any thread may call it."""
         params.validate()
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         if any(not 0 <= token < self.spec.vocab_size for token in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
-        capacity = min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size)
-        if len(prompt_token_ids) >= capacity:
+        if len(prompt_token_ids) > self.max_prompt_tokens:
             raise ContextLengthExceededError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context holds at most "
-                f"{capacity - 1} prompt tokens plus one generated token"
+                f"{self.max_prompt_tokens} prompt tokens plus one generated token"
             )
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size) - 1
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        self.check_request(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._request_counter)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

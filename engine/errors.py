@@ -15,3 +15,7 @@ class InvalidRequestError(TileInferError):
 
 class ContextLengthExceededError(InvalidRequestError):
     """A prompt (plus its requested tokens) longer than the model's context."""
+
+
+class CapacityError(TileInferError):
+    """Every running slot and queue place is taken; the request may be retried later."""

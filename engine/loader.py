@@ -54,3 +54,9 @@ def load_model(
         spec = spec_from_gguf(reader)
         weights = load_gguf_weights(reader, spec, dtype, device)
     return LoadedModel(name=model, source=source, spec=spec, weights=weights, tokenizer=tokenizer)
+
+
+def load_tokenizer(model: str) -> Tokenizer:
+    """Only the tokenizer of a model (what the HTTP ingress needs), without its weights."""
+    source = resolve_model_source(model)
+    return Tokenizer.from_folder(source) if source.is_dir() else Tokenizer.from_gguf(read_gguf(source))

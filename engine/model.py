@@ -12,11 +12,11 @@ from torch import nn
 
 from engine.rope import rope_cos_sin_cache
 from engine.spec import ModelSpec
-from kernels.activation import silu_and_mul, xielu
-from kernels.attention import AttentionMetadata, paged_attention
-from kernels.kv_cache import write_kv_cache
-from kernels.rmsnorm import add_rms_norm, rms_norm
-from kernels.rope import apply_rope
+from kernels.activation import silu_and_mul_reference, xielu_reference
+from kernels.attention import AttentionMetadata, paged_attention_reference
+from kernels.kv_cache import write_kv_cache_reference
+from kernels.rmsnorm import add_rms_norm_reference, rms_norm_reference
+from kernels.rope import apply_rope_reference
 
 
 class RMSNorm(nn.Module):
@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -57,10 +57,10 @@ class Attention(nn.Module):
         value = self.v_proj(hidden).view(num_tokens, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
-        query = apply_rope(query, positions, cos_sin_cache)
-        key = apply_rope(key, positions, cos_sin_cache)
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        output = paged_attention(query, kv_cache, metadata, self.scale, spec.sliding_window)
+        query = apply_rope_reference(query, positions, cos_sin_cache)
+        key = apply_rope_reference(key, positions, cos_sin_cache)
+        write_kv_cache_reference(key, value, kv_cache, metadata.slot_mapping)
+        output = paged_attention_reference(query, kv_cache, metadata, self.scale, spec.sliding_window)
         return self.o_proj(output.view(num_tokens, spec.q_size))
 
 
@@ -73,7 +73,7 @@ class XIELU(nn.Module):
         self.eps = nn.Parameter(torch.empty(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return xielu(x, self.alpha_p, self.alpha_n, self.beta, self.eps)
+        return xielu_reference(x, self.alpha_p, self.alpha_n, self.beta, self.eps)
 
 
 class MLP(nn.Module):
@@ -89,7 +89,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(silu_and_mul_reference(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act_fn(self.up_proj(x)))
 
 
@@ -114,10 +114,10 @@ class DecoderLayer(nn.Module):
         if residual is None:
             residual, hidden = hidden, norm(hidden)
         else:
-            hidden, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps)
+            hidden, residual = add_rms_norm_reference(hidden, residual, norm.weight, norm.eps)
         hidden = self.self_attn(hidden, positions, kv_cache, metadata, cos_sin_cache)
         norm = self.post_attention_layernorm
-        hidden, residual = add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden, residual = add_rms_norm_reference(hidden, residual, norm.weight, norm.eps)
         return self.mlp(hidden), residual
 
 
@@ -168,7 +168,7 @@ class Decoder(nn.Module):
         residual = None
         for layer, layer_cache in zip(self.model.layers, kv_cache, strict=True):
             hidden, residual = layer(hidden, residual, positions, layer_cache, metadata, self.cos_sin_cache)
-        hidden, _ = add_rms_norm(hidden, residual, self.model.norm.weight, self.model.norm.eps)
+        hidden, _ = add_rms_norm_reference(hidden, residual, self.model.norm.weight, self.model.norm.eps)
         return hidden  # [num_tokens, hidden_size]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

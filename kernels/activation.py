@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def xielu(
+def xielu_reference(
     x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor, eps: torch.Tensor
 ) -> torch.Tensor:
     """xIELU (arXiv 2411.13010); alpha_p and alpha_n are stored before softplus, as in the checkpoints."""

@@ -1,10 +1,16 @@
-"""Attention over the paged KV cache: any number of new query tokens per sequence, causal."""
+"""Attention over the paged KV cache: any number of new query tokens per sequence, causal; and the
+decode case (one query token per sequence) as a split-KV Triton kernel with its torch reference."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import INTERPRET, num_sms
 
 
 @dataclasses.dataclass
@@ -25,7 +31,7 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
-def paged_attention(
+def paged_attention_reference(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
@@ -62,3 +68,401 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1)
         output[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return output
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged decode attention: one query token per sequence (split-KV, FlashDecoding-style).
+# ---------------------------------------------------------------------------------------------
+
+
+def paged_decode_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """query [num_seqs, num_heads, head_dim], one token per sequence -> output of the same shape.
+
+    Sequence i's query sits at position seq_lens[i] - 1 and attends to its keys 0..seq_lens[i] - 1
+    (its own key is already in kv_cache), or only the last `sliding_window` of them. A sequence
+    with seq_len 0 (a padded slot of a CUDA-graph batch) gets zeros. kv_cache is one layer's
+    [2, num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks] int32.
+    num_splits and workspace only shape how the Triton kernel divides the work; the math is the same,
+    so they are ignored here. This is the CPU path: it reads seq_lens on the host.
+    """
+    del num_splits, workspace
+    num_seqs = query.shape[0]
+    seq_lens_host = seq_lens.to("cpu", torch.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+        seq_lens=seq_lens_host.clamp(min=1),  # seq_len 0 is computed as 1 and zeroed below
+        block_tables=block_tables,
+    )
+    output = paged_attention_reference(query, kv_cache, metadata, scale, sliding_window)
+    output[seq_lens_host.to(query.device) == 0] = 0
+    if out is None:
+        return output
+    out.copy_(output)
+    return out
+
+
+def decode_block_n(head_dim: int) -> int:
+    """Keys per inner-loop tile of the decode kernel: 8 KiB of bf16 K (and as much V) per tile."""
+    return 64 if head_dim <= 64 else 32
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int) -> int:
+    """How many KV splits each (sequence, KV head) gets, from shapes only (CUDA graphs fix the grid).
+
+    Aim for about two programs per SM over the whole grid, but never more splits than tiles of keys
+    in the longest context the block table can hold. At run time each sequence divides its own keys
+    evenly among the splits, and the programs left without keys exit at once.
+    """
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = triton.cdiv(2 * num_sms(), programs)
+    max_tiles = max(triton.cdiv(max_context, decode_block_n(head_dim)), 1)
+    return max(1, min(wanted, max_tiles))
+
+
+@dataclasses.dataclass
+class DecodeWorkspace:
+    """Scratch of the split-KV decode kernel. Preallocate it once for a CUDA graph (`allocate`).
+
+    partials holds each split's unnormalised output, running max and sum; counters counts the
+    splits of a (sequence, KV head) that are done, so that the last one merges them. Counters start
+    at zero and every launch leaves them at zero again.
+    """
+
+    partials: torch.Tensor  # fp32, flat: [num_seqs, num_heads, num_splits] x (head_dim + 2)
+    counters: torch.Tensor  # int32 [num_seqs * num_kv_heads], zeros
+
+    @staticmethod
+    def partials_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
+        return num_seqs * num_heads * num_splits * (head_dim + 2)
+
+    @classmethod
+    def allocate(
+        cls,
+        max_num_seqs: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_context: int,
+        device: torch.device | str,
+        num_splits: int | None = None,
+    ) -> DecodeWorkspace:
+        """Large enough for every batch of up to max_num_seqs sequences whose block table holds
+        max_context keys, with the default num_splits (decode_num_splits) or the one given."""
+        numel = max(
+            cls.partials_numel(
+                num_seqs,
+                num_heads,
+                head_dim,
+                num_splits or decode_num_splits(num_seqs, num_kv_heads, max_context, head_dim),
+            )
+            for num_seqs in range(1, max_num_seqs + 1)
+        )
+        return cls(
+            partials=torch.empty(numel, dtype=torch.float32, device=device),
+            counters=torch.zeros(max_num_seqs * num_kv_heads, dtype=torch.int32, device=device),
+        )
+
+
+@triton.jit
+def _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, mask, acc, l_sum):
+    """out[seq, heads] = acc / l_sum, zeros where nothing was summed (an empty sequence)."""
+    denom = tl.where(l_sum > 0.0, l_sum, 1.0)
+    o_ptrs = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
+    tl.store(o_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    query_ptr,  # [num_seqs, num_heads, head_dim]
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    partial_acc_ptr,  # fp32 [num_seqs, num_kv_heads, NUM_SPLITS, GROUP, HEAD_DIM]: unnormalised outputs
+    partial_max_ptr,  # fp32 [num_seqs, num_kv_heads, NUM_SPLITS, GROUP]: running max, log2 units
+    partial_sum_ptr,  # fp32 [num_seqs, num_kv_heads, NUM_SPLITS, GROUP]: softmax denominators
+    counters_ptr,  # int32 [num_seqs, num_kv_heads]: splits done so far, zero between launches
+    qk_scale,  # softmax scale * log2(e)
+    window,  # keys visible to a query: the sliding window, or a huge number
+    stride_q_seq,
+    stride_q_head,
+    stride_kv,
+    stride_block,
+    stride_slot,
+    stride_kv_head,
+    stride_table_seq,
+    stride_out_seq,
+    stride_out_head,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (the M of tl.dot)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block (page)
+    BLOCK_N: tl.constexpr,  # keys per tile
+    NUM_SPLITS: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,  # GROUP padded to a power of two (rows of the merge)
+    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS padded to a power of two
+    SPLIT_CHUNK: tl.constexpr,  # splits merged per step
+    UPCAST: tl.constexpr = INTERPRET,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+
+    rows = tl.arange(0, GROUP_PAD)  # the query heads sharing this KV head, packed into M
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+
+    # The sequence's visible keys [first_key, seq_len) in whole tiles, dealt evenly to the splits;
+    # `active` splits get at least one tile, and every tile they get holds a visible key.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_key = tl.maximum(seq_len - window, 0)
+    first_tile = first_key // BLOCK_N
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N - first_tile
+    tiles_per_split = tl.maximum((num_tiles + NUM_SPLITS - 1) // NUM_SPLITS, 1)
+    active = (num_tiles + tiles_per_split - 1) // tiles_per_split
+    tile_begin = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, first_tile + num_tiles)
+
+    if split < active:
+        q_ptrs = query_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :]
+        q = tl.load(q_ptrs, mask=out_mask, other=0.0)  # [GROUP_PAD, BLOCK_D]
+        if UPCAST:
+            q = q.to(tl.float32)
+        k_base = kv_cache_ptr + kv_head * stride_kv_head
+        v_base = k_base + stride_kv
+        table_base = block_tables_ptr + seq * stride_table_seq
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+        for tile in range(tile_begin, tile_end):
+            keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            key_mask = (keys >= first_key) & (keys < seq_len)
+            block_ids = tl.load(table_base + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+            row_offsets = block_ids * stride_block + (keys % BLOCK_SIZE) * stride_slot  # [BLOCK_N]
+            kv_offsets = row_offsets[:, None] + dims[None, :]
+            kv_mask = key_mask[:, None] if BLOCK_D == HEAD_DIM else key_mask[:, None] & dim_mask[None, :]
+            # both loads issued before any math: V's addresses do not depend on the scores
+            k = tl.load(k_base + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_base + kv_offsets, mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+
+            scores = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+            scores = tl.where(key_mask[None, :], scores, float("-inf"))
+            # each tile holds a visible key, so m_new is finite: no -inf - -inf
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        if NUM_SPLITS == 1:  # noqa: SIM114 (constexpr: the merge below is not even compiled)
+            _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, out_mask, acc, l_i)
+        elif active == 1:  # a short sequence: its one split holds the whole answer
+            _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, out_mask, acc, l_i)
+        else:
+            pair = seq * num_kv_heads + kv_head
+            stat_slots = (pair * NUM_SPLITS + split).to(tl.int64) * GROUP + rows  # [GROUP_PAD]
+            acc_ptrs = partial_acc_ptr + stat_slots[:, None] * HEAD_DIM + dims[None, :]
+            tl.store(acc_ptrs, acc, mask=out_mask)
+            tl.store(partial_max_ptr + stat_slots, m_i, mask=row_mask)
+            tl.store(partial_sum_ptr + stat_slots, l_i, mask=row_mask)
+            # Every thread's partials are written (barrier) before one thread releases them with the
+            # counter; the program that brings the count to `active` acquires them all and merges.
+            tl.debug_barrier()
+            done_before = tl.atomic_add(counters_ptr + pair, 1, sem="acq_rel", scope="gpu")
+            if done_before == 0:
+                _merge_splits(
+                    out_ptr,
+                    partial_acc_ptr,
+                    partial_max_ptr,
+                    partial_sum_ptr,
+                    stride_out_seq,
+                    stride_out_head,
+                    seq,
+                    kv_head,
+                    pair,
+                    active,
+                    GROUP,
+                    HEAD_DIM,
+                    BLOCK_D,
+                    NUM_SPLITS,
+                    MERGE_ROWS,
+                    SPLITS_PAD,
+                    SPLIT_CHUNK,
+                )
+                tl.store(counters_ptr + pair, 0)  # ready for the next launch (graph replay)
+    elif (split == 0) & (num_tiles == 0):
+        # a padded slot (seq_len 0): zeros, and no key is read
+        zeros = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+        no_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, out_mask, zeros, no_sum)
+
+
+@triton.jit
+def _merge_splits(
+    out_ptr,
+    partial_acc_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    stride_out_seq,
+    stride_out_head,
+    seq,
+    kv_head,
+    pair,
+    active,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+):
+    """out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the active splits, in split order
+    (deterministic whichever program arrives last). Loads bypass L1 (.cg): they read other SMs' writes."""
+    rows = tl.arange(0, MERGE_ROWS)
+    row_mask = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    first_slot = (pair * NUM_SPLITS).to(tl.int64)
+
+    splits = tl.arange(0, SPLITS_PAD)
+    stat_slots = (first_slot + splits[:, None]) * GROUP + rows[None, :]  # [SPLITS_PAD, MERGE_ROWS]
+    stat_mask = (splits[:, None] < active) & row_mask[None, :]
+    m_split = tl.load(partial_max_ptr + stat_slots, mask=stat_mask, other=float("-inf"), cache_modifier=".cg")
+    l_split = tl.load(partial_sum_ptr + stat_slots, mask=stat_mask, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m_split, axis=0)  # [MERGE_ROWS]
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # padded rows: every weight exp2(-inf) = 0
+    l_total = tl.sum(tl.exp2(m_split - m_max[None, :]) * l_split, axis=0)
+
+    chunk = tl.arange(0, SPLIT_CHUNK)
+    acc = tl.zeros([MERGE_ROWS, BLOCK_D], dtype=tl.float32)
+    for first in tl.static_range(0, NUM_SPLITS, SPLIT_CHUNK):
+        chunk_slots = (first_slot + first + chunk[:, None]) * GROUP + rows[None, :]  # [SPLIT_CHUNK, ROWS]
+        chunk_mask = (first + chunk[:, None] < active) & row_mask[None, :]
+        m_chunk = tl.load(
+            partial_max_ptr + chunk_slots, mask=chunk_mask, other=float("-inf"), cache_modifier=".cg"
+        )
+        weights = tl.exp2(m_chunk - m_max[None, :])  # [SPLIT_CHUNK, MERGE_ROWS]
+        acc_ptrs = partial_acc_ptr + chunk_slots[:, :, None] * HEAD_DIM + dims[None, None, :]
+        acc_mask = chunk_mask[:, :, None] & dim_mask[None, None, :]
+        partial = tl.load(acc_ptrs, mask=acc_mask, other=0.0, cache_modifier=".cg")
+        acc += tl.sum(partial * weights[:, :, None], axis=0)
+
+    heads = kv_head * GROUP + rows
+    mask = row_mask[:, None] & dim_mask[None, :]
+    _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, mask, acc, l_total)
+
+
+def paged_decode_attention_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: DecodeWorkspace | None = None,
+) -> torch.Tensor:
+    """paged_decode_attention_reference on the GPU, in one launch: split-KV over the pages, merged by
+    the last split to finish.
+
+    Grid (num_seqs, num_kv_heads, num_splits). A program reads its KV head's keys and values once for
+    all the query heads that share them (the GQA group is the M of tl.dot), over its share of the
+    sequence's pages, with an online softmax in fp32. A sequence short enough for one split is written
+    directly; otherwise each split writes partials to the workspace and the last one (an atomic
+    counter) merges them in split order, so the result is deterministic.
+    CUDA-graph safe: no host sync; no allocation when `out` and, for num_splits > 1, `workspace`
+    (DecodeWorkspace.allocate) are given; the grid depends on shapes and num_splits only, never on
+    seq_lens' values. Without a workspace one is allocated per call.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    assert kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim and num_heads % num_kv_heads == 0
+    assert query.stride(2) == 1 and kv_cache.stride(4) == 1
+    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, head_dim)
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(2) == 1
+    if num_seqs == 0:
+        return out
+
+    if num_splits > 1:
+        numel = DecodeWorkspace.partials_numel(num_seqs, num_heads, head_dim, num_splits)
+        if workspace is None:
+            workspace = DecodeWorkspace(
+                partials=torch.empty(numel, dtype=torch.float32, device=query.device),
+                counters=torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device),
+            )
+        partials, counters = workspace.partials, workspace.counters
+        assert partials.dtype == torch.float32 and partials.is_contiguous() and partials.numel() >= numel
+        assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads
+        num_stats = num_seqs * num_heads * num_splits
+        partial_acc = partials[: num_stats * head_dim]
+        partial_max = partials[num_stats * head_dim : num_stats * (head_dim + 1)]
+        partial_sum = partials[num_stats * (head_dim + 1) : num_stats * (head_dim + 2)]
+    else:  # not touched by the kernel
+        partial_acc = partial_max = partial_sum = out
+        counters = seq_lens
+
+    merge_rows = triton.next_power_of_2(group)
+    splits_pad = triton.next_power_of_2(num_splits)
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        out,
+        partial_acc,
+        partial_max,
+        partial_sum,
+        counters,
+        scale * math.log2(math.e),
+        sliding_window if sliding_window else 2**31 - 1,
+        query.stride(0),
+        query.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, merge_rows),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=decode_block_n(head_dim),
+        NUM_SPLITS=num_splits,
+        MERGE_ROWS=merge_rows,
+        SPLITS_PAD=splits_pad,
+        SPLIT_CHUNK=min(splits_pad, max(1, 32 // merge_rows)),
+        num_warps=4,
+        num_stages=3,
+    )
+    return out

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+def apply_rope_reference(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> torch.Tensor:
     """Rotate x [num_tokens, num_heads, head_dim] by the angles of positions [num_tokens].
 
     cos_sin_cache: [max_positions, head_dim] float32, cos in the first half of a row, sin in the second.

@@ -1,15 +1,18 @@
-"""Shared test set-up. The Triton interpreter must be on before triton is first imported."""
+"""Shared test set-up. Without a GPU the Triton kernels run in Triton's interpreter, which must be
+switched on before triton is first imported (importing torch does not import it)."""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from engine.default_model import fetch_default_model  # noqa: E402
 
@@ -27,3 +30,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def smollm2_gguf() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1 GGUF (the embedded default model)."""
     return fetch_default_model(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path):  # noqa: ANN201
+    """The real application, started once for the test run with `serve run` (see tests/serving.py)."""
+    from serving import serve_application
+
+    yield from serve_application(tmp_path_factory.mktemp("serve"))

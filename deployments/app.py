@@ -1,0 +1,51 @@
+"""The application builder named in serve_config.yaml: `deployments.app:build_app`.
+
+It validates the args, decides where the engine runs, and binds the deployments. A Python
+program passes its result to `serve.run(...)` just the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.serve import Application
+
+from deployments.config import AppArgs, parse_app_args
+from deployments.engine import EngineDeployment
+from deployments.ingress import OpenAIIngress
+
+# Calls beyond the request streams (info, metrics, health) that the engine actor must still take.
+_CONTROL_CALLS = 32
+
+
+def resolve_device(requested: str) -> str:
+    """auto: cuda when the Ray cluster (or, outside Ray, this machine) has a GPU."""
+    if ray.is_initialized():
+        has_gpu = ray.cluster_resources().get("GPU", 0) >= 1
+    else:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    if requested == "auto":
+        return "cuda" if has_gpu else "cpu"
+    if requested == "cuda" and not has_gpu:
+        raise ValueError("args.device is cuda, but the Ray cluster has no GPU")
+    return requested
+
+
+def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
+    app_args = args if isinstance(args, AppArgs) else parse_app_args(args)
+    device = resolve_device(app_args.device)
+    dtype = app_args.dtype if app_args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    capacity = app_args.max_num_seqs + app_args.max_queue_len
+    engine = EngineDeployment.options(
+        ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": 1 if device == "cuda" else 0},
+        max_ongoing_requests=capacity + _CONTROL_CALLS,
+    ).bind(app_args, device, dtype)
+    # A speculative-decoding proposer deployment binds here, beside the engine, and is passed to it.
+    return OpenAIIngress.options(
+        num_replicas=app_args.num_ingress_replicas,
+        ray_actor_options={"num_cpus": app_args.ingress_num_cpus},
+        max_ongoing_requests=capacity + _CONTROL_CALLS,
+    ).bind(app_args, engine)

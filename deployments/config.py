@@ -1,0 +1,45 @@
+"""The application's arguments (serve_config.yaml `args`), validated once by pydantic."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.default_model import DEFAULT_MODEL_ALIAS
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(DEFAULT_MODEL_ALIAS, description="a folder, a .gguf file, a hub id, or smollm2-135m")
+    served_model_name: str | None = Field(None, description="the `model` clients name; default: model")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, else float32
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when the Ray cluster has one
+    max_model_len: int | None = Field(None, ge=2, description="context length; default: the model's")
+    kv_cache_tokens: int | None = Field(None, ge=16, description="KV cache capacity; default: max_model_len")
+    block_size: int = Field(16, ge=1, le=1024)
+    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed in one step")
+    max_queue_len: int = Field(256, ge=0, description="requests that may wait beyond max_num_seqs; then 503")
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get 413")
+    api_key: str | None = Field(None, min_length=1, description="when set, requests need this Bearer key")
+    engine_num_cpus: float = Field(1.0, ge=0)
+    ingress_num_cpus: float = Field(0.0, ge=0)
+    num_ingress_replicas: int = Field(1, ge=1)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def parse_app_args(args: dict | None) -> AppArgs:
+    """Validate serve_config.yaml's args; a bad value gets one readable line per problem."""
+    try:
+        return AppArgs.model_validate(args or {})
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in item['loc']) or 'args'}: {item['msg']}"
+            for item in error.errors()
+        )
+        raise ValueError(f"invalid TileInfer application args: {problems}") from None

@@ -1,0 +1,415 @@
+"""The OpenAI-compatible ingress: HTTP (FastAPI under Serve) and the same calls for Python handles.
+
+It validates a request, renders the chat template, tokenizes, and submits one engine request per
+choice; the engine streams tokens and text back through Serve's streaming responses, and each
+is passed on at once (no batching timer).
+"""
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from deployments.config import AppArgs
+from deployments.engine import Accepted, EngineInfo
+from deployments.protocol import (
+    SSE_DONE,
+    ChatCompletionRequest,
+    ChoiceResult,
+    CompletionRequest,
+    OpenAIError,
+    chat_chunk,
+    chat_completion_response,
+    chat_logprobs_content,
+    chat_messages_for_template,
+    completion_chunk,
+    completion_response,
+    echo_text,
+    max_tokens_for,
+    openai_error_from,
+    parse_request,
+    sampling_params_for,
+    sse,
+    usage,
+    usage_chunk,
+)
+from engine.engine import RequestOutput
+from engine.loader import load_tokenizer
+from engine.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class _Choice:
+    index: int
+    prompt_index: int
+    outputs: DeploymentResponseGenerator
+    num_prompt_tokens: int
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """A validated request, tokenized, with one engine stream per choice."""
+
+    request_id: str
+    created: int
+    model: str
+    prompts: list[list[int]]
+    choices: list[_Choice]
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over max_bytes gets 413, whether or not it declares its length."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(send)
+            return
+        received = 0
+
+        async def counting_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send: Callable) -> None:
+        error = OpenAIError.request_too_large(self.max_bytes)
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(self, args: AppArgs, engine: DeploymentHandle) -> None:
+        self.args = args
+        self.engine = engine
+        self.tokenizer = load_tokenizer(args.model)
+        self.info: EngineInfo | None = None
+        self.created = int(time.time())
+
+    async def _engine_info(self) -> EngineInfo:
+        if self.info is None:
+            self.info = await self.engine.info.remote()
+        return self.info
+
+    # --- calls for Python handles (serve.get_app_handle): OpenAI request dicts in, dicts out ------
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A chat completion, as the HTTP API returns it (stream is ignored)."""
+        prepared = await self._prepare_chat({**body, "stream": False})
+        return await self._chat_response(prepared, self._parse_chat(body))
+
+    async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of a streamed chat completion (call with handle.options(stream=True))."""
+        request = self._parse_chat({**body, "stream": True})
+        prepared = await self._prepare_chat({**body, "stream": True})
+        async for chunk in self._chat_chunks(prepared, request):
+            yield chunk
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        prepared = await self._prepare_completion({**body, "stream": False})
+        return await self._completion_response(prepared, self._parse_completion(body))
+
+    async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        request = self._parse_completion({**body, "stream": True})
+        prepared = await self._prepare_completion({**body, "stream": True})
+        async for chunk in self._completion_chunks(prepared, request):
+            yield chunk
+
+    # --- the HTTP app ---------------------------------------------------------------------------
+
+    def __serve_build_asgi_app__(self) -> Any:
+        app = FastAPI(title="TileInfer", docs_url=None, redoc_url=None)
+
+        @app.exception_handler(OpenAIError)
+        async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
+            return JSONResponse(error.body(), status_code=error.status_code)
+
+        @app.exception_handler(Exception)
+        async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
+            converted = openai_error_from(error)
+            return JSONResponse(converted.body(), status_code=converted.status_code)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            body = await self._read_body(request)
+            parsed = self._parse_chat(body)
+            prepared = await self._prepare_chat(body)
+            if parsed.stream:
+                return self._sse_response(self._chat_chunks(prepared, parsed))
+            return JSONResponse(await self._chat_response(prepared, parsed))
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            body = await self._read_body(request)
+            parsed = self._parse_completion(body)
+            prepared = await self._prepare_completion(body)
+            if parsed.stream:
+                return self._sse_response(self._completion_chunks(prepared, parsed))
+            return JSONResponse(await self._completion_response(prepared, parsed))
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> JSONResponse:
+            self._authorize(request)
+            info = await self._engine_info()
+            model = {
+                "id": info.model_name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "tileinfer",
+                "max_model_len": info.max_model_len,
+            }
+            return JSONResponse({"object": "list", "data": [model]})
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            try:
+                await self.engine.check_health.remote()
+            except Exception as error:  # noqa: BLE001 - any failure means unhealthy
+                unavailable = OpenAIError.service_unavailable(f"the engine is not healthy: {error}")
+                return JSONResponse(unavailable.body(), status_code=unavailable.status_code)
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/metrics")
+        async def metrics() -> PlainTextResponse:
+            text = await self.engine.metrics.remote()
+            return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        return BodySizeLimit(app, self.args.max_request_bytes)
+
+    def _authorize(self, request: Request) -> None:
+        if self.args.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), self.args.api_key):
+            raise OpenAIError.invalid_api_key()
+
+    async def _read_body(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise OpenAIError.invalid_request(f"the request body is not valid JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError.invalid_request("the request body must be a JSON object")
+        return body
+
+    @staticmethod
+    def _sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in chunks:
+                    yield sse(chunk)
+            except OpenAIError as error:  # the stream had begun: report in band, as OpenAI does
+                yield sse(error.body())
+            yield SSE_DONE
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    # --- shared by HTTP and handles -------------------------------------------------------------
+
+    def _parse_chat(self, body: dict[str, Any]) -> ChatCompletionRequest:
+        return parse_request(ChatCompletionRequest, body)
+
+    def _parse_completion(self, body: dict[str, Any]) -> CompletionRequest:
+        return parse_request(CompletionRequest, body)
+
+    async def _check_model(self, model: str) -> EngineInfo:
+        info = await self._engine_info()
+        if model != info.model_name:
+            raise OpenAIError.model_not_found(model, info.model_name)
+        return info
+
+    async def _prepare_chat(self, body: dict[str, Any]) -> _Prepared:
+        request = self._parse_chat(body)
+        info = await self._check_model(request.model)
+        try:
+            prompt = self.tokenizer.encode_chat(
+                chat_messages_for_template(request),
+                add_generation_prompt=request.add_generation_prompt,
+                **(request.chat_template_kwargs or {}),
+            )
+        except Exception as error:  # a template's raise_exception, or a bad message
+            raise openai_error_from(error, prompt_param=request.prompt_field) from None
+        return await self._submit(request, [prompt], info, "chatcmpl")
+
+    async def _prepare_completion(self, body: dict[str, Any]) -> _Prepared:
+        request = self._parse_completion(body)
+        info = await self._check_model(request.model)
+        prompts = [
+            self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            for prompt in request.prompt_list()
+        ]
+        return await self._submit(request, prompts, info, "cmpl")
+
+    async def _submit(self, request: Any, prompts: list[list[int]], info: EngineInfo, kind: str) -> _Prepared:
+        """Start one engine stream per choice; every one must be accepted, or none runs."""
+        params: list[tuple[int, list[int], SamplingParams]] = []
+        for prompt_index, prompt in enumerate(prompts):
+            max_tokens = max_tokens_for(request, len(prompt), info.max_model_len)
+            for sample_index in range(request.n):
+                params.append((prompt_index, prompt, sampling_params_for(request, sample_index, max_tokens)))
+        choices: list[_Choice] = []
+        try:
+            for index, (prompt_index, prompt, sampling) in enumerate(params):
+                outputs = self.engine.options(stream=True).generate.remote(prompt, sampling)
+                choices.append(_Choice(index, prompt_index, outputs, len(prompt)))
+                accepted = await outputs.__anext__()
+                assert isinstance(accepted, Accepted)
+        except BaseException as error:
+            for choice in choices:
+                choice.outputs.cancel()
+            if isinstance(error, asyncio.CancelledError):
+                raise
+            raise openai_error_from(error, prompt_param=request.prompt_field) from None
+        return _Prepared(f"{kind}-{uuid.uuid4().hex}", int(time.time()), request.model, prompts, choices)
+
+    @staticmethod
+    async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        """Outputs of all choices, in the order they arrive; cancels every stream when left early."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async for output in choice.outputs:
+                    await queue.put((choice, output))
+            except BaseException as error:  # noqa: BLE001 - handed to the reader
+                await queue.put((choice, error))
+            else:
+                await queue.put((choice, None))
+
+        tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+        remaining = len(choices)
+        try:
+            while remaining:
+                choice, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise openai_error_from(item)
+                else:
+                    yield choice, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for choice in choices:
+                choice.outputs.cancel()
+
+    async def _collect(self, prepared: _Prepared) -> list[ChoiceResult]:
+        results = [ChoiceResult(choice.index, "", [], None, []) for choice in prepared.choices]
+        async for choice, output in self._merged(prepared.choices):
+            result = results[choice.index]
+            result.text += output.new_text
+            result.token_ids += output.new_token_ids
+            result.logprobs += output.new_logprobs
+            result.finish_reason = output.finish_reason or result.finish_reason
+        return results
+
+    @staticmethod
+    def _usage(prepared: _Prepared, num_completion_tokens: int) -> dict[str, int]:
+        return usage(sum(len(prompt) for prompt in prepared.prompts), num_completion_tokens)
+
+    async def _chat_response(self, prepared: _Prepared, request: ChatCompletionRequest) -> dict[str, Any]:
+        results = await self._collect(prepared)
+        usage = self._usage(prepared, sum(len(result.token_ids) for result in results))
+        return chat_completion_response(
+            prepared.request_id, prepared.model, prepared.created, results, usage, self.tokenizer,
+            want_logprobs=bool(request.logprobs),
+        )  # fmt: skip
+
+    async def _chat_chunks(
+        self, prepared: _Prepared, request: ChatCompletionRequest
+    ) -> AsyncIterator[dict[str, Any]]:
+        include_usage = request.include_usage
+        head = (prepared.request_id, prepared.model, prepared.created)
+        for choice in prepared.choices:
+            yield chat_chunk(
+                *head, choice.index, {"role": "assistant", "content": ""}, None, None, include_usage
+            )
+        num_tokens = 0
+        async for choice, output in self._merged(prepared.choices):
+            num_tokens += len(output.new_token_ids)
+            logprobs = (
+                chat_logprobs_content(self.tokenizer, output.new_logprobs)
+                if request.logprobs and output.new_logprobs
+                else None
+            )
+            if output.new_text or logprobs:
+                yield chat_chunk(
+                    *head, choice.index, {"content": output.new_text}, None, logprobs, include_usage
+                )
+            if output.finished:
+                yield chat_chunk(*head, choice.index, {}, output.finish_reason, None, include_usage)
+        if include_usage:
+            yield usage_chunk(*head, self._usage(prepared, num_tokens), "chat.completion.chunk")
+
+    async def _completion_response(self, prepared: _Prepared, request: CompletionRequest) -> dict[str, Any]:
+        results = await self._collect(prepared)
+        if request.echo:
+            for choice, result in zip(prepared.choices, results, strict=True):
+                result.text = self._echo(request, choice) + result.text
+        usage = self._usage(prepared, sum(len(result.token_ids) for result in results))
+        return completion_response(
+            prepared.request_id, prepared.model, prepared.created, results, usage, self.tokenizer,
+            want_logprobs=request.logprobs is not None,
+        )  # fmt: skip
+
+    async def _completion_chunks(
+        self, prepared: _Prepared, request: CompletionRequest
+    ) -> AsyncIterator[dict[str, Any]]:
+        include_usage = request.include_usage
+        head = (prepared.request_id, prepared.model, prepared.created)
+        text_offsets = [0] * len(prepared.choices)  # characters of each choice's text sent so far
+        if request.echo:
+            for choice in prepared.choices:
+                text = self._echo(request, choice)
+                yield completion_chunk(*head, choice.index, text, None, None, self.tokenizer, include_usage)
+                text_offsets[choice.index] = len(text)
+        num_tokens = 0
+        async for choice, output in self._merged(prepared.choices):
+            num_tokens += len(output.new_token_ids)
+            logprobs = output.new_logprobs if request.logprobs is not None else None
+            yield completion_chunk(
+                *head, choice.index, output.new_text, output.finish_reason, logprobs, self.tokenizer,
+                include_usage, text_offset=text_offsets[choice.index],
+            )  # fmt: skip
+            text_offsets[choice.index] += len(output.new_text)
+        if include_usage:
+            yield usage_chunk(*head, self._usage(prepared, num_tokens), "text_completion")
+
+    def _echo(self, request: CompletionRequest, choice: _Choice) -> str:
+        return echo_text(request.prompt_list()[choice.prompt_index], self.tokenizer)

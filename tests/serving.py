@@ -1,0 +1,108 @@
+"""Starts the real application for the tests: Ray on 127.0.0.1, then `serve run` on a copy of
+serve_config.yaml, plus a second, guarded application (API key, a tiny queue, a small body limit)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+API_KEY = "test-key"
+GUARDED_ARGS = {
+    "api_key": API_KEY,
+    "max_num_seqs": 1,
+    "max_queue_len": 1,
+    "max_request_bytes": 4096,
+    "max_model_len": 512,
+    "kv_cache_tokens": 1024,
+    "engine_num_cpus": 0,
+}
+
+
+@dataclasses.dataclass
+class Served:
+    base_url: str  # the main application, at /
+    guarded_url: str  # the guarded one, at /guarded
+    ray_address: str
+    model: str
+    env: dict[str, str]
+    log: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(urls: list[str], process: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        if process.poll() is not None:
+            raise RuntimeError(f"serve run exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the application did not become healthy:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(pending[0] + "/health", timeout=5).status_code == 200:
+                pending.pop(0)
+                continue
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+
+
+def serve_application(workdir: Path) -> Iterator[Served]:
+    ray_port, http_port = _free_port(), _free_port()
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # makes Ray take 127.0.0.1 as this node's address
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["http_options"]["port"] = http_port
+    main_app = config["applications"][0]
+    main_app["args"]["engine_num_cpus"] = 0  # two engines on a two-core machine
+    guarded = {**main_app, "name": "guarded", "route_prefix": "/guarded"}
+    guarded["args"] = {**main_app["args"], **GUARDED_ARGS}
+    config["applications"].append(guarded)
+    config_path = workdir / "serve_config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log = workdir / "serve.log"
+    subprocess.run(
+        [BIN / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ray_port}",
+         "--num-cpus=2", "--disable-usage-stats", "--include-dashboard=false"],
+        env=env, check=True, capture_output=True, cwd=ROOT,
+    )  # fmt: skip
+    ray_address = f"127.0.0.1:{ray_port}"
+    with log.open("w") as log_file:
+        process = subprocess.Popen(
+            [BIN / "serve", "run", "--address", ray_address, str(config_path)],
+            env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    base_url = f"http://127.0.0.1:{http_port}"
+    try:
+        _wait_healthy([base_url, base_url + "/guarded"], process, log)
+        yield Served(
+            base_url, base_url + "/guarded", ray_address, main_app["args"]["served_model_name"], env, log
+        )
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True)
