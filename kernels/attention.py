@@ -84,7 +84,7 @@ def paged_decode_attention_reference(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
-    workspace: torch.Tensor | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
     """query [num_seqs, num_heads, head_dim], one token per sequence -> output of the same shape.
 
@@ -112,9 +112,17 @@ def paged_decode_attention_reference(
     return out
 
 
+MAX_DECODE_SPLITS = 128  # bounds the merge's unrolled loop
+
+
 def decode_block_n(head_dim: int) -> int:
-    """Keys per inner-loop tile of the decode kernel: 8 KiB of bf16 K (and as much V) per tile."""
-    return 64 if head_dim <= 64 else 32
+    """Keys per inner-loop tile of the decode kernel: 16 KiB of bf16 K (and as much V) per tile.
+
+    Big tiles keep enough bytes in flight with ~2 programs per SM even where Triton does not
+    software-pipeline the gathered K/V loads (compiled for sm_90: 112 registers, no spills, K/V
+    through cp.async, when the cache strides are multiples of 16 as they are for head_dim 64/128).
+    """
+    return max(16, min(128, 8192 // head_dim))
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int) -> int:
@@ -127,7 +135,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, head_d
     programs = max(num_seqs * num_kv_heads, 1)
     wanted = triton.cdiv(2 * num_sms(), programs)
     max_tiles = max(triton.cdiv(max_context, decode_block_n(head_dim)), 1)
-    return max(1, min(wanted, max_tiles))
+    return max(1, min(wanted, max_tiles, MAX_DECODE_SPLITS))
 
 
 @dataclasses.dataclass
@@ -139,7 +147,7 @@ class DecodeWorkspace:
     at zero and every launch leaves them at zero again.
     """
 
-    partials: torch.Tensor  # fp32, flat: [num_seqs, num_heads, num_splits] x (head_dim + 2)
+    partials: torch.Tensor  # fp32, flat: outputs [num_seqs, num_heads, num_splits, head_dim], then max, sum
     counters: torch.Tensor  # int32 [num_seqs * num_kv_heads], zeros
 
     @staticmethod
@@ -290,7 +298,7 @@ def _paged_decode_kernel(
             # counter; the program that brings the count to `active` acquires them all and merges.
             tl.debug_barrier()
             done_before = tl.atomic_add(counters_ptr + pair, 1, sem="acq_rel", scope="gpu")
-            if done_before == 0:
+            if done_before == active - 1:
                 _merge_splits(
                     out_ptr,
                     partial_acc_ptr,

@@ -34,6 +34,7 @@ class Served:
     base_url: str  # the main application, at /
     guarded_url: str  # the guarded one, at /guarded
     ray_address: str
+    ray_client_address: str  # ray://..., the cluster's Ray Client server
     model: str
     env: dict[str, str]
     log: Path
@@ -63,7 +64,7 @@ def _wait_healthy(urls: list[str], process: subprocess.Popen, log: Path, timeout
 
 
 def serve_application(workdir: Path) -> Iterator[Served]:
-    ray_port, http_port = _free_port(), _free_port()
+    ray_port, http_port, client_port = _free_port(), _free_port(), _free_port()
     env = {
         **os.environ,
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -84,7 +85,8 @@ def serve_application(workdir: Path) -> Iterator[Served]:
     log = workdir / "serve.log"
     subprocess.run(
         [BIN / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ray_port}",
-         "--num-cpus=2", "--disable-usage-stats", "--include-dashboard=false"],
+         f"--ray-client-server-port={client_port}", "--num-cpus=2", "--disable-usage-stats",
+         "--include-dashboard=false"],
         env=env, check=True, capture_output=True, cwd=ROOT,
     )  # fmt: skip
     ray_address = f"127.0.0.1:{ray_port}"
@@ -96,9 +98,9 @@ def serve_application(workdir: Path) -> Iterator[Served]:
     base_url = f"http://127.0.0.1:{http_port}"
     try:
         _wait_healthy([base_url, base_url + "/guarded"], process, log)
-        yield Served(
-            base_url, base_url + "/guarded", ray_address, main_app["args"]["served_model_name"], env, log
-        )
+        client_address = f"ray://127.0.0.1:{client_port}"
+        model = main_app["args"]["served_model_name"]
+        yield Served(base_url, base_url + "/guarded", ray_address, client_address, model, env, log)
     finally:
         process.terminate()
         try:

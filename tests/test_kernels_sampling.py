@@ -1,0 +1,391 @@
+"""Device sampling (kernels/sampling.py): the Triton sampler against its torch reference, and the reference
+against the engine's host sampler (engine/sampling.py), whose semantics both implement."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import engine.sampling as host_sampling
+from engine.sampling import SamplingParams, filtered_probs
+from kernels import sampling
+from kernels.sampling import (
+    SamplingTensors,
+    SamplingWorkspace,
+    philox_uniform_reference,
+    sample_reference,
+    sample_triton,
+    top_logprobs,
+    update_token_counts,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def random_params(generator: torch.Generator, vocab_size: int) -> SamplingParams:
+    """One row's parameters: greedy, plain temperature, or any mix of filters, with or without penalties."""
+
+    def uniform(low: float, high: float) -> float:
+        return low + (high - low) * torch.rand((), generator=generator).item()
+
+    def coin(p: float = 0.5) -> bool:
+        return torch.rand((), generator=generator).item() < p
+
+    kind = torch.randint(0, 4, (), generator=generator).item()
+    params = SamplingParams(temperature=0.0 if kind == 0 else uniform(0.3, 2.0))
+    if kind >= 2:  # filters
+        if coin():
+            params.top_k = int(torch.randint(1, vocab_size + 5, (), generator=generator))
+        if coin():
+            params.top_p = uniform(0.05, 1.0)
+        if coin(0.4):
+            params.min_p = uniform(0.0, 0.5)
+    if coin(0.6):
+        params.repetition_penalty = uniform(0.7, 1.6)
+        params.frequency_penalty = uniform(-1.0, 1.0)
+        params.presence_penalty = uniform(-1.0, 1.0)
+    return params
+
+
+def random_history(generator: torch.Generator, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """A prompt and an output drawn (with repeats) from the row's most likely tokens, so that the penalties
+    change which tokens lead."""
+    likely = logits.topk(min(16, len(logits))).indices
+    prompt = likely[
+        torch.randint(
+            0, len(likely), (int(torch.randint(0, 8, (), generator=generator)),), generator=generator
+        )
+    ]
+    output = likely[
+        torch.randint(
+            0, len(likely), (int(torch.randint(0, 12, (), generator=generator)),), generator=generator
+        )
+    ]
+    return prompt.tolist(), output.tolist()
+
+
+def random_batch(
+    seed: int, batch: int, vocab_size: int, scale: float = 3.0
+) -> tuple[torch.Tensor, SamplingTensors, list[SamplingParams], list[list[int]], list[list[int]]]:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, vocab_size, generator=generator) * scale
+    params = [random_params(generator, vocab_size) for _ in range(batch)]
+    histories = [random_history(generator, row) for row in logits]
+    prompts, outputs = [h[0] for h in histories], [h[1] for h in histories]
+    seeds = torch.randint(-(2**62), 2**62, (batch,), generator=generator).tolist()
+    steps = torch.randint(0, 2**40, (batch,), generator=generator).tolist()
+    tensors = SamplingTensors.from_params(params, prompts, outputs, seeds, steps, vocab_size, DEVICE)
+    return logits.to(DEVICE), tensors, params, prompts, outputs
+
+
+def check_against_reference(
+    logits: torch.Tensor, tensors: SamplingTensors, uniform_noise: torch.Tensor | None
+) -> torch.Tensor:
+    """sample_triton, with a poisoned output and workspace, equals sample_reference exactly."""
+    batch, vocab_size = logits.shape
+    out = torch.full((batch,), -1, dtype=torch.int64, device=logits.device)
+    workspace = SamplingWorkspace.allocate(batch + 1, vocab_size, logits.device)
+    for buffer in (workspace.work, workspace.part_score, workspace.part_max):
+        buffer.fill_(math.nan)
+    workspace.part_index.fill_(-7)
+    expected = sample_reference(logits, tensors, uniform_noise)
+    got = sample_triton(logits, tensors, uniform_noise, out=out, workspace=workspace)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got.cpu(), expected.cpu()), (got, expected)
+    return got
+
+
+# --- the kernel against the reference -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch, vocab_size", [(3, 50), (5, 1000), (4, 257)])
+@pytest.mark.parametrize("bf16_logits", [False, True], ids=["fp32", "bf16-logits"])
+def test_matches_reference_with_the_same_noise(batch: int, vocab_size: int, bf16_logits: bool) -> None:
+    for trial in range(2):
+        logits, tensors, *_ = random_batch(1000 * vocab_size + 10 * trial + bf16_logits, batch, vocab_size)
+        if bf16_logits:  # the model's bf16 logits, widened: many exact ties
+            logits = logits.to(torch.bfloat16).float()
+        # Each row four times, with different noise: more draws to tell a wrong filter or penalty apart.
+        rows = list(range(batch)) * 4
+        noise = torch.rand(len(rows), vocab_size, generator=torch.Generator().manual_seed(trial)).to(DEVICE)
+        check_against_reference(logits[rows], _rows(tensors, rows), noise)
+
+
+def test_matches_reference_with_its_own_noise() -> None:
+    """Without uniform_noise both draw Philox noise from (seed, step): the same bits on every device."""
+    logits, tensors, *_ = random_batch(7, batch=5, vocab_size=300)
+    check_against_reference(logits, tensors, None)
+
+
+@triton.jit
+def _noise_probe_kernel(seeds_ptr, step_ptr, out_ptr, vocab_size, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offsets = tl.arange(0, BLOCK)
+    seed = tl.load(seeds_ptr + row)
+    step = tl.load(step_ptr + row)
+    uniform = sampling._uniform_noise(seed, step, offsets)
+    tl.store(out_ptr + row * vocab_size + offsets, uniform, mask=offsets < vocab_size)
+
+
+def test_kernel_noise_is_the_reference_philox() -> None:
+    seeds = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789012345], device=DEVICE)
+    steps = torch.tensor([0, 5, 2**32 + 3, 7, 2**40, 1], device=DEVICE)
+    vocab_size = 100
+    got = torch.full((len(seeds), vocab_size), math.nan, device=DEVICE)
+    _noise_probe_kernel[(len(seeds),)](seeds, steps, got, vocab_size, BLOCK=128)
+    expected = philox_uniform_reference(seeds, steps, vocab_size)
+    assert torch.equal(got, expected)
+    assert expected.min() > 0 and expected.max() < 1
+    assert abs(expected.mean().item() - 0.5) < 0.03
+    # The step and the seed both change every draw.
+    assert (expected[1] != philox_uniform_reference(seeds[1:2], steps[1:2] + 1, vocab_size)[0]).all()
+    assert (expected[1] != philox_uniform_reference(seeds[1:2] + 1, steps[1:2], vocab_size)[0]).all()
+
+
+def test_ties_pick_the_lowest_index_and_filters_keep_tied_groups() -> None:
+    vocab_size = 60
+    # Integer logits in a small range: every value occurs several times.
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randint(-3, 4, (6, vocab_size), generator=generator).float()
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=1.0, top_k=3),  # cuts through a tie group
+        SamplingParams(temperature=0.5, top_p=0.3),
+        SamplingParams(temperature=1.0, min_p=0.9),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.5, min_p=0.2),
+    ]
+    prompts = [[], [int(logits[1].argmax())], [], [], [], []]
+    tensors = SamplingTensors.from_params(
+        params, prompts, [[]] * 6, list(range(6)), [0] * 6, vocab_size, DEVICE
+    )
+    logits = logits.to(DEVICE)
+    # Tied noise too: the race ties, and the lowest index must win.
+    noise = torch.full((6, vocab_size), 0.5, device=DEVICE)
+    got = check_against_reference(logits, tensors, noise).cpu()
+    assert got[0] == logits[0].argmax().cpu()  # torch.argmax: the first of the maxima
+    top = logits[2].max()
+    assert got[2] == int((logits[2] == top).nonzero()[0])
+    for trial in range(3):
+        noise = torch.rand(6, vocab_size, generator=torch.Generator().manual_seed(trial)).to(DEVICE)
+        check_against_reference(logits, tensors, noise)
+
+
+def test_edge_rows() -> None:
+    """top_k = 1 and top_k >= V, top_p tiny, min_p = 1, -inf logits, temperature near zero."""
+    vocab_size = 40
+    params = [
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_k=vocab_size),
+        SamplingParams(temperature=1.0, top_k=vocab_size + 100, top_p=1e-6),
+        SamplingParams(temperature=1.0, min_p=1.0),
+        SamplingParams(temperature=1e-4),
+        SamplingParams(temperature=2.0, top_k=7, top_p=0.99),
+    ]
+    batch = len(params)
+    logits = torch.randn(batch, vocab_size, generator=torch.Generator().manual_seed(5))
+    logits[:, 1::3] = -math.inf  # a masked vocabulary
+    tensors = SamplingTensors.from_params(
+        params, [[]] * batch, [[]] * batch, list(range(batch)), [9] * batch, vocab_size, DEVICE
+    )
+    logits = logits.to(DEVICE)
+    for trial in range(2):
+        noise = torch.rand(batch, vocab_size, generator=torch.Generator().manual_seed(trial)).to(DEVICE)
+        got = check_against_reference(logits, tensors, noise).cpu()
+        best = logits.argmax(dim=-1).cpu()
+        assert got[0] == best[0] and got[2] == best[2] and got[3] == best[3]
+        assert not torch.isinf(logits.cpu()[torch.arange(batch), got]).any()
+
+
+def test_seeded_row_ignores_its_batch() -> None:
+    vocab_size = 200
+    logits, tensors, *_ = random_batch(11, batch=4, vocab_size=vocab_size)
+    alone = sample_triton(logits[2:3], _rows(tensors, [2]))
+    others = random_batch(12, batch=3, vocab_size=vocab_size)
+    mixed_logits = torch.cat([others[0][:2], logits[2:3], others[0][2:]])
+    mixed = _cat_rows([_rows(others[1], [0, 1]), _rows(tensors, [2]), _rows(others[1], [2])])
+    together = sample_triton(mixed_logits, mixed)
+    assert together[2] == alone[0]
+    # A later step draws fresh noise: across steps a flat row does not repeat one token.
+    flat = torch.zeros(1, vocab_size, device=DEVICE)
+    row = _rows(tensors, [2])
+    row.temperature.fill_(1.0)
+    row.top_k.zero_()
+    row.top_p.fill_(1.0)
+    row.min_p.zero_()
+    draws = set()
+    for step in range(6):
+        row.step.fill_(step)
+        draws.add(int(sample_triton(flat, row)[0]))
+    assert len(draws) > 1
+
+
+def _rows(tensors: SamplingTensors, rows: list[int]) -> SamplingTensors:
+    index = torch.tensor(rows, device=tensors.temperature.device)
+    return SamplingTensors(**{name: value.index_select(0, index) for name, value in vars(tensors).items()})
+
+
+def _cat_rows(parts: list[SamplingTensors]) -> SamplingTensors:
+    return SamplingTensors(**{name: torch.cat([vars(p)[name] for p in parts]) for name in vars(parts[0])})
+
+
+# --- the reference against the engine's sampler ---------------------------------------------------------
+
+
+def test_reference_equals_the_engine_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.sampling.sample, fed the same exponential noise, picks the same tokens for random mixes."""
+    vocab_size, batch = 300, 8
+    for trial in range(4):
+        logits, tensors, params, prompts, outputs = random_batch(100 + trial, batch, vocab_size)
+        logits, tensors = logits.cpu(), tensors.to("cpu")
+        # Unique top-p groups: the engine's sort may split a tie group, the device sampler does not.
+        uniform = torch.rand(batch, vocab_size, generator=torch.Generator().manual_seed(trial))
+        exponential = -torch.log(uniform)
+        sampled_rows = [row for row, request in enumerate(params) if not request.is_greedy]
+        noise = exponential[sampled_rows]
+        monkeypatch.setattr(host_sampling, "exponential_noise", lambda *args, noise=noise: noise)
+        expected, _ = host_sampling.sample(logits, params, prompts, outputs, [None] * batch)
+        assert sample_reference(logits, tensors, uniform).tolist() == expected
+
+
+CHI_SQUARE_LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
+
+
+def chi_square_critical(degrees_of_freedom: int, z_score: float = 3.72) -> float:
+    """Upper chi-square quantile (z = 3.72: p of about 1e-4) by the Wilson-Hilferty approximation."""
+    k = degrees_of_freedom
+    return k * (1 - 2 / (9 * k) + z_score * math.sqrt(2 / (9 * k))) ** 3
+
+
+def assert_distribution(token_ids: torch.Tensor, params: SamplingParams) -> None:
+    expected = filtered_probs(torch.tensor([CHI_SQUARE_LOGITS]), [params])[0]
+    counts = torch.bincount(token_ids.cpu(), minlength=len(CHI_SQUARE_LOGITS)).double()
+    draws = len(token_ids)
+    assert (counts[expected == 0] == 0).all(), (counts, expected)
+    kept = expected > 0
+    chi_square = ((counts[kept] - draws * expected[kept]) ** 2 / (draws * expected[kept])).sum().item()
+    assert chi_square < chi_square_critical(int(kept.sum()) - 1), (counts, expected)
+
+
+def _seeded_batch(params: SamplingParams, draws: int, step: int) -> tuple[torch.Tensor, SamplingTensors]:
+    """One row per draw, each a request with its own seed, at a given step."""
+    vocab_size = len(CHI_SQUARE_LOGITS)
+    tensors = SamplingTensors.from_params(
+        [params] * draws, [[]] * draws, [[]] * draws, range(draws), [step] * draws, vocab_size, DEVICE
+    )
+    return torch.tensor(CHI_SQUARE_LOGITS, device=DEVICE).expand(draws, -1).contiguous(), tensors
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=1.5, min_p=0.2),
+        SamplingParams(temperature=1.3, top_k=6, top_p=0.9, min_p=0.1),
+    ],
+    ids=["top_k", "top_p", "min_p", "all"],
+)
+def test_philox_draws_follow_the_filtered_distribution(params: SamplingParams) -> None:
+    """Over many seeds and steps, the draws (the reference's Philox noise, the kernel's bits) match
+    softmax(filtered logits / T)."""
+    token_ids = torch.cat([sample_reference(*_seeded_batch(params, 4000, step)) for step in range(5)])
+    assert_distribution(token_ids, params)
+
+
+def test_kernel_draws_follow_the_distribution() -> None:
+    params = SamplingParams(temperature=1.2)
+    logits, tensors = _seeded_batch(params, 400, step=3)
+    assert_distribution(sample_triton(logits, tensors), params)
+
+
+# --- counts and logprobs --------------------------------------------------------------------------------
+
+
+def test_update_token_counts() -> None:
+    vocab_size = 30
+    params = [SamplingParams()] * 3
+    tensors = SamplingTensors.from_params(
+        params, [[1, 2], [], [5]], [[3, 3], [4], []], [0] * 3, [0] * 3, vocab_size
+    )
+    expected_counts = tensors.output_counts.clone()
+    expected_mask = tensors.prompt_mask.clone()
+    tensors = tensors.to(DEVICE)
+    for token_ids in ([3, 4, 29], [3, 0, 29]):
+        update_token_counts(tensors, torch.tensor(token_ids, device=DEVICE))
+        for row, token in enumerate(token_ids):
+            expected_counts[row, token] += 1
+            expected_mask[row, token] = True
+    assert torch.equal(tensors.output_counts.cpu(), expected_counts)
+    assert torch.equal(tensors.prompt_mask.cpu(), expected_mask)
+    assert expected_counts[0, 3] == 4 and expected_counts[2, 29] == 2
+
+
+def test_top_logprobs_are_the_raw_log_softmax() -> None:
+    logits = torch.randn(4, 77, generator=torch.Generator().manual_seed(2), dtype=torch.float64).float()
+    token_ids = torch.tensor([0, 5, 76, 33])
+    token_logprob, top_ids, top_values = top_logprobs(logits.to(DEVICE), token_ids.to(DEVICE), 5)
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    assert torch.allclose(token_logprob.cpu().double(), expected[torch.arange(4), token_ids], atol=1e-5)
+    assert torch.equal(top_ids.cpu(), expected.topk(5, dim=-1).indices)
+    assert torch.allclose(top_values.cpu().double(), expected.topk(5, dim=-1).values, atol=1e-5)
+
+
+# --- the GPU: real vocabularies, CUDA graphs -------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab_size", [151936, 49152])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_gpu_real_vocab_matches_reference(vocab_size: int, batch: int) -> None:
+    for trial in range(4):
+        logits, tensors, *_ = random_batch(trial * 31 + batch, batch, vocab_size, scale=4.0)
+        logits = logits.to(torch.bfloat16).float()  # what a bf16 LM head produces
+        if trial == 3:  # every row filters with all parameters
+            tensors.temperature.fill_(0.9)
+            tensors.top_k.fill_(50)
+            tensors.top_p.fill_(0.9)
+            tensors.min_p.fill_(0.05)
+        noise = torch.rand(
+            batch, vocab_size, device="cuda", generator=torch.Generator("cuda").manual_seed(trial)
+        )
+        check_against_reference(logits, tensors, noise)
+        check_against_reference(logits, tensors, None)
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_replays_in_a_cuda_graph() -> None:
+    batch, vocab_size = 8, 151936
+    logits, tensors, *_ = random_batch(5, batch, vocab_size, scale=4.0)
+    out = torch.empty(batch, dtype=torch.int64, device="cuda")
+    workspace = SamplingWorkspace.allocate(batch, vocab_size, "cuda")
+    sample_triton(logits, tensors, out=out, workspace=workspace)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sample_triton(logits, tensors, out=out, workspace=workspace)
+        update_token_counts(tensors, out)
+    for step in range(3):
+        tensors.step.fill_(step)
+        expected_counts = tensors.output_counts.clone()
+        expected = sample_reference(logits, tensors)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+        expected_counts[torch.arange(batch, device="cuda"), expected] += 1
+        assert torch.equal(tensors.output_counts, expected_counts)
+
+
+def test_four_bit_radix_search_as_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter searches eight bits per pass; the GPU four. Both must find the same thresholds."""
+    monkeypatch.setattr(sampling, "_RADIX_BITS", 4)
+    logits, tensors, *_ = random_batch(21, batch=4, vocab_size=150)
+    tensors.temperature.fill_(1.1)
+    tensors.top_k.copy_(torch.tensor([5, 0, 40, 149]))
+    tensors.top_p.copy_(torch.tensor([1.0, 0.7, 0.95, 0.2]))
+    noise = torch.rand(4, 150, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    check_against_reference(logits, tensors, noise)
