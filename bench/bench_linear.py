@@ -1,0 +1,294 @@
+"""Linear kernels against cuBLAS on every GEMV/GEMM shape the engine runs, replayed in CUDA graphs.
+
+    python bench/bench_linear.py [OUT_DIR] [--models qwen3-0.6b,...] [--sweep] [--replays N]
+
+For Qwen3-0.6B, Qwen3-4B and SmolLM2-135M shapes (fused qkv, o, fused gate_up, down, lm_head) at M = 1
+(decode) and M = 512 (prefill), times linear_triton / gate_up_silu_triton against
+torch.nn.functional.linear (cuBLAS; for gate_up: F.linear on [2I, H], then silu(gate) * up). Each side is
+captured in one CUDA graph that calls it once per copy of the weight, the copies together exceeding
+256 MB so that no weight is served from the 50 MB L2; the figure is the median replay time divided by the
+number of copies. Copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) is measured in
+the same run; "% of copy bw" counts the weight, x and the output once each.
+
+--sweep also times every candidate tile configuration per shape (GEMV block sizes and warps, the GEMM
+candidate tiles) and reports the heuristic's pick beside the fastest, to tune kernels/linear.py.
+
+The last thing printed is the table; the full results go to OUT_DIR/bench_linear.json (OUT_DIR: the
+argument, else $OUT, else ./bench_out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import linear  # noqa: E402
+
+# Layer shapes per model: (out_features, in_features); gate_up is [2 * intermediate, hidden].
+MODELS: dict[str, dict[str, tuple[int, int]]] = {
+    "qwen3-0.6b": {
+        "qkv": (2048 + 2 * 1024, 1024),
+        "o": (1024, 2048),
+        "gate_up": (2 * 3072, 1024),
+        "down": (1024, 3072),
+        "lm_head": (151936, 1024),
+    },
+    "qwen3-4b": {
+        "qkv": (4096 + 2 * 1024, 2560),
+        "o": (2560, 4096),
+        "gate_up": (2 * 9728, 2560),
+        "down": (2560, 9728),
+        "lm_head": (151936, 2560),
+    },
+    "smollm2-135m": {
+        "qkv": (576 + 2 * 192, 576),
+        "o": (576, 576),
+        "gate_up": (2 * 1536, 576),
+        "down": (576, 1536),
+        "lm_head": (49152, 576),
+    },
+}
+M_VALUES = (1, 512)
+ROTATE_BYTES = 256 * 2**20  # weight copies per graph: together more than 5x the H200's 50 MB L2
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+
+
+def copy_bandwidth(replays: int = 20) -> float:
+    """Bytes per second of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
+    size = 2 * 2**30
+    src = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * size / statistics.median(times)
+
+
+def time_in_graph(call: Callable[[int], object], copies: int, replays: int) -> float:
+    """Seconds per call: call(i) for every weight copy i captured in one graph, median replay / copies."""
+    call(0)  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            call(i)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)
+    ]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    seconds = statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
+    del graph
+    return seconds / copies
+
+
+class Case:
+    """One layer shape at one M: its weight copies, input and output buffers, and the calls to time."""
+
+    def __init__(self, model: str, layer: str, n_rows: int, k: int, m: int) -> None:
+        self.model, self.layer, self.n_rows, self.k, self.m = model, layer, n_rows, k, m
+        self.gate_up = layer == "gate_up"
+        self.n_out = n_rows // 2 if self.gate_up else n_rows
+        weight_bytes = n_rows * k * DTYPE.itemsize
+        self.copies = max(2, math.ceil(ROTATE_BYTES / weight_bytes))
+        gen = torch.Generator(device=DEVICE).manual_seed(n_rows * 31 + k)
+        first = (torch.randn(n_rows, k, device=DEVICE, generator=gen) / k**0.5).to(DTYPE)
+        self.weights = [first] + [first.clone() for _ in range(self.copies - 1)]
+        self.x = torch.randn(m, k, device=DEVICE, generator=gen).to(DTYPE)
+        self.out = torch.empty(m, self.n_out, device=DEVICE, dtype=DTYPE)
+        self.bytes = weight_bytes + self.x.numel() * DTYPE.itemsize + self.out.numel() * DTYPE.itemsize
+
+    def triton_call(
+        self, config: linear.GemvConfig | linear.GemmConfig | None = None
+    ) -> Callable[[int], object]:
+        if config is None:
+            fn = linear.gate_up_silu_triton if self.gate_up else linear.linear_triton
+            return lambda i: fn(self.x, self.weights[i], out=self.out)
+        launch = linear._launch_gemv if isinstance(config, linear.GemvConfig) else linear._launch_gemm
+        return lambda i: launch(self.x, self.weights[i], None, self.out, self.gate_up, config)
+
+    def cublas_call(self) -> Callable[[int], object]:
+        if self.gate_up:
+
+            def gate_up_silu(i: int) -> torch.Tensor:
+                gate_up = F.linear(self.x, self.weights[i])
+                return F.silu(gate_up[:, : self.n_out]) * gate_up[:, self.n_out :]
+
+            return gate_up_silu
+        return lambda i: F.linear(self.x, self.weights[i])
+
+    def relative_error(self) -> float:
+        """|triton - cuBLAS| / |cuBLAS| over the output (Frobenius norms), both bf16 out."""
+        ours = self.triton_call()(0)
+        theirs = self.cublas_call()(0)
+        return ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
+
+    def candidates(self) -> list[linear.GemvConfig | linear.GemmConfig]:
+        """Every tile configuration the sweep tries for this shape."""
+        if self.m <= linear.GEMV_MAX_M:
+            block_m = triton.next_power_of_2(self.m)
+            tiles = 2 if self.gate_up else 1
+            configs = []
+            for block_n in (1, 2, 4, 8, 16, 32):
+                for num_warps in (4, 8):
+                    for regs in (32, 64):
+                        block_k = max(16, regs * 32 * num_warps // (block_m * block_n * tiles))
+                        block_k = min(block_k, max(16, triton.next_power_of_2(self.k)))
+                        config = linear.GemvConfig(block_n, block_k, num_warps)
+                        if config not in configs:
+                            configs.append(config)
+            return configs
+        cap = max(16, triton.next_power_of_2(self.m))
+        table = linear.GATE_UP_CANDIDATES if self.gate_up else linear.GEMM_CANDIDATES
+        configs = []
+        for config, _ in table:
+            for num_stages in (3, 4):
+                candidate = config._replace(block_m=min(config.block_m, cap), num_stages=num_stages)
+                if candidate not in configs:
+                    configs.append(candidate)
+        return configs
+
+    def heuristic(self) -> linear.GemvConfig | linear.GemmConfig:
+        if self.m <= linear.GEMV_MAX_M:
+            return linear.gemv_config(self.m, self.n_out, self.k, self.gate_up)
+        return linear.gemm_config(self.m, self.n_out, self.k, self.gate_up)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out_dir", nargs="?", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS)
+    )
+    parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma-separated M values")
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--sweep", action="store_true", help="also time every candidate tile config")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "the linear benchmark needs a GPU"
+
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (2 GiB device-to-device, read + write)", flush=True)
+    rows, sweeps = [], []
+    for model in args.models.split(","):
+        for layer, (n_rows, k) in MODELS[model].items():
+            for m in map(int, args.m.split(",")):
+                started = time.perf_counter()
+                case = Case(model, layer, n_rows, k, m)
+                error = case.relative_error()
+                ours = time_in_graph(case.triton_call(), case.copies, args.replays)
+                theirs = time_in_graph(case.cublas_call(), case.copies, args.replays)
+                row = {
+                    "model": model,
+                    "layer": layer,
+                    "shape": f"{n_rows}x{k}",
+                    "M": m,
+                    "triton_us": ours * 1e6,
+                    "cublas_us": theirs * 1e6,
+                    "speedup": theirs / ours,
+                    "triton_pct_copy_bw": 100 * case.bytes / ours / bandwidth,
+                    "cublas_pct_copy_bw": 100 * case.bytes / theirs / bandwidth,
+                    "bytes": case.bytes,
+                    "weight_copies": case.copies,
+                    "config": case.heuristic()._asdict(),
+                    "relative_error_vs_cublas": error,
+                }
+                rows.append(row)
+                print(
+                    f"{model:13s} {layer:8s} {row['shape']:>12s} M={m:<4d} triton {row['triton_us']:8.2f} us"
+                    f"  cuBLAS {row['cublas_us']:8.2f} us  x{row['speedup']:.2f}"
+                    f"  {row['triton_pct_copy_bw']:5.1f}% bw  err {error:.1e}  {case.heuristic()}"
+                    f"  ({time.perf_counter() - started:.1f} s)",
+                    flush=True,
+                )
+                if args.sweep:
+                    timings = []
+                    for config in case.candidates():
+                        try:
+                            seconds = time_in_graph(
+                                case.triton_call(config), case.copies, max(10, args.replays // 3)
+                            )
+                        except Exception as exc:  # a config that does not compile or fit: report, go on
+                            print(f"    {config}: failed ({type(exc).__name__}: {exc})"[:200], flush=True)
+                            continue
+                        timings.append({"config": config._asdict(), "us": seconds * 1e6})
+                    timings.sort(key=lambda t: t["us"])
+                    sweeps.append({"model": model, "layer": layer, "M": m, "heuristic_us": row["triton_us"],
+                                   "heuristic": row["config"], "timings": timings})  # fmt: skip
+                    for t in timings[:3]:
+                        print(f"    sweep {t['us']:8.2f} us  {t['config']}", flush=True)
+                del case
+                torch.cuda.empty_cache()
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "rotate_bytes": ROTATE_BYTES,
+        "replays": args.replays,
+        "rows": rows,
+        "sweeps": sweeps,
+    }
+    (out_dir / "bench_linear.json").write_text(json.dumps(result, indent=2))
+
+    if sweeps:
+        print("\nsweep: heuristic pick vs fastest candidate")
+        for sweep in sweeps:
+            best = sweep["timings"][0] if sweep["timings"] else {"us": float("nan"), "config": {}}
+            print(
+                f"{sweep['model']:13s} {sweep['layer']:8s} M={sweep['M']:<4d}"
+                f"  heuristic {sweep['heuristic_us']:8.2f} us"
+                f"  best {best['us']:8.2f} us  {best['config']}"
+            )
+    print(
+        f"\nlinear kernels vs cuBLAS, CUDA graphs, bf16, {torch.cuda.get_device_name()}, "
+        f"copy bw {bandwidth / 1e12:.2f} TB/s; results in {out_dir / 'bench_linear.json'}"
+    )
+    columns = ("shape".ljust(30), "M".rjust(4), "triton µs", "cuBLAS µs", "speedup", "% copy bw")
+    header = "| " + " | ".join(columns) + " |"
+    print(header)
+    print("|" + "|".join("-" * (len(part)) for part in header.split("|")[1:-1]) + "|")
+    for row in rows:
+        shape = f"{row['model']} {row['layer']} {row['shape']}"
+        print(
+            f"| {shape:30s} | {row['M']:4d} | {row['triton_us']:9.2f} | {row['cublas_us']:9.2f} "
+            f"| {row['speedup']:6.2f}x | {row['triton_pct_copy_bw']:8.1f}% |"
+        )
+
+
+if __name__ == "__main__":
+    main()

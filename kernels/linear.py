@@ -1,0 +1,423 @@
+"""Linear layers: y = x @ weight.T (+ bias), and the MLP's gate/up projection fused with SwiGLU.
+
+Weights are in the Hugging Face layout [out_features, in_features], row-major. The engine fuses
+q/k/v into one [q_size + 2 * kv_size, hidden] weight and gate/up into one [2 * intermediate, hidden]
+weight (gate rows first, then up rows).
+
+Two Triton kernels serve every call, picked by the number of rows of x:
+- decode (M <= 8): a GEMV. Each program owns BLOCK_N whole output columns (weight rows) and streams
+  them over all of K with 16-byte loads, multiply-adding into an fp32 register tile that is reduced
+  once at the end. BLOCK_N shrinks (down to one row) until there are >= 4 programs per SM, so no
+  split-K and no cross-program reduction is needed: results are deterministic and there is one launch.
+  Every GEMV in the supported models has N >= 576 rows, i.e. >= 4 programs per SM at BLOCK_N = 1.
+- prefill (M > 8): a tiled GEMM on the tensor cores (tl.dot, bf16 in, fp32 accumulation), tiles chosen
+  per shape by a small cost model (tile efficiency x waves over the SMs), grouped tile order for L2 reuse.
+
+The gate/up kernels compute the matching gate and up columns in the same program and write
+silu(gate) * up, so the [M, 2 * intermediate] activation never reaches memory.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.activation import silu_and_mul_reference
+from kernels.triton_common import INTERPRET, num_sms
+
+# Up to this many rows of x take the GEMV; more take the tensor-core GEMM.
+GEMV_MAX_M = 8
+
+
+# ----------------------------------------------------------------------------------------------------------
+# References (the CPU path and the ground truth)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T + bias [N] -> [M, N] (torch.nn.functional.linear)."""
+    result = F.linear(x, weight, bias)
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
+def gate_up_silu_reference(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) -> [M, I], where weight [2I, K] holds the gate rows, then the up rows."""
+    intermediate = weight.shape[0] // 2
+    gate_up = F.linear(x, weight)
+    result = silu_and_mul_reference(gate_up[..., :intermediate], gate_up[..., intermediate:])
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decode: GEMV, each program owns whole output columns
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K], K contiguous
+    w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [M, N], N contiguous
+    M,
+    N,  # output columns: weight rows, or intermediate size for GATE_UP
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # next power of two >= M (all rows of x in one program)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # The products are formed in fp32 on every path (weights are upcast on load), so there is no bf16
+    # arithmetic for the interpreter to get wrong and no UPCAST flag is needed here.
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    # The last program's surplus rows re-read row N - 1 (in bounds) and are not stored: no row mask on loads.
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    gate_rows = w_ptr + rows[:, None] * stride_wn  # [BLOCK_N, 1]
+    up_rows = w_ptr + (rows + N)[:, None] * stride_wn  # [BLOCK_N, 1] (GATE_UP only)
+    offs_k0 = tl.arange(0, BLOCK_K)
+
+    if BLOCK_M == 1:
+        # [BLOCK_N, BLOCK_K] partial sums, reduced across K once after the loop.
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + offs_k0
+            k_mask = offs_k < K
+            xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * xk
+            if GATE_UP:
+                w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+                acc_up += w_up.to(tl.float32) * xk
+        result = tl.sum(acc, axis=1)  # [BLOCK_N]
+        if HAS_BIAS:
+            result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if GATE_UP:
+            result = result / (1.0 + tl.exp(-result)) * tl.sum(acc_up, axis=1)
+        tl.store(out_ptr + offs_n, result.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        # A few rows of x (batched decode): [BLOCK_M, BLOCK_N, BLOCK_K] partial sums; each weight tile
+        # is loaded once and used for every row of x.
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + offs_k0
+            k_mask = offs_k < K
+            xk = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            xk = xk.to(tl.float32)[:, None, :]  # [BLOCK_M, 1, BLOCK_K]
+            w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32)[None, :, :] * xk
+            if GATE_UP:
+                w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+                acc_up += w_up.to(tl.float32)[None, :, :] * xk
+        result = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+        if HAS_BIAS:
+            result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATE_UP:
+            result = result / (1.0 + tl.exp(-result)) * tl.sum(acc_up, axis=2)
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def gemv_config(m: int, n: int, k: int, gate_up: bool) -> GemvConfig:
+    """Tiles for the GEMV: n output columns (intermediate size for gate/up), k = in_features.
+
+    BLOCK_N is the largest power of two <= 32 (16 for gate/up, which streams two tiles) that still
+    gives >= 4 programs per SM; BLOCK_K fills a budget of 64 fp32 accumulators per thread, so that
+    every thread has 4-8 16-byte loads in flight per iteration and several programs fit on an SM.
+    """
+    block_m = triton.next_power_of_2(m)
+    tiles = 2 if gate_up else 1
+    block_n = 16 if gate_up else 32
+    while block_n > 1 and triton.cdiv(n, block_n) < 4 * num_sms():
+        block_n //= 2
+    num_warps = 4 if block_m <= 2 else 8
+    budget = 64 * 32 * num_warps  # fp32 accumulator elements per program
+    block_k = max(16, budget // (block_m * block_n * tiles))
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    return GemvConfig(block_n, block_k, num_warps)
+
+
+def _launch_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    gate_up: bool,
+    config: GemvConfig | None = None,
+) -> None:
+    m, k = x.shape
+    n = out.shape[1]
+    block_n, block_k, num_warps = config or gemv_config(m, n, k, gate_up)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        bias if bias is not None else out,  # never read without HAS_BIAS
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        GATE_UP=gate_up,
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prefill: tensor-core GEMM
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr,  # [M, K], K contiguous
+    w_ptr,  # [N, K] or [2 * N, K] (GATE_UP), K contiguous
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [M, N], N contiguous
+    M,
+    N,  # output columns: weight rows, or intermediate size for GATE_UP
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the K loop
+    UPCAST: tl.constexpr,  # the interpreter: multiply in fp32 (it computes bf16 wrongly)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped order: GROUP_M row-tiles share each weight column-tile while it is hot in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # Rows and columns past the edge wrap around to valid ones (loads stay in bounds without masks);
+    # the store is masked.
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_rows = (offs_n % N).to(tl.int64)
+    w_ptrs = w_ptr + w_rows[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    w_up_ptrs = w_ptr + (w_rows + N)[None, :] * stride_wn + offs_k[:, None]  # GATE_UP only
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k_tile * BLOCK_K
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        if GATE_UP:
+            if EVEN_K:
+                b_up = tl.load(w_up_ptrs)
+            else:
+                b_up = tl.load(w_up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if UPCAST:
+                b_up = b_up.to(tl.float32)
+            acc_up = tl.dot(a, b_up, acc_up)
+            w_up_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if GATE_UP:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Candidate tiles, largest first, with a guessed relative throughput of one SM on that tile (bigger
+# tiles reuse each loaded byte more). For gate/up the two accumulators make BLOCK_N count double.
+GEMM_CANDIDATES: tuple[tuple[GemmConfig, float], ...] = (
+    (GemmConfig(128, 256, 64, 8, 3), 1.0),
+    (GemmConfig(128, 128, 64, 8, 4), 0.9),
+    (GemmConfig(128, 64, 64, 4, 4), 0.75),
+    (GemmConfig(64, 64, 64, 4, 4), 0.55),
+    (GemmConfig(64, 32, 64, 4, 4), 0.4),
+)
+GATE_UP_CANDIDATES: tuple[tuple[GemmConfig, float], ...] = (
+    (GemmConfig(128, 128, 64, 8, 3), 1.0),
+    (GemmConfig(128, 64, 64, 8, 4), 0.9),
+    (GemmConfig(128, 32, 64, 4, 4), 0.75),
+    (GemmConfig(64, 32, 64, 4, 4), 0.55),
+    (GemmConfig(64, 16, 64, 4, 4), 0.4),
+)
+
+
+def gemm_config(m: int, n: int, k: int, gate_up: bool, element_size: int = 2) -> GemmConfig:
+    """The candidate tile with the least estimated time: waves over the SMs x tile area / throughput.
+
+    BLOCK_M is capped at the next power of two >= m (at least 16, the smallest tl.dot). BLOCK_K is 128
+    bytes of a row (64 bf16, 32 fp32) unless k is smaller, which keeps 3-4 pipeline stages of the
+    largest tiles within the 227 KB of shared memory."""
+    block_m_cap = max(16, triton.next_power_of_2(m))
+    block_k = min(128 // element_size, max(16, triton.next_power_of_2(k)))
+    best: GemmConfig | None = None
+    best_cost = float("inf")
+    for config, throughput in GATE_UP_CANDIDATES if gate_up else GEMM_CANDIDATES:
+        block_m = min(config.block_m, block_m_cap)
+        programs = triton.cdiv(m, block_m) * triton.cdiv(n, config.block_n)
+        waves = triton.cdiv(programs, num_sms())
+        # A tile clipped by m does proportionally less work but does not get faster per element.
+        cost = waves * block_m * config.block_n / (throughput * min(1.0, block_m / config.block_m) ** 0.5)
+        if cost < best_cost:
+            best_cost = cost
+            best = config._replace(block_m=block_m, block_k=block_k)
+    assert best is not None
+    return best
+
+
+def _launch_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    gate_up: bool,
+    config: GemmConfig | None = None,
+) -> None:
+    m, k = x.shape
+    n = out.shape[1]
+    block_m, block_n, block_k, num_warps, num_stages = config or gemm_config(
+        m, n, k, gate_up, x.element_size()
+    )
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _gemm_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else out,  # never read without HAS_BIAS
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        GATE_UP=gate_up,
+        EVEN_K=k % block_k == 0,
+        UPCAST=INTERPRET,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=8,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_and_make_out(
+    x: torch.Tensor, weight: torch.Tensor, n_out: int, out: torch.Tensor | None
+) -> torch.Tensor:
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be contiguous"
+    if out is None:
+        return torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
+    assert out.shape == (x.shape[0], n_out) and out.stride(1) == 1, (out.shape, out.stride())
+    assert out.dtype == x.dtype, (out.dtype, x.dtype)
+    return out
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, gate_up: bool
+) -> torch.Tensor:
+    m, k = x.shape
+    if m == 0 or out.shape[1] == 0:
+        return out
+    if k == 0:
+        # An empty sum: only the bias (or silu(0) * 0 = 0) remains.
+        return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
+    if m <= GEMV_MAX_M:
+        _launch_gemv(x, weight, bias, out, gate_up)
+    else:
+        _launch_gemm(x, weight, bias, out, gate_up)
+    return out
+
+
+def linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """As linear_reference: one launch, no host sync, no allocation when out is given."""
+    out = _check_and_make_out(x, weight, weight.shape[0], out)
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],) and bias.stride(0) == 1, bias.shape
+    return _launch(x, weight, bias, out, gate_up=False)
+
+
+def gate_up_silu_triton(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """As gate_up_silu_reference: one launch; the [M, 2I] gate/up activations stay in registers."""
+    assert weight.shape[0] % 2 == 0, weight.shape
+    out = _check_and_make_out(x, weight, weight.shape[0] // 2, out)
+    return _launch(x, weight, None, out, gate_up=True)
