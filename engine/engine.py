@@ -18,8 +18,9 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.loader import LoadedModel, load_model
 from engine.model import Decoder
+from engine.ops import ops_for
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, TokenLogprob, make_generator, sample
+from engine.sampling import SamplingParams, TokenLogprob, make_generator
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
@@ -35,6 +36,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     dtype: str = "float32"
     device: str = "cpu"
+    cuda_graphs: bool = True  # on a GPU, replay decode steps from CUDA graphs
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype not in DTYPES:
@@ -70,7 +72,7 @@ class RequestOutput:
 @dataclasses.dataclass(eq=False)
 class _Request:
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None when the engine has no tokenizer (benchmarks)
     text: str = ""  # the generated text so far, cut at a stop string
     num_emitted_chars: int = 0  # of text, already returned to the caller
 
@@ -90,9 +92,13 @@ class Engine:
         num_blocks = -(-kv_cache_tokens // config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        decoder = Decoder.from_weights(model.spec, model.weights, self.max_model_len)
-        self.runner = ModelRunner(decoder, num_blocks, config.block_size, config.torch_dtype())
-        self.eos_token_ids = frozenset(model.tokenizer.eos_token_ids) | frozenset(model.spec.eos_token_ids)
+        decoder = Decoder.from_weights(model.spec, model.weights, self.max_model_len, ops_for(self.device))
+        self.runner = ModelRunner(
+            decoder, num_blocks, config.block_size, config.torch_dtype(), config.max_num_seqs,
+            self.max_model_len, use_cuda_graphs=config.cuda_graphs,
+        )  # fmt: skip
+        tokenizer_eos = model.tokenizer.eos_token_ids if model.tokenizer is not None else ()
+        self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
 
@@ -107,6 +113,8 @@ class Engine:
         """Raise InvalidRequestError (or ContextLengthExceededError) for a request the engine cannot
         run. Reads only fixed configuration, so any thread may call it."""
         params.validate()
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this engine has none")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         if any(not 0 <= token < self.spec.vocab_size for token in prompt_token_ids):
@@ -129,7 +137,11 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, list(prompt_token_ids), params, make_generator(params.seed, self.device))
-        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        detokenizer = (
+            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+            if self.tokenizer is not None
+            else None
+        )
         self.requests[request_id] = _Request(seq, detokenizer)
         self.scheduler.add(seq)
         return request_id
@@ -138,6 +150,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.remove(request.seq)
+            self.runner.forget(request_id)
             request.seq.status = SequenceStatus.FINISHED
             request.seq.finish_reason = "abort"
 
@@ -151,27 +164,11 @@ class Engine:
         if not batch:
             return []
         self.runner.copy_blocks(batch.block_copies)
-        logits = self.runner.run(batch.scheduled)
-        sampled: list[Sequence] = []
+        sampled = self.runner.execute(batch.scheduled)
         for item in batch.scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit_computed(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                sampled.append(seq)
-        if not sampled:
-            return []
-        token_ids, logprobs = sample(
-            logits,
-            [seq.params for seq in sampled],
-            [seq.prompt_token_ids for seq in sampled],
-            [seq.output_token_ids for seq in sampled],
-            [seq.generator for seq in sampled],
-        )
-        return [
-            self._append_token(seq, token_id, logprob)
-            for seq, token_id, logprob in zip(sampled, token_ids, logprobs, strict=True)
-        ]
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_computed(item.seq)
+        return [self._append_token(result.seq, result.token_id, result.logprob) for result in sampled]
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
         request = self.requests[seq.request_id]
@@ -181,7 +178,7 @@ class Engine:
         stops_on_token = token_id in params.stop_token_ids or (
             token_id in self.eos_token_ids and not params.ignore_eos
         )
-        if not stops_on_token:
+        if not stops_on_token and request.detokenizer is not None:
             request.text += request.detokenizer.push(token_id)
         if stops_on_token or params.stop and self._cut_at_stop_string(request):
             finish_reason = "stop"
@@ -192,7 +189,7 @@ class Engine:
             holdback = max((len(stop) - 1 for stop in params.stop), default=0)
             visible = len(request.text) - holdback
         else:
-            if finish_reason == "length":
+            if finish_reason == "length" and request.detokenizer is not None:
                 request.text += request.detokenizer.flush()
             visible = len(request.text)
             self._finish(seq, finish_reason)
@@ -227,6 +224,7 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.scheduler.remove(seq)
+        self.runner.forget(seq.request_id)
         del self.requests[seq.request_id]
 
     # --- conveniences ---------------------------------------------------------------------------

@@ -22,7 +22,8 @@ class LoadedModel:
     source: Path  # the folder or .gguf file actually read
     spec: ModelSpec
     weights: dict[str, torch.Tensor]  # canonical HF-llama names (see engine.safetensors_loader)
-    tokenizer: Tokenizer  # its eos ids may differ from spec.eos_token_ids; the engine merges them
+    # None only for benchmark models; its eos ids may differ from the spec's, and the engine merges them
+    tokenizer: Tokenizer | None
 
 
 def resolve_model_source(model: str) -> Path:

@@ -1,22 +1,20 @@
 """The decoder: one pre-norm transformer that every supported family is an instance of.
 
-Module names mirror HF llama's, so the canonical weight dict loads with strict checking.
-The ops come from kernels/ (torch references today, Triton kernels beside them later).
+Module names mirror HF llama's, so the canonical weight dict loads with strict checking; then q/k/v
+and gate/up are fused into one weight each, so a layer runs five matrix products. The ops (torch
+references or Triton kernels, engine/ops.py) are chosen once, when the decoder is built.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.ops import REFERENCE_OPS, Ops
 from engine.rope import rope_cos_sin_cache
 from engine.spec import ModelSpec
 from kernels.activation import silu_and_mul_reference, xielu_reference
-from kernels.attention import AttentionMetadata, paged_attention_reference
-from kernels.kv_cache import write_kv_cache_reference
-from kernels.rmsnorm import add_rms_norm_reference, rms_norm_reference
-from kernels.rope import apply_rope_reference
+from kernels.attention import AttentionMetadata
 
 
 class RMSNorm(nn.Module):
@@ -24,9 +22,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_reference(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -42,6 +37,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         self.scale = spec.head_dim**-0.5
 
+    def fuse(self) -> None:
+        """One [q + 2 kv, hidden] weight (and bias) for the three projections."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = torch.cat([projection.weight for projection in projections])
+        self.qkv_bias = torch.cat([p.bias for p in projections]) if self.spec.qkv_bias else None
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
@@ -49,19 +51,25 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # this layer's [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
+        ops: Ops,
     ) -> torch.Tensor:
         spec = self.spec
         num_tokens = hidden.shape[0]
-        query = self.q_proj(hidden).view(num_tokens, spec.num_heads, spec.head_dim)
-        key = self.k_proj(hidden).view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        value = self.v_proj(hidden).view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        if spec.qk_norm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query = apply_rope_reference(query, positions, cos_sin_cache)
-        key = apply_rope_reference(key, positions, cos_sin_cache)
-        write_kv_cache_reference(key, value, kv_cache, metadata.slot_mapping)
-        output = paged_attention_reference(query, kv_cache, metadata, self.scale, spec.sliding_window)
-        return self.o_proj(output.view(num_tokens, spec.q_size))
+        qkv = ops.linear(hidden, self.qkv_weight, self.qkv_bias)
+        q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if spec.qk_norm else (None, None)
+        query = ops.qkv_epilogue(
+            qkv, positions, cos_sin_cache, q_norm, k_norm, spec.rms_norm_eps, kv_cache,
+            metadata.slot_mapping, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+        )  # fmt: skip
+        if metadata.is_decode and ops.decode_attention is not None:
+            output = ops.decode_attention(
+                query, kv_cache, metadata.block_tables, metadata.seq_lens, self.scale, spec.sliding_window,
+                num_splits=metadata.decode_num_splits, workspace=metadata.decode_workspace,
+            )  # fmt: skip
+        else:
+            output = ops.attention(query, kv_cache, metadata, self.scale, spec.sliding_window)
+        o_bias = self.o_proj.bias if spec.o_bias else None
+        return ops.linear(output.view(num_tokens, spec.q_size), self.o_proj.weight, o_bias)
 
 
 class XIELU(nn.Module):
@@ -80,6 +88,7 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.gated = spec.mlp == "swiglu"
+        self.has_bias = spec.mlp_bias
         if self.gated:
             self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         else:
@@ -87,10 +96,25 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            return self.down_proj(silu_and_mul_reference(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self.act_fn(self.up_proj(x)))
+    def fuse(self) -> None:
+        """One [2 * intermediate, hidden] weight for gate and up (gate rows first)."""
+        if not self.gated:
+            return
+        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.has_bias else None
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        down_bias = self.down_proj.bias if self.has_bias else None
+        if not self.gated:
+            up = ops.linear(x, self.up_proj.weight, self.up_proj.bias if self.has_bias else None)
+            act = self.act_fn(up)
+        elif self.gate_up_bias is None:
+            act = ops.gate_up_silu(x, self.gate_up_weight)
+        else:
+            gate, up = ops.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            act = silu_and_mul_reference(gate, up)
+        return ops.linear(act, self.down_proj.weight, down_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -109,16 +133,17 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
+        ops: Ops,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         norm = self.input_layernorm
         if residual is None:
-            residual, hidden = hidden, norm(hidden)
+            residual, hidden = hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
         else:
-            hidden, residual = add_rms_norm_reference(hidden, residual, norm.weight, norm.eps)
-        hidden = self.self_attn(hidden, positions, kv_cache, metadata, cos_sin_cache)
+            hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn(hidden, positions, kv_cache, metadata, cos_sin_cache, ops)
         norm = self.post_attention_layernorm
-        hidden, residual = add_rms_norm_reference(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(hidden), residual
+        hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(hidden, ops), residual
 
 
 class DecoderBody(nn.Module):
@@ -132,9 +157,10 @@ class DecoderBody(nn.Module):
 class Decoder(nn.Module):
     """Token ids in, final hidden states out; compute_logits applies the LM head."""
 
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, max_positions: int, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
         self.spec = spec
+        self.ops = ops
         self.model = DecoderBody(spec)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -142,11 +168,16 @@ class Decoder(nn.Module):
         self.cos_sin_cache = torch.empty(0)
 
     @classmethod
-    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], max_positions: int) -> Decoder:
-        """Build on the meta device, then take the given tensors as parameters (no copies)."""
+    def from_weights(
+        cls, spec: ModelSpec, weights: dict[str, torch.Tensor], max_positions: int, ops: Ops = REFERENCE_OPS
+    ) -> Decoder:
+        """Build on the meta device, take the given tensors as parameters, then fuse q/k/v and gate/up."""
         with torch.device("meta"):
-            decoder = cls(spec, max_positions)
+            decoder = cls(spec, max_positions, ops)
         decoder.load_state_dict(weights, strict=True, assign=True)
+        for layer in decoder.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
         device = decoder.model.embed_tokens.weight.device
         decoder.cos_sin_cache = rope_cos_sin_cache(spec, max_positions, device)
         return decoder.eval().requires_grad_(False)
@@ -164,16 +195,19 @@ class Decoder(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        ops = self.ops
+        hidden = ops.embedding(input_ids, self.model.embed_tokens.weight)
         residual = None
         for layer, layer_cache in zip(self.model.layers, kv_cache, strict=True):
-            hidden, residual = layer(hidden, residual, positions, layer_cache, metadata, self.cos_sin_cache)
-        hidden, _ = add_rms_norm_reference(hidden, residual, self.model.norm.weight, self.model.norm.eps)
+            hidden, residual = layer(
+                hidden, residual, positions, layer_cache, metadata, self.cos_sin_cache, ops
+            )
+        hidden, _ = ops.add_rms_norm(hidden, residual, self.model.norm.weight, self.model.norm.eps)
         return hidden  # [num_tokens, hidden_size]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.ops.linear(hidden, self.lm_head_weight).float()
 
 
 def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

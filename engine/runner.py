@@ -1,30 +1,72 @@
-"""Runs one step of the model: owns the KV cache, builds the step's inputs, returns logits.
+"""Runs one step of the model and samples: owns the KV cache, builds the step's inputs, returns tokens.
 
-This is the reference (eager) runner; the GPU runner with static buffers and CUDA graphs
-keeps the same interface.
+On the CPU every step runs eagerly with the torch reference ops and the host sampler. On a GPU the
+decoder runs Triton kernels and samples on the device; a step that only decodes (one new token per
+sequence) replays a CUDA graph captured for its batch-size bucket, whose inputs are written into
+static buffers, so the step costs the GPU's time and not the host's.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import random
 
 import torch
 
 from engine.block_manager import BlockCopy
 from engine.model import Decoder
+from engine.sampling import SamplingParams, TokenLogprob, sample
 from engine.scheduler import ScheduledSequence
-from kernels.attention import AttentionMetadata
+from engine.sequence import Sequence
+from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
+from kernels.sampling import (
+    SamplingTensors,
+    SamplingWorkspace,
+    sample_triton,
+    seed_to_int64,
+    top_logprobs,
+)
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclasses.dataclass
+class SampledToken:
+    seq: Sequence
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+def _random_seed() -> int:
+    return random.getrandbits(63)
 
 
 class ModelRunner:
-    def __init__(self, decoder: Decoder, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        decoder: Decoder,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_cuda_graphs: bool = True,
+    ) -> None:
         spec = decoder.spec
         self.decoder = decoder
+        self.spec = spec
         self.block_size = block_size
         self.device = decoder.model.embed_tokens.weight.device
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
         # [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(
             spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
             dtype=dtype, device=self.device,
         )  # fmt: skip
+        self.seeds: dict[str, int] = {}  # request id -> the seed its device-side noise is keyed by
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and use_cuda_graphs:
+            self.graphs = DecodeGraphs(self, max_num_seqs)
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         for copy in copies:
@@ -32,10 +74,37 @@ class ModelRunner:
                 :, :, copy.src_block, : copy.num_slots
             ]
 
+    def forget(self, request_id: str) -> None:
+        self.seeds.pop(request_id, None)
+
+    def seed_of(self, seq: Sequence) -> int:
+        if seq.request_id not in self.seeds:
+            self.seeds[seq.request_id] = seq.params.seed if seq.params.seed is not None else _random_seed()
+        return self.seeds[seq.request_id]
+
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
-        """Compute the scheduled tokens; return float32 logits [num_rows, vocab_size], one row for
-        each sequence whose tokens are all computed after this step (in scheduled order)."""
+    def execute(self, scheduled: list[ScheduledSequence]) -> list[SampledToken]:
+        """Compute the scheduled tokens and sample the next token of every sequence whose tokens are
+        then all computed (in scheduled order)."""
+        sampled = [
+            item.seq
+            for item in scheduled
+            if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
+        ]
+        is_decode = all(item.num_new_tokens == 1 for item in scheduled) and len(sampled) == len(scheduled)
+        if self.graphs is not None and is_decode and self.graphs.fits(len(scheduled)):
+            token_ids, logits = self.graphs.replay(scheduled)
+        else:
+            logits = self.forward_eager(scheduled, is_decode)
+            if not sampled:
+                return []
+            token_ids = self._sample_eager(logits, sampled)
+        return self._results(sampled, token_ids, logits)
+
+    @torch.inference_mode()
+    def forward_eager(self, scheduled: list[ScheduledSequence], is_decode: bool = False) -> torch.Tensor:
+        """The float32 logits [num_rows, vocab_size] of each sequence whose tokens are all computed
+        after this step, without sampling."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -62,9 +131,10 @@ class ModelRunner:
         device = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=block_tables.to(device),
+            is_decode=is_decode,
         )
         hidden = self.decoder(
             torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -73,3 +143,205 @@ class ModelRunner:
             metadata,
         )
         return self.decoder.compute_logits(hidden[torch.tensor(logit_rows, device=device)])
+
+    def _sample_eager(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        if self.device.type != "cuda":
+            token_ids, _ = sample(
+                logits,
+                [seq.params for seq in seqs],
+                [seq.prompt_token_ids for seq in seqs],
+                [seq.output_token_ids for seq in seqs],
+                [seq.generator for seq in seqs],
+            )
+            return torch.tensor(token_ids)
+        tensors = self.sampling_tensors(seqs)
+        return sample_triton(logits, tensors)
+
+    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        """Per-row parameters on the device; the token counts only for rows that use penalties."""
+        has_penalties = [seq.params.has_penalties for seq in seqs]
+        return SamplingTensors.from_params(
+            [seq.params for seq in seqs],
+            [
+                seq.prompt_token_ids if penalized else []
+                for seq, penalized in zip(seqs, has_penalties, strict=True)
+            ],
+            [
+                seq.output_token_ids if penalized else []
+                for seq, penalized in zip(seqs, has_penalties, strict=True)
+            ],
+            [self.seed_of(seq) for seq in seqs],
+            [seq.num_output_tokens for seq in seqs],
+            self.spec.vocab_size,
+            self.device,
+        )
+
+    def _results(
+        self, seqs: list[Sequence], token_ids: torch.Tensor, logits: torch.Tensor
+    ) -> list[SampledToken]:
+        wanted = [seq.params.logprobs for seq in seqs]
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if any(count is not None for count in wanted):
+            top = max(count or 0 for count in wanted)
+            chosen, top_ids, top_values = top_logprobs(logits, token_ids.to(logits.device), max(top, 1))
+            chosen, top_ids, top_values = chosen.tolist(), top_ids.tolist(), top_values.tolist()
+            for row, count in enumerate(wanted):
+                if count is not None:
+                    pairs = list(zip(top_ids[row][:count], top_values[row][:count], strict=True))
+                    logprobs[row] = TokenLogprob(int(token_ids[row]), chosen[row], pairs)
+        ids = token_ids.tolist()
+        return [SampledToken(seq, ids[row], logprobs[row]) for row, seq in enumerate(seqs)]
+
+
+class DecodeGraphs:
+    """CUDA graphs of a decode step (forward, LM head, sampling), one per batch-size bucket."""
+
+    def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
+        self.runner = runner
+        spec, device = runner.spec, runner.device
+        self.batch_sizes = [size for size in GRAPH_BATCH_SIZES if size < max_num_seqs] + [max_num_seqs]
+        self.batch_sizes = sorted(set(self.batch_sizes))
+        max_bs = self.batch_sizes[-1]
+        self.max_bs = max_bs
+        max_context = runner.max_blocks_per_seq * runner.block_size
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_bs, runner.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.token_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.logits = torch.zeros(max_bs, spec.vocab_size, dtype=torch.float32, device=device)
+        neutral = [SamplingParams(temperature=0)] * max_bs
+        self.sampling = SamplingTensors.from_params(
+            neutral, [[]] * max_bs, [[]] * max_bs, [0] * max_bs, [0] * max_bs, spec.vocab_size, device
+        )
+        self.sampling_workspace = SamplingWorkspace.allocate(max_bs, spec.vocab_size, device)
+        self.attention_workspace = DecodeWorkspace.allocate(
+            max_bs, spec.num_heads, spec.num_kv_heads, spec.head_dim, max_context, device
+        )
+        self.max_context = max_context
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self._penalized_rows: set[int] = set()
+        for batch_size in reversed(self.batch_sizes):  # largest first, so the smaller ones reuse its pool
+            self._capture(batch_size)
+
+    def fits(self, batch_size: int) -> bool:
+        return batch_size <= self.max_bs
+
+    def _metadata(self, batch_size: int) -> AttentionMetadata:
+        spec = self.runner.spec
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch_size],
+            query_start_loc=self.query_start_loc[: batch_size + 1],
+            seq_lens=self.seq_lens[:batch_size],
+            block_tables=self.block_tables[:batch_size],
+            is_decode=True,
+            decode_num_splits=decode_num_splits(
+                batch_size, spec.num_kv_heads, self.max_context, spec.head_dim
+            ),
+            decode_workspace=self.attention_workspace,
+        )
+
+    def _sampling_rows(self, batch_size: int) -> SamplingTensors:
+        fields = {
+            f.name: getattr(self.sampling, f.name)[:batch_size] for f in dataclasses.fields(self.sampling)
+        }
+        return SamplingTensors(**fields)
+
+    def _step(self, batch_size: int) -> None:
+        decoder = self.runner.decoder
+        hidden = decoder(
+            self.input_ids[:batch_size],
+            self.positions[:batch_size],
+            self.runner.kv_cache,
+            self._metadata(batch_size),
+        )
+        self.logits[:batch_size] = decoder.compute_logits(hidden)
+        sample_triton(
+            self.logits[:batch_size], self._sampling_rows(batch_size),
+            out=self.token_ids[:batch_size], workspace=self.sampling_workspace,
+        )  # fmt: skip
+
+    def _capture(self, batch_size: int) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._step(batch_size)  # compiles the kernels and warms the allocator
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._step(batch_size)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[batch_size] = graph
+
+    def replay(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's inputs into the static buffers, replay, return (token ids, logits) rows."""
+        runner = self.runner
+        num_seqs = len(scheduled)
+        batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
+        block_size = runner.block_size
+        input_ids, positions, slots, seq_lens = [], [], [], []
+        tables = torch.zeros(batch_size, runner.max_blocks_per_seq, dtype=torch.int32)
+        for row, item in enumerate(scheduled):
+            seq = item.seq
+            position = seq.num_tokens - 1
+            input_ids.append(seq.token_ids[-1])
+            positions.append(position)
+            slots.append(seq.block_table[position // block_size] * block_size + position % block_size)
+            seq_lens.append(seq.num_tokens)
+            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        padding = batch_size - num_seqs
+        self.input_ids[:batch_size].copy_(torch.tensor(input_ids + [0] * padding), non_blocking=True)
+        self.positions[:batch_size].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
+        self.slot_mapping[:batch_size].copy_(torch.tensor(slots + [-1] * padding), non_blocking=True)
+        self.seq_lens[:batch_size].copy_(
+            torch.tensor(seq_lens + [0] * padding, dtype=torch.int32), non_blocking=True
+        )
+        self.block_tables[:batch_size].copy_(tables, non_blocking=True)
+        self._write_sampling(scheduled, batch_size)
+        self.graphs[batch_size].replay()
+        return self.token_ids[:num_seqs].cpu(), self.logits[:num_seqs]
+
+    def _write_sampling(self, scheduled: list[ScheduledSequence], batch_size: int) -> None:
+        """Each row's sampling parameters into the graph's buffers; token counts only where penalties
+        are (or were, in that row) in use, so a step without penalties copies a few bytes per row."""
+        seqs = [item.seq for item in scheduled]
+        padding = batch_size - len(seqs)
+        target = self.sampling
+        floats = torch.tensor(
+            [[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
+             for p in (seq.params for seq in seqs)] + [[0.0, 1.0, 0.0, 0.0, 0.0, 1.0]] * padding,
+            dtype=torch.float32,
+        ).T  # fmt: skip
+        for field, values in zip(_FLOAT_FIELDS, floats, strict=True):
+            getattr(target, field)[:batch_size].copy_(values, non_blocking=True)
+        top_k = [max(seq.params.top_k, 0) for seq in seqs] + [0] * padding
+        target.top_k[:batch_size].copy_(torch.tensor(top_k, dtype=torch.int32), non_blocking=True)
+        seeds = [seed_to_int64(self.runner.seed_of(seq)) for seq in seqs] + [0] * padding
+        target.seeds[:batch_size].copy_(torch.tensor(seeds, dtype=torch.int64), non_blocking=True)
+        steps = [seq.num_output_tokens for seq in seqs] + [0] * padding
+        target.step[:batch_size].copy_(torch.tensor(steps, dtype=torch.int64), non_blocking=True)
+        penalized = {row for row, seq in enumerate(seqs) if seq.params.has_penalties}
+        for row in penalized | self._penalized_rows:  # rows whose counts are, or were, in use
+            target.output_counts[row].zero_()
+            target.prompt_mask[row].zero_()
+            if row in penalized:
+                seq = seqs[row]
+                output = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=target.step.device)
+                target.output_counts[row].index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
+                target.prompt_mask[row, output] = True
+                target.prompt_mask[row, torch.tensor(seq.prompt_token_ids, device=target.step.device)] = True
+        self._penalized_rows = penalized
+
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)

@@ -19,12 +19,16 @@ class AttentionMetadata:
 
     The new tokens of all sequences are packed along one axis; sequence i owns tokens
     query_start_loc[i]:query_start_loc[i+1], and they are the last ones of its seq_lens[i] positions.
+    All tensors live on the model's device.
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, on the host
-    seq_lens: torch.Tensor  # [num_seqs] int32, on the host: cached + new tokens
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token; -1 writes nothing
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: cached + new tokens
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32: block ids, padded with 0
+    is_decode: bool = False  # one query token per sequence: the split-KV decode kernel applies
+    decode_num_splits: int | None = None  # fixed for a captured CUDA graph
+    decode_workspace: DecodeWorkspace | None = None  # preallocated for a captured CUDA graph
 
     @property
     def num_seqs(self) -> int:
@@ -223,6 +227,7 @@ def _paged_decode_kernel(
     SPLITS_PAD: tl.constexpr,  # NUM_SPLITS padded to a power of two
     SPLIT_CHUNK: tl.constexpr,  # splits merged per step
     UPCAST: tl.constexpr = INTERPRET,
+    DOT_PRECISION: tl.constexpr = "tf32",  # "ieee" for an fp32 cache: exact fp32, not TF32
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -273,14 +278,15 @@ def _paged_decode_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
 
-            scores = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+            # [GROUP_PAD, BLOCK_N], log2 units
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             scores = tl.where(key_mask[None, :], scores, float("-inf"))
             # each tile holds a visible key, so m_new is finite: no -inf - -inf
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         if NUM_SPLITS == 1:  # noqa: SIM114 (constexpr: the merge below is not even compiled)
@@ -461,6 +467,7 @@ def paged_decode_attention_triton(
         out.stride(0),
         out.stride(1),
         GROUP=group,
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         GROUP_PAD=max(16, merge_rows),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),

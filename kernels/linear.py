@@ -224,6 +224,7 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr = "tf32",  # "ieee" for fp32 inputs: exact fp32, not TF32
 ):
     # Grouped order: GROUP_M row-tiles share each weight column-tile while it is hot in L2.
     pid = tl.program_id(0)
@@ -258,7 +259,7 @@ def _gemm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if GATE_UP:
             if EVEN_K:
                 b_up = tl.load(w_up_ptrs)
@@ -266,7 +267,7 @@ def _gemm_kernel(
                 b_up = tl.load(w_up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             if UPCAST:
                 b_up = b_up.to(tl.float32)
-            acc_up = tl.dot(a, b_up, acc_up)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
             w_up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -357,6 +358,7 @@ def _launch_gemm(
         HAS_BIAS=bias is not None,
         GATE_UP=gate_up,
         EVEN_K=k % block_k == 0,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=INTERPRET,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

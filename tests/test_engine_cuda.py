@@ -1,32 +1,65 @@
-"""The reference engine on a CUDA device: the same greedy tokens as on the CPU."""
+"""The engine on a CUDA device (Triton kernels, CUDA-graph decode, sampling on the device) against the
+CPU reference path and against itself without graphs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-CHAT = [{"role": "user", "content": "Explain in one sentence what a GPU is."}]
+CHATS = [
+    [{"role": "user", "content": "Explain in one sentence what a GPU is."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "List three prime numbers."}],
+]
+GREEDY = SamplingParams(max_tokens=32, temperature=0)
+
+
+def _engine(path: Path, **config: object) -> Engine:
+    defaults = dict(device="cuda", kv_cache_tokens=4096, max_model_len=2048, max_num_seqs=8)
+    return Engine.load(str(path), EngineConfig(**{**defaults, **config}))
 
 
 def test_cuda_float32_greedy_equals_cpu(smollm2_gguf: Path) -> None:
-    params = SamplingParams(max_tokens=32, temperature=0)
-    outputs = {}
-    for device in ("cpu", "cuda"):
-        engine = Engine.load(str(smollm2_gguf), EngineConfig(device=device, kv_cache_tokens=2048))
-        outputs[device] = engine.generate(engine.tokenizer.encode_chat(CHAT), params)
-    assert outputs["cuda"] == outputs["cpu"]
+    cuda = _engine(smollm2_gguf, dtype="float32")
+    cpu = _engine(smollm2_gguf, dtype="float32", device="cpu")
+    for chat in CHATS:
+        prompt = cpu.tokenizer.encode_chat(chat)
+        assert cuda.generate(prompt, GREEDY) == cpu.generate(prompt, GREEDY)
 
 
-def test_cuda_bfloat16_generates(smollm2_gguf: Path) -> None:
-    engine = Engine.load(
-        str(smollm2_gguf), EngineConfig(device="cuda", dtype="bfloat16", kv_cache_tokens=2048)
-    )
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    token_ids, text, finish_reason = engine.generate(engine.tokenizer.encode_chat(CHAT), params)
-    assert len(token_ids) == 16 and finish_reason == "length" and text.strip()
+def test_cuda_graphs_equal_eager_and_batches_equal_solo_runs(smollm2_gguf: Path) -> None:
+    graphs = _engine(smollm2_gguf, dtype="bfloat16")
+    eager = _engine(smollm2_gguf, dtype="bfloat16", cuda_graphs=False)
+    assert graphs.runner.graphs is not None and eager.runner.graphs is None
+    prompts = [graphs.tokenizer.encode_chat(chat) for chat in CHATS]
+    solo = [graphs.generate(prompt, GREEDY) for prompt in prompts]
+    assert solo == [eager.generate(prompt, GREEDY) for prompt in prompts]
+    ids = [graphs.add_request(prompt, GREEDY) for prompt in prompts]  # a batch of 3 in the 4-bucket
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    while graphs.has_unfinished():
+        for output in graphs.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert [tokens[request_id] for request_id in ids] == [token_ids for token_ids, _, _ in solo]
+
+
+def test_cuda_seeded_sampling_and_logprobs(smollm2_gguf: Path) -> None:
+    engine = _engine(smollm2_gguf, dtype="bfloat16")
+    prompt = engine.tokenizer.encode_chat(CHATS[1])
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=11, logprobs=2)
+    first = list(engine.stream(prompt, params))
+    second = list(engine.stream(prompt, params))
+    assert [o.new_token_ids for o in first] == [o.new_token_ids for o in second]
+    penalized = SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.3, frequency_penalty=0.5)
+    token_ids, _, _ = engine.generate(prompt, penalized)
+    assert len(token_ids) > 0
+    for output in first:
+        (logprob,) = output.new_logprobs
+        assert logprob.token_id == output.new_token_ids[0] and len(logprob.top) == 2
+        assert torch.isfinite(torch.tensor(logprob.logprob))

@@ -16,7 +16,9 @@ from kernels.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_nor
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
 # bf16 keeps 8 bits of mantissa (the interpreter also truncates instead of rounding): a few ulps apart.
-TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+# bf16: the kernel rounds the normed q/k to bf16 before RoPE (as HF does), the fp32 reference does not;
+# values of magnitude ~4-8 then differ by up to two bf16 ulps (1/16) after the rotation.
+TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=6e-2, rtol=2e-2)}
 
 
 def _generator(seed: int) -> torch.Generator:

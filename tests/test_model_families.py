@@ -11,6 +11,7 @@ import transformers
 
 from engine.block_manager import BlockManager
 from engine.model import Decoder
+from engine.ops import ops_for
 from engine.runner import ModelRunner
 from engine.safetensors_loader import load_safetensors_folder
 from engine.sampling import SamplingParams
@@ -59,13 +60,17 @@ def _save_random_model(config: transformers.PretrainedConfig, folder: Path) -> t
     return model
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu, id="cuda-triton")])
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_logits_match_transformers(family: str, tmp_path: Path) -> None:
+def test_logits_match_transformers(family: str, device: str, tmp_path: Path) -> None:
+    """On the CPU the torch reference ops run; on CUDA the Triton kernels (fp32, exact dots)."""
     reference = _save_random_model(CONFIGS[family](), tmp_path)
-    spec, weights = load_safetensors_folder(tmp_path, torch.float32)
+    spec, weights = load_safetensors_folder(tmp_path, torch.float32, device)
     block_size, num_tokens, num_prompt = 4, 23, 13
-    decoder = Decoder.from_weights(spec, weights, max_positions=64)
-    runner = ModelRunner(decoder, num_blocks=12, block_size=block_size, dtype=torch.float32)
+    decoder = Decoder.from_weights(spec, weights, max_positions=64, ops=ops_for(torch.device(device)))
+    runner = ModelRunner(
+        decoder, 12, block_size, torch.float32, max_num_seqs=1, max_model_len=64, use_cuda_graphs=False
+    )
     manager = BlockManager(num_blocks=12, block_size=block_size)
     manager.allocate(Sequence("pad", [1] * 7, SamplingParams()))  # so block ids are not just 0, 1, 2...
     token_ids = torch.randint(0, spec.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(1))
@@ -73,14 +78,14 @@ def test_logits_match_transformers(family: str, tmp_path: Path) -> None:
         expected = reference(token_ids[None]).logits[0, num_prompt - 1 :]
     seq = Sequence("s", token_ids[:num_prompt].tolist(), SamplingParams())
     manager.allocate(seq)
-    got = [runner.run([ScheduledSequence(seq, num_prompt)])]
+    got = [runner.forward_eager([ScheduledSequence(seq, num_prompt)])]
     seq.num_computed_tokens = num_prompt
     for token in token_ids[num_prompt:].tolist():  # teacher-forced decode steps
         seq.token_ids.append(token)
         manager.append_slots(seq, 0)
-        got.append(runner.run([ScheduledSequence(seq, 1)]))
+        got.append(runner.forward_eager([ScheduledSequence(seq, 1)], is_decode=True))
         seq.num_computed_tokens += 1
-    got_logits = torch.cat(got)
+    got_logits = torch.cat(got).cpu()
     scale = expected.abs().max()
     assert (got_logits - expected).abs().max() <= 1e-4 * scale
     assert torch.equal(got_logits.argmax(-1), expected.argmax(-1))

@@ -1,0 +1,54 @@
+"""The two sets of ops the decoder runs: torch references (CPU, and the ground truth) and Triton
+kernels (CUDA). Each pair shares a signature (kernels/*.py); the engine picks a set once, by device."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from kernels.attention import paged_attention_reference, paged_decode_attention_triton
+from kernels.embedding import embedding_reference, embedding_triton
+from kernels.linear import gate_up_silu_reference, gate_up_silu_triton, linear_reference, linear_triton
+from kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
+from kernels.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    embedding: Callable
+    rms_norm: Callable
+    add_rms_norm: Callable  # the Triton one updates `residual` in place
+    linear: Callable
+    gate_up_silu: Callable
+    qkv_epilogue: Callable  # q/k RMSNorm + RoPE + paged KV write, after the fused QKV projection
+    attention: Callable  # any number of query tokens per sequence (prefill, mixed batches)
+    decode_attention: Callable | None  # one query token per sequence; None: `attention` serves
+
+
+REFERENCE_OPS = Ops(
+    embedding=embedding_reference,
+    rms_norm=rms_norm_reference,
+    add_rms_norm=add_rms_norm_reference,
+    linear=linear_reference,
+    gate_up_silu=gate_up_silu_reference,
+    qkv_epilogue=qkv_epilogue_reference,
+    attention=paged_attention_reference,
+    decode_attention=None,
+)
+
+TRITON_OPS = Ops(
+    embedding=embedding_triton,
+    rms_norm=rms_norm_triton,
+    add_rms_norm=add_rms_norm_triton,
+    linear=linear_triton,
+    gate_up_silu=gate_up_silu_triton,
+    qkv_epilogue=qkv_epilogue_triton,
+    attention=paged_attention_reference,  # the paged flash-attention prefill kernel comes with issue 5
+    decode_attention=paged_decode_attention_triton,
+)
+
+
+def ops_for(device: torch.device) -> Ops:
+    return TRITON_OPS if device.type == "cuda" else REFERENCE_OPS
