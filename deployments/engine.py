@@ -63,22 +63,27 @@ class EngineDeployment:
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[Accepted | RequestOutput]:
-        """Stream one request: Accepted, then one RequestOutput per generated token.
+    ) -> AsyncIterator[Accepted | list[RequestOutput]]:
+        """Stream one request: Accepted, then lists of RequestOutput (one per generated token).
 
+        Each list holds what is ready when the caller asks: the first token goes alone and at once;
+        a caller that falls behind gets the tokens that piled up in one item, not one item each.
         Raises InvalidRequestError or CapacityError before the first item. A caller that stops
         reading (its client went away) cancels this generator, which aborts the request.
         """
         request_id, outputs = self.loop.submit(prompt_token_ids, params)
         try:
             yield Accepted(request_id, len(prompt_token_ids))
-            while True:
-                output = await outputs.get()
-                if isinstance(output, BaseException):
-                    raise output
-                yield output
-                if output.finished:
-                    return
+            finished = False
+            while not finished:
+                ready = [await outputs.get()]
+                while not outputs.empty():
+                    ready.append(outputs.get_nowait())
+                for output in ready:
+                    if isinstance(output, BaseException):
+                        raise output
+                finished = ready[-1].finished
+                yield ready
         finally:
             self.loop.abort(request_id)
 

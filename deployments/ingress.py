@@ -305,8 +305,9 @@ class OpenAIIngress:
 
         async def pump(choice: _Choice) -> None:
             try:
-                async for output in choice.outputs:
-                    await queue.put((choice, output))
+                async for outputs in choice.outputs:
+                    for output in outputs:
+                        await queue.put((choice, output))
             except BaseException as error:  # noqa: BLE001 - handed to the reader
                 await queue.put((choice, error))
             else:

@@ -15,7 +15,7 @@ import torch
 
 from engine.block_manager import BlockCopy
 from engine.model import Decoder
-from engine.sampling import SamplingParams, TokenLogprob, sample
+from engine.sampling import TokenLogprob, sample
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
@@ -204,17 +204,28 @@ class DecodeGraphs:
         max_bs = self.batch_sizes[-1]
         self.max_bs = max_bs
         max_context = runner.max_blocks_per_seq * runner.block_size
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        # Every per-step input lives in one of three packed buffers (and the block tables), each filled
+        # from a pinned host copy of the same shape with one transfer per step.
+        self.ints = torch.zeros(
+            5, max_bs, dtype=torch.int64, device=device
+        )  # ids, positions, slots, seeds, steps
+        self.int32s = torch.zeros(2, max_bs, dtype=torch.int32, device=device)  # seq lens, top-k
+        self.floats = torch.tensor(_NEUTRAL_FLOATS, device=device)[:, None].repeat(1, max_bs)
         self.block_tables = torch.zeros(max_bs, runner.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.staging = [torch.empty_like(buffer, device="cpu").pin_memory()
+                        for buffer in (self.ints, self.int32s, self.floats, self.block_tables)]  # fmt: skip
+        self.input_ids, self.positions, self.slot_mapping = self.ints[0], self.ints[1], self.ints[2]
+        self.seq_lens = self.int32s[0]
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.token_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.logits = torch.zeros(max_bs, spec.vocab_size, dtype=torch.float32, device=device)
-        neutral = [SamplingParams(temperature=0)] * max_bs
-        self.sampling = SamplingTensors.from_params(
-            neutral, [[]] * max_bs, [[]] * max_bs, [0] * max_bs, [0] * max_bs, spec.vocab_size, device
+        self.sampling = SamplingTensors(
+            **dict(zip(_FLOAT_FIELDS, self.floats, strict=True)),
+            top_k=self.int32s[1],
+            seeds=self.ints[3],
+            step=self.ints[4],
+            output_counts=torch.zeros(max_bs, spec.vocab_size, dtype=torch.int32, device=device),
+            prompt_mask=torch.zeros(max_bs, spec.vocab_size, dtype=torch.bool, device=device),
         )
         self.sampling_workspace = SamplingWorkspace.allocate(max_bs, spec.vocab_size, device)
         self.attention_workspace = DecodeWorkspace.allocate(
@@ -283,60 +294,56 @@ class DecodeGraphs:
         num_seqs = len(scheduled)
         batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
         block_size = runner.block_size
-        input_ids, positions, slots, seq_lens = [], [], [], []
-        tables = torch.zeros(batch_size, runner.max_blocks_per_seq, dtype=torch.int32)
-        for row, item in enumerate(scheduled):
-            seq = item.seq
-            position = seq.num_tokens - 1
-            input_ids.append(seq.token_ids[-1])
-            positions.append(position)
-            slots.append(seq.block_table[position // block_size] * block_size + position % block_size)
-            seq_lens.append(seq.num_tokens)
-            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        seqs = [item.seq for item in scheduled]
         padding = batch_size - num_seqs
-        self.input_ids[:batch_size].copy_(torch.tensor(input_ids + [0] * padding), non_blocking=True)
-        self.positions[:batch_size].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
-        self.slot_mapping[:batch_size].copy_(torch.tensor(slots + [-1] * padding), non_blocking=True)
-        self.seq_lens[:batch_size].copy_(
-            torch.tensor(seq_lens + [0] * padding, dtype=torch.int32), non_blocking=True
-        )
-        self.block_tables[:batch_size].copy_(tables, non_blocking=True)
-        self._write_sampling(scheduled, batch_size)
+        positions = [seq.num_tokens - 1 for seq in seqs]
+        ints_host, int32s_host, floats_host, tables_host = self.staging
+        ints_host[:, :batch_size] = torch.tensor(
+            [[seq.token_ids[-1] for seq in seqs] + [0] * padding,
+             positions + [0] * padding,
+             [seq.block_table[p // block_size] * block_size + p % block_size
+              for seq, p in zip(seqs, positions, strict=True)] + [-1] * padding,  # -1: padding writes nothing
+             [seed_to_int64(runner.seed_of(seq)) for seq in seqs] + [0] * padding,
+             [seq.num_output_tokens for seq in seqs] + [0] * padding]
+        )  # fmt: skip
+        int32s_host[:, :batch_size] = torch.tensor(
+            [[seq.num_tokens for seq in seqs] + [0] * padding,  # a length of 0 makes attention skip the row
+             [max(seq.params.top_k, 0) for seq in seqs] + [0] * padding]
+        )  # fmt: skip
+        floats_host[:, :batch_size] = torch.tensor(
+            [[getattr(seq.params, field) for field in _FLOAT_FIELDS] for seq in seqs]
+            + [_NEUTRAL_FLOATS] * padding
+        ).T
+        tables_host[:batch_size].zero_()
+        for row, seq in enumerate(seqs):
+            tables_host[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        self.ints[:, :batch_size].copy_(ints_host[:, :batch_size], non_blocking=True)
+        self.int32s[:, :batch_size].copy_(int32s_host[:, :batch_size], non_blocking=True)
+        self.floats[:, :batch_size].copy_(floats_host[:, :batch_size], non_blocking=True)
+        self.block_tables[:batch_size].copy_(tables_host[:batch_size], non_blocking=True)
+        self._write_penalty_counts(seqs)
         self.graphs[batch_size].replay()
         return self.token_ids[:num_seqs].cpu(), self.logits[:num_seqs]
 
-    def _write_sampling(self, scheduled: list[ScheduledSequence], batch_size: int) -> None:
-        """Each row's sampling parameters into the graph's buffers; token counts only where penalties
-        are (or were, in that row) in use, so a step without penalties copies a few bytes per row."""
-        seqs = [item.seq for item in scheduled]
-        padding = batch_size - len(seqs)
+    def _write_penalty_counts(self, seqs: list[Sequence]) -> None:
+        """Token counts for the rows that use penalties (and zeros where a row used them last step);
+        a step without penalties touches nothing here."""
         target = self.sampling
-        floats = torch.tensor(
-            [[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
-             for p in (seq.params for seq in seqs)] + [[0.0, 1.0, 0.0, 0.0, 0.0, 1.0]] * padding,
-            dtype=torch.float32,
-        ).T  # fmt: skip
-        for field, values in zip(_FLOAT_FIELDS, floats, strict=True):
-            getattr(target, field)[:batch_size].copy_(values, non_blocking=True)
-        top_k = [max(seq.params.top_k, 0) for seq in seqs] + [0] * padding
-        target.top_k[:batch_size].copy_(torch.tensor(top_k, dtype=torch.int32), non_blocking=True)
-        seeds = [seed_to_int64(self.runner.seed_of(seq)) for seq in seqs] + [0] * padding
-        target.seeds[:batch_size].copy_(torch.tensor(seeds, dtype=torch.int64), non_blocking=True)
-        steps = [seq.num_output_tokens for seq in seqs] + [0] * padding
-        target.step[:batch_size].copy_(torch.tensor(steps, dtype=torch.int64), non_blocking=True)
+        device = target.step.device
         penalized = {row for row, seq in enumerate(seqs) if seq.params.has_penalties}
-        for row in penalized | self._penalized_rows:  # rows whose counts are, or were, in use
+        for row in penalized | self._penalized_rows:
             target.output_counts[row].zero_()
             target.prompt_mask[row].zero_()
             if row in penalized:
                 seq = seqs[row]
-                output = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=target.step.device)
+                output = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=device)
                 target.output_counts[row].index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
                 target.prompt_mask[row, output] = True
-                target.prompt_mask[row, torch.tensor(seq.prompt_token_ids, device=target.step.device)] = True
+                target.prompt_mask[row, torch.tensor(seq.prompt_token_ids, device=device)] = True
         self._penalized_rows = penalized
 
 
+# SamplingTensors' float fields, in the order of the packed buffer; and their values for a padding row
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -345,3 +352,4 @@ _FLOAT_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+_NEUTRAL_FLOATS = [0.0, 1.0, 0.0, 0.0, 0.0, 1.0]  # greedy, no filtering, no penalties

@@ -12,7 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.model_shapes import TINY, random_weights  # noqa: E402
+from bench import limits  # noqa: E402
+from bench.model_shapes import QWEN3_0_6B, QWEN3_4B, TINY, random_weights  # noqa: E402
 from bench.peer import PeerModel, compile_greedy_step, greedy_step  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
 from engine.model import Decoder  # noqa: E402
@@ -32,16 +33,25 @@ def _reference_logits(spec, weights, token_ids: list[int], num_prompt: int) -> t
     prompt, then one token at a time through the paged cache."""
     block_size = 4
     num_blocks = -(-len(token_ids) // block_size) + 1
-    runner = ModelRunner(Decoder.from_weights(spec, weights, 64), num_blocks, block_size, torch.float32)
+    decoder = Decoder.from_weights(spec, weights, max_positions=64)  # the torch reference ops
+    runner = ModelRunner(
+        decoder,
+        num_blocks,
+        block_size,
+        torch.float32,
+        max_num_seqs=1,
+        max_model_len=64,
+        use_cuda_graphs=False,
+    )
     manager = BlockManager(num_blocks, block_size)
     seq = Sequence("s", token_ids[:num_prompt], SamplingParams())
     manager.allocate(seq)
-    logits = [runner.run([ScheduledSequence(seq, num_prompt)])]
+    logits = [runner.forward_eager([ScheduledSequence(seq, num_prompt)])]
     seq.num_computed_tokens = num_prompt
     for token in token_ids[num_prompt:]:
         seq.token_ids.append(token)
         manager.append_slots(seq, 0)
-        logits.append(runner.run([ScheduledSequence(seq, 1)]))
+        logits.append(runner.forward_eager([ScheduledSequence(seq, 1)], is_decode=True))
         seq.num_computed_tokens += 1
     return torch.cat(logits)
 
@@ -85,3 +95,13 @@ def test_compiled_step_equals_eager_step() -> None:
                 picked.append(token.item())
         tokens[label] = picked
     assert tokens["compiled"] == tokens["eager"]
+
+
+def test_decode_roofline_bytes_are_bench_md_figures() -> None:
+    """BENCH.md: one Qwen3-0.6B token after 1,023 positions reads 1.309 GB, a Qwen3-4B one 8.196 GB;
+    at 4.22 TB/s that is 3,222 and 515 tok/s."""
+    bytes_06b = limits.decode_bytes_per_token(QWEN3_0_6B, 1023, torch.bfloat16)
+    bytes_4b = limits.decode_bytes_per_token(QWEN3_4B, 1023, torch.bfloat16)
+    assert round(bytes_06b / 1e9, 3) == 1.309 and round(bytes_4b / 1e9, 3) == 8.196
+    assert round(limits.decode_roofline(QWEN3_0_6B, 4.22e12)) == 3223  # BENCH.md rounds 3,222.8 down
+    assert round(limits.decode_roofline(QWEN3_4B, 4.22e12)) == 515

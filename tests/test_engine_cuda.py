@@ -34,19 +34,27 @@ def test_cuda_float32_greedy_equals_cpu(smollm2_gguf: Path) -> None:
         assert cuda.generate(prompt, GREEDY) == cpu.generate(prompt, GREEDY)
 
 
-def test_cuda_graphs_equal_eager_and_batches_equal_solo_runs(smollm2_gguf: Path) -> None:
+def test_cuda_graphs_equal_eager(smollm2_gguf: Path) -> None:
     graphs = _engine(smollm2_gguf, dtype="bfloat16")
     eager = _engine(smollm2_gguf, dtype="bfloat16", cuda_graphs=False)
     assert graphs.runner.graphs is not None and eager.runner.graphs is None
-    prompts = [graphs.tokenizer.encode_chat(chat) for chat in CHATS]
-    solo = [graphs.generate(prompt, GREEDY) for prompt in prompts]
-    assert solo == [eager.generate(prompt, GREEDY) for prompt in prompts]
-    ids = [graphs.add_request(prompt, GREEDY) for prompt in prompts]  # a batch of 3 in the 4-bucket
+    for chat in CHATS:
+        prompt = graphs.tokenizer.encode_chat(chat)
+        assert graphs.generate(prompt, GREEDY) == eager.generate(prompt, GREEDY)
+
+
+def test_cuda_batch_equals_solo_runs(smollm2_gguf: Path) -> None:
+    """A batch of 3 replays the 4-sequence graph with a padded row. In float32 (bf16 GEMVs round
+    differently at other batch sizes, so near-ties may flip there) each sequence equals its solo run."""
+    engine = _engine(smollm2_gguf, dtype="float32")
+    prompts = [engine.tokenizer.encode_chat(chat) for chat in CHATS]
+    solo = [engine.generate(prompt, GREEDY)[0] for prompt in prompts]
+    ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]
     tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
-    while graphs.has_unfinished():
-        for output in graphs.step():
+    while engine.has_unfinished():
+        for output in engine.step():
             tokens[output.request_id] += output.new_token_ids
-    assert [tokens[request_id] for request_id in ids] == [token_ids for token_ids, _, _ in solo]
+    assert [tokens[request_id] for request_id in ids] == solo
 
 
 def test_cuda_seeded_sampling_and_logprobs(smollm2_gguf: Path) -> None:

@@ -1,0 +1,136 @@
+"""The model shapes the benchmarks run (ModelSpec objects) and random weights for them.
+
+Random weights are enough for speed: every kernel moves the same bytes and does the same FLOPs as
+with the real ones. They are drawn directly on the device, scaled like a fresh init (linears and
+embeddings normal(0, 0.02), norms 1, biases 0) so that bf16 activations stay finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model import weight_shapes
+from engine.spec import ModelSpec
+
+QWEN3_0_6B = ModelSpec(
+    family="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    qk_norm=True,
+    bos_token_id=None,
+    eos_token_ids=(151645, 151643),
+)
+
+QWEN3_4B = ModelSpec(
+    family="qwen3",
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    qk_norm=True,
+    bos_token_id=None,
+    eos_token_ids=(151645, 151643),
+)
+
+SMOLLM2_135M = ModelSpec(
+    family="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_ids=(0,),
+)
+
+# A Qwen3-style model small enough for a CPU smoke run in seconds (GQA, q/k norm, tied head).
+TINY = ModelSpec(
+    family="qwen3",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=160,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    qk_norm=True,
+)
+
+MODELS: dict[str, ModelSpec] = {
+    "qwen3-0.6b": QWEN3_0_6B,
+    "qwen3-4b": QWEN3_4B,
+    "smollm2-135m": SMOLLM2_135M,
+    "tiny": TINY,
+}
+# Display names for the result table.
+DISPLAY_NAMES = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-4b": "Qwen3-4B", "smollm2-135m": "SmolLM2-135M"}
+
+
+def random_weights(
+    spec: ModelSpec, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Canonical weight dict (engine.model.weight_shapes names and shapes), drawn on `device`."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in weight_shapes(spec).items():
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif name.endswith(".bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, 0.02, generator=generator)
+        weights[name] = tensor
+    return weights
+
+
+def weight_bytes(spec: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of every weight, a tied LM head counted once (it is the embedding)."""
+    numel = sum(_numel(shape) for shape in weight_shapes(spec).values())
+    return numel * dtype.itemsize
+
+
+def prefill_matmul_params(spec: ModelSpec) -> int:
+    """Weights each prompt token multiplies: every linear inside the layers (norms are not matmuls)."""
+    return sum(
+        _numel(shape)
+        for name, shape in weight_shapes(spec).items()
+        if name.startswith("model.layers.") and len(shape) == 2
+    )
+
+
+def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> int:
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
