@@ -7,6 +7,8 @@ embeddings normal(0, 0.02), norms 1, biases 0) so that bf16 activations stay fin
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.model import weight_shapes
@@ -30,22 +32,8 @@ QWEN3_0_6B = ModelSpec(
     eos_token_ids=(151645, 151643),
 )
 
-QWEN3_4B = ModelSpec(
-    family="qwen3",
-    vocab_size=151936,
-    hidden_size=2560,
-    intermediate_size=9728,
-    num_layers=36,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    max_position_embeddings=40960,
-    tie_word_embeddings=True,
-    qk_norm=True,
-    bos_token_id=None,
-    eos_token_ids=(151645, 151643),
+QWEN3_4B = dataclasses.replace(
+    QWEN3_0_6B, hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32
 )
 
 SMOLLM2_135M = ModelSpec(
@@ -66,21 +54,10 @@ SMOLLM2_135M = ModelSpec(
 )
 
 # A Qwen3-style model small enough for a CPU smoke run in seconds (GQA, q/k norm, tied head).
-TINY = ModelSpec(
-    family="qwen3",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-    qk_norm=True,
-)
+TINY = dataclasses.replace(
+    QWEN3_0_6B, vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=32, max_position_embeddings=4096, eos_token_ids=(),
+)  # fmt: skip
 
 MODELS: dict[str, ModelSpec] = {
     "qwen3-0.6b": QWEN3_0_6B,
