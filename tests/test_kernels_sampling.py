@@ -83,20 +83,27 @@ def random_batch(
 
 
 def check_against_reference(
-    logits: torch.Tensor, tensors: SamplingTensors, uniform_noise: torch.Tensor | None
-) -> torch.Tensor:
+    logits: torch.Tensor,
+    tensors: SamplingTensors,
+    uniform_noise: torch.Tensor | None,
+    return_workspace: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, SamplingWorkspace]:
     """sample_triton, with a poisoned output and workspace, equals sample_reference exactly."""
     batch, vocab_size = logits.shape
     out = torch.full((batch,), -1, dtype=torch.int64, device=logits.device)
     workspace = SamplingWorkspace.allocate(batch + 1, vocab_size, logits.device)
-    for buffer in (workspace.work, workspace.part_score, workspace.part_max):
+    for buffer in (workspace.work, workspace.part_score, workspace.part_max, workspace.part_min):
         buffer.fill_(math.nan)
-    workspace.part_index.fill_(-7)
+    # The search scratch must be reset by the kernels every step: start from garbage.
+    for buffer in (workspace.part_index, workspace.hist_count, workspace.candidate_count):
+        buffer.fill_(-7)
+    for buffer in (workspace.hist_mass, workspace.state, workspace.final, workspace.candidates):
+        buffer.fill_(123456789)
     expected = sample_reference(logits, tensors, uniform_noise)
     got = sample_triton(logits, tensors, uniform_noise, out=out, workspace=workspace)
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got.cpu(), expected.cpu()), (got, expected)
-    return got
+    return (got, workspace) if return_workspace else got
 
 
 # --- the kernel against the reference -----------------------------------------------------------------
@@ -381,11 +388,171 @@ def test_gpu_sampling_replays_in_a_cuda_graph() -> None:
 
 
 def test_four_bit_radix_search_as_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The interpreter searches eight bits per pass; the GPU four. Both must find the same thresholds."""
+    """The slow exact path (a radix search in one program): the interpreter searches eight bits per pass,
+    the GPU four. Both must find the same thresholds. One candidate forces every row (top-k > 1 with
+    top-p) onto that path."""
     monkeypatch.setattr(sampling, "_RADIX_BITS", 4)
+    monkeypatch.setattr(sampling, "_CANDIDATES", 1)
     logits, tensors, *_ = random_batch(21, batch=4, vocab_size=150)
     tensors.temperature.fill_(1.1)
-    tensors.top_k.copy_(torch.tensor([5, 0, 40, 149]))
-    tensors.top_p.copy_(torch.tensor([1.0, 0.7, 0.95, 0.2]))
+    tensors.top_k.copy_(torch.tensor([5, 2, 40, 149]))
+    tensors.top_p.copy_(torch.tensor([0.999, 0.7, 0.95, 0.2]))
     noise = torch.rand(4, 150, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    check_against_reference(logits, tensors, noise)
+    workspace = check_against_reference(logits, tensors, noise, return_workspace=True)[1]
+    assert (search_statuses(workspace, 4) == sampling._FALLBACK).all()
+
+
+# --- the parallel threshold search: every path it can take ---------------------------------------------
+
+
+def search_statuses(workspace: SamplingWorkspace, batch: int) -> torch.Tensor:
+    """[batch, passes]: what each search pass did for each row (sampling._SEARCH, _COMPACT, ...)."""
+    passes = len(sampling._LEVEL_SHIFTS) + 1
+    return workspace.state.view(-1, passes, sampling._STATE_FIELDS)[:batch, :, 0].cpu()
+
+
+def designed_logits(design: str, generator: torch.Generator, vocab_size: int) -> torch.Tensor:
+    """One row of logits: plain, bf16-rounded (ties), integers (large tie groups), a tight cluster far from
+    a few outliers (the search needs its finest levels), or partly masked."""
+    row = torch.randn(vocab_size, generator=generator)
+    if design == "normal":
+        return row * 3.0
+    if design == "bf16":
+        return (row * 0.6).to(torch.bfloat16).float()
+    if design == "integers":
+        return torch.randint(-4, 3, (vocab_size,), generator=generator).float()
+    if design == "cluster":
+        row = 2.0 + row * 1e-3
+        row[:3] = torch.tensor([40.0, -40.0, 39.0])
+        return row
+    assert design == "masked"
+    row = row * 2.0
+    row[torch.randperm(vocab_size, generator=generator)[: vocab_size // 2]] = -math.inf
+    return row
+
+
+# (temperature, top_k, top_p, min_p): top-k, top-p, both, min-p, with top_k near V and top_p tiny and 1.
+FILTER_MIXES = [
+    (1.0, 1, 1.0, 0.0),
+    (0.7, 3, 1.0, 0.0),
+    (1.3, 0, 0.9, 0.0),
+    (1.0, 0, 1e-6, 0.0),
+    (0.5, 0, 0.999, 0.1),
+    (1.0, 0, 1.0, 0.2),
+    (0.9, 5, 0.8, 0.0),
+    (1.1, 2, 0.3, 0.05),
+    (1.0, -2, 1.0, 0.0),  # V - 2
+    (1.0, -1, 0.95, 0.0),  # V - 1
+    (0.8, 0, 0.5, 0.0),
+    (1.0, 40, 1.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("candidates", [2, 64])
+def test_search_paths_match_reference(monkeypatch: pytest.MonkeyPatch, candidates: int) -> None:
+    """Every design of logits against every filter mix, in one batch with greedy and plain rows mixed in,
+    with few and many candidates: compaction after one, two or three histogram levels, min-p alone, and
+    the slow path; the tokens always equal the reference's."""
+    monkeypatch.setattr(sampling, "_CANDIDATES", candidates)
+    vocab_size = 241
+    generator = torch.Generator().manual_seed(candidates)
+    statuses = []
+    for design in ["normal", "bf16", "integers", "cluster", "masked"]:
+        params = [
+            SamplingParams(
+                temperature=temperature,
+                top_k=top_k if top_k >= 0 else vocab_size + top_k,
+                top_p=top_p,
+                min_p=min_p,
+            )
+            for temperature, top_k, top_p, min_p in FILTER_MIXES
+        ]
+        params += [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
+        batch = len(params)
+        logits = torch.stack([designed_logits(design, generator, vocab_size) for _ in range(batch)])
+        tensors = SamplingTensors.from_params(
+            params, [[]] * batch, [[]] * batch, list(range(batch)), [1] * batch, vocab_size, DEVICE
+        )
+        logits = logits.to(DEVICE)
+        noise = torch.rand(batch, vocab_size, generator=generator).to(DEVICE)
+        check_against_reference(logits, tensors, noise)
+        workspace = check_against_reference(logits, tensors, None, return_workspace=True)[1]
+        statuses.append(search_statuses(workspace, batch)[: len(FILTER_MIXES)])
+    statuses = torch.cat(statuses)
+    compact, fallback = sampling._COMPACT, sampling._FALLBACK
+    # Min-p alone compacts (nothing) in the first pass (index 0); the others in the pass after 1, 2 or 3
+    # histogram levels (index 1, 2, 3), or give up on the slow path.
+    assert (statuses[:, 0] == compact).any()
+    compacted_in = {int(p) for row in statuses for p in (row == compact).nonzero()[:, 0]} - {0}
+    assert 1 in compacted_in, statuses
+    if candidates == 2:  # crowded brackets: every level, and the slow path
+        assert {1, 2, 3} <= compacted_in and (statuses[:, -1] == fallback).any(), statuses
+    if candidates == 64:  # top-k (small) with top-p: over the candidates
+        both = torch.tensor([0 < k < 64 and p < 1 for _, k, p, _ in FILTER_MIXES]).repeat(5)
+        assert (statuses[both, -1] != fallback).all(), statuses
+
+
+def test_search_is_deterministic() -> None:
+    """The same inputs give the same tokens and the same search, call after call."""
+    logits, tensors, *_ = random_batch(41, batch=6, vocab_size=500)
+    tensors.temperature.fill_(0.9)
+    tensors.top_p.fill_(0.9)
+    workspace = SamplingWorkspace.allocate(6, 500, DEVICE)
+    first = sample_triton(logits, tensors, workspace=workspace).clone()
+    state = workspace.state.clone()
+    for _ in range(2):
+        assert torch.equal(sample_triton(logits, tensors, workspace=workspace), first)
+        assert torch.equal(workspace.state, state)
+
+
+# (logit scale, temperature, top_k, top_p, min_p) of bf16 logits over a real vocabulary: the benchmark's
+# setting (a random-weight model's flat logits, temperature 0.8, top-p 0.95) and other common ones.
+REAL_VOCAB_MIXES = [
+    (0.64, 0.8, 0, 0.95, 0.0),
+    (3.0, 0.8, 0, 0.95, 0.0),
+    (0.64, 0.8, 50, 0.9, 0.0),
+    (3.0, 1.0, 1000, 1.0, 0.0),
+    (3.0, 0.7, 0, 1.0, 0.05),
+    (4.0, 1.0, 0, 0.3, 0.0),
+    (0.3, 1.0, 0, 0.999, 0.0),
+    (2.0, 1.0, 20, 0.8, 0.1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_gpu_real_vocab_takes_the_fast_path(batch: int) -> None:
+    """Common filters over Qwen3's vocabulary: exact, and never the slow one-program path; replayed in a
+    CUDA graph too."""
+    vocab_size = 151936
+    generator = torch.Generator().manual_seed(batch)
+    for start in range(0, len(REAL_VOCAB_MIXES), batch):
+        mixes = REAL_VOCAB_MIXES[start : start + batch]
+        params = [
+            SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+            for _, temperature, top_k, top_p, min_p in mixes
+        ]
+        rows = len(params)
+        logits = torch.stack([torch.randn(vocab_size, generator=generator) * scale for scale, *_ in mixes])
+        logits = logits.to(torch.bfloat16).float().cuda()
+        tensors = SamplingTensors.from_params(
+            params, [[]] * rows, [[]] * rows, list(range(rows)), [7] * rows, vocab_size, "cuda"
+        )
+        noise = torch.rand(
+            rows, vocab_size, device="cuda", generator=torch.Generator("cuda").manual_seed(start)
+        )
+        for uniform_noise in (noise, None):
+            workspace = check_against_reference(logits, tensors, uniform_noise, return_workspace=True)[1]
+            assert (search_statuses(workspace, rows)[:, -1] != sampling._FALLBACK).all()
+    # The last group again, in a graph, over a few steps.
+    out = torch.empty(rows, dtype=torch.int64, device="cuda")
+    sample_triton(logits, tensors, out=out, workspace=workspace)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sample_triton(logits, tensors, out=out, workspace=workspace)
+    for step in range(3):
+        tensors.step.fill_(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, sample_reference(logits, tensors))
