@@ -10,11 +10,8 @@ captured in one CUDA graph that calls it once per copy of the weight, the copies
 number of copies. Copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) is measured in
 the same run; "% of copy bw" counts the weight, x and the output once each.
 
---sweep also times every candidate configuration per shape (GEMV row blocks, warps and split-K; 16-row
-tensor-core tiles with split-K for decode; the GEMM candidate tiles, stages, BLOCK_K and split-K for
-prefill), reports the heuristic's pick beside the fastest, and prints the TUNED entries (kernels/linear.py)
-for the shapes where a candidate beats the pick by > 3 %. A full sweep compiles ~1,300 configs: run it
-per model and M (--models qwen3-4b --m 1 --sweep) to stay within a 10-minute command.
+--sweep also times every candidate tile configuration per shape (GEMV block sizes and warps, the GEMM
+candidate tiles) and reports the heuristic's pick beside the fastest, to tune kernels/linear.py.
 
 The last thing printed is the table; the full results go to OUT_DIR/bench_linear.json (OUT_DIR: the
 argument, else $OUT, else ./bench_out).
@@ -23,7 +20,6 @@ argument, else $OUT, else ./bench_out).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -137,7 +133,8 @@ class Case:
         if config is None:
             fn = linear.gate_up_silu_triton if self.gate_up else linear.linear_triton
             return lambda i: fn(self.x, self.weights[i], out=self.out)
-        return lambda i: linear._launch(self.x, self.weights[i], None, self.out, self.gate_up, config)
+        launch = linear._launch_gemv if isinstance(config, linear.GemvConfig) else linear._launch_gemm
+        return lambda i: launch(self.x, self.weights[i], None, self.out, self.gate_up, config)
 
     def cublas_call(self) -> Callable[[int], object]:
         if self.gate_up:
@@ -156,59 +153,34 @@ class Case:
         return ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
 
     def candidates(self) -> list[linear.GemvConfig | linear.GemmConfig]:
-        """Every tile configuration the sweep tries for this shape (the heuristic's pick first).
-
-        Decode (M <= GEMV_MAX_M): GEMV row blocks x warps x accumulator budgets (32 or 64 fp32 per thread;
-        64 only for M > 2), each without split-K and with the splits that make one or two BLOCK_K steps
-        per program; and tensor-core GEMM tiles of 16 rows (x padded) with split-K. Prefill: the GEMM
-        candidate tiles x stages x BLOCK_K 64 / 128 x split-K (only where the tiles do not fill the SMs).
-        Grids under one wave of SMs are left out."""
-        sms = linear.num_sms()
-        configs: list[linear.GemvConfig | linear.GemmConfig] = [self.heuristic()]
-
-        def add(config: linear.GemvConfig | linear.GemmConfig) -> None:
-            if config not in configs:
-                configs.append(config)
-
+        """Every tile configuration the sweep tries for this shape."""
         if self.m <= linear.GEMV_MAX_M:
             block_m = triton.next_power_of_2(self.m)
             tiles = 2 if self.gate_up else 1
-            for block_n, num_warps, regs in itertools.product((1, 2, 4, 8, 16, 32), (4, 8), (32, 64)):
-                if regs == 64 or block_m <= 2:  # 32 fp32 accumulators per thread: more programs per SM
-                    block_k = max(16, regs * 32 * num_warps // (block_m * block_n * tiles))
-                    block_k = min(block_k, max(16, triton.next_power_of_2(self.k)))
-                    splits = {1} | {triton.cdiv(self.k, steps * block_k) for steps in (1, 2)}
-                    for split_k in sorted(splits):
-                        k_per_split = linear._k_per_split(self.k, split_k)
-                        split_k = triton.cdiv(self.k, k_per_split)  # no empty splits
-                        if triton.cdiv(self.n_out, block_n) * split_k >= sms:
-                            add(linear.GemvConfig(block_n, block_k, num_warps, split_k))
-            k_steps = triton.cdiv(self.k, 128)
-            for block_n in (32, 64, 128):
-                for split_k in (1, 2, 4, 8, 16):
-                    if split_k <= k_steps and triton.cdiv(self.n_out, block_n) * split_k >= sms:
-                        add(linear.GemmConfig(16, block_n, 128, 4, 4, split_k))
+            configs = []
+            for block_n in (1, 2, 4, 8, 16, 32):
+                for num_warps in (4, 8):
+                    for regs in (32, 64):
+                        block_k = max(16, regs * 32 * num_warps // (block_m * block_n * tiles))
+                        block_k = min(block_k, max(16, triton.next_power_of_2(self.k)))
+                        config = linear.GemvConfig(block_n, block_k, num_warps)
+                        if config not in configs:
+                            configs.append(config)
             return configs
         cap = max(16, triton.next_power_of_2(self.m))
         table = linear.GATE_UP_CANDIDATES if self.gate_up else linear.GEMM_CANDIDATES
-        parts = 2 if self.gate_up else 1
+        configs = []
         for config, _ in table:
-            block_m = min(config.block_m, cap)
-            tiles = triton.cdiv(self.m, block_m) * triton.cdiv(self.n_out, config.block_n)
-            for block_k in (64, 128):
-                for num_stages in (3, 4):
-                    stage_bytes = block_k * (block_m + parts * config.block_n) * DTYPE.itemsize
-                    if stage_bytes * num_stages > 220 * 1024:
-                        continue
-                    for split_k in (1, 2, 3, 4, 6):
-                        if split_k > 1 and (tiles >= sms or triton.cdiv(self.k, block_k) < 4 * split_k):
-                            continue
-                        add(config._replace(block_m=block_m, block_k=block_k, num_stages=num_stages,
-                                            split_k=split_k))  # fmt: skip
+            for num_stages in (3, 4):
+                candidate = config._replace(block_m=min(config.block_m, cap), num_stages=num_stages)
+                if candidate not in configs:
+                    configs.append(candidate)
         return configs
 
     def heuristic(self) -> linear.GemvConfig | linear.GemmConfig:
-        return linear.pick_config(self.m, self.n_out, self.k, self.gate_up, DTYPE.itemsize)
+        if self.m <= linear.GEMV_MAX_M:
+            return linear.gemv_config(self.m, self.n_out, self.k, self.gate_up)
+        return linear.gemm_config(self.m, self.n_out, self.k, self.gate_up)
 
 
 def main() -> None:
@@ -219,7 +191,6 @@ def main() -> None:
     parser.add_argument(
         "--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS)
     )
-    parser.add_argument("--layers", default="qkv,o,gate_up,down,lm_head", help="comma-separated layers")
     parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma-separated M values")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate tile config")
@@ -231,8 +202,6 @@ def main() -> None:
     rows, sweeps = [], []
     for model in args.models.split(","):
         for layer, (n_rows, k) in MODELS[model].items():
-            if layer not in args.layers.split(","):
-                continue
             for m in map(int, args.m.split(",")):
                 started = time.perf_counter()
                 case = Case(model, layer, n_rows, k, m)
@@ -251,7 +220,7 @@ def main() -> None:
                     "cublas_pct_copy_bw": 100 * case.bytes / theirs / bandwidth,
                     "bytes": case.bytes,
                     "weight_copies": case.copies,
-                    "config": {"kind": type(case.heuristic()).__name__, **case.heuristic()._asdict()},
+                    "config": case.heuristic()._asdict(),
                     "relative_error_vs_cublas": error,
                 }
                 rows.append(row)
@@ -272,12 +241,10 @@ def main() -> None:
                         except Exception as exc:  # a config that does not compile or fit: report, go on
                             print(f"    {config}: failed ({type(exc).__name__}: {exc})"[:200], flush=True)
                             continue
-                        timings.append({"config": config, "us": seconds * 1e6})
+                        timings.append({"config": config._asdict(), "us": seconds * 1e6})
                     timings.sort(key=lambda t: t["us"])
                     sweeps.append({"model": model, "layer": layer, "M": m, "heuristic_us": row["triton_us"],
-                                   "heuristic": row["config"], "cublas_us": row["cublas_us"],
-                                   "tuned_key": linear.tuned_key(m, case.n_out, k, case.gate_up),
-                                   "timings": timings})  # fmt: skip
+                                   "heuristic": row["config"], "timings": timings})  # fmt: skip
                     for t in timings[:3]:
                         print(f"    sweep {t['us']:8.2f} us  {t['config']}", flush=True)
                 del case
@@ -294,39 +261,19 @@ def main() -> None:
         "rotate_bytes": ROTATE_BYTES,
         "replays": args.replays,
         "rows": rows,
-        "sweeps": [
-            {
-                **sweep,
-                "timings": [
-                    {"config": {"kind": type(t["config"]).__name__, **t["config"]._asdict()}, "us": t["us"]}
-                    for t in sweep["timings"]
-                ],
-            }
-            for sweep in sweeps
-        ],  # fmt: skip
+        "sweeps": sweeps,
     }
     (out_dir / "bench_linear.json").write_text(json.dumps(result, indent=2))
 
     if sweeps:
         print("\nsweep: heuristic pick vs fastest candidate")
-        tuned = []
         for sweep in sweeps:
-            if not sweep["timings"]:
-                continue
-            best = sweep["timings"][0]
+            best = sweep["timings"][0] if sweep["timings"] else {"us": float("nan"), "config": {}}
             print(
                 f"{sweep['model']:13s} {sweep['layer']:8s} M={sweep['M']:<4d}"
-                f"  heuristic {sweep['heuristic_us']:8.2f} us  best {best['us']:8.2f} us"
-                f"  cuBLAS {sweep['cublas_us']:8.2f} us  {best['config']!r}"
+                f"  heuristic {sweep['heuristic_us']:8.2f} us"
+                f"  best {best['us']:8.2f} us  {best['config']}"
             )
-            if best["us"] < 0.97 * sweep["heuristic_us"]:  # worth an entry: > 3 % faster than the pick
-                tuned.append(
-                    f"    {tuple(sweep['tuned_key'])!r}: {best['config']!r},  # {sweep['model']} "
-                    f"{sweep['layer']}: {best['us']:.2f} us (heuristic {sweep['heuristic_us']:.2f})"
-                )
-        if tuned:
-            print("\nTUNED entries for kernels/linear.py (faster than the heuristic's pick by > 3 %):")
-            print("\n".join(tuned))
     print(
         f"\nlinear kernels vs cuBLAS, CUDA graphs, bf16, {torch.cuda.get_device_name()}, "
         f"copy bw {bandwidth / 1e12:.2f} TB/s; results in {out_dir / 'bench_linear.json'}"
