@@ -136,7 +136,9 @@ class Engine:
         request_id = request_id or f"req-{next(self._request_counter)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, list(prompt_token_ids), params, make_generator(params.seed, self.device))
+        # the CPU's host sampler draws from a torch generator; the device sampler keys Philox by the seed
+        generator = make_generator(params.seed, self.device) if self.device.type == "cpu" else None
+        seq = Sequence(request_id, list(prompt_token_ids), params, generator)
         detokenizer = (
             IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
             if self.tokenizer is not None
