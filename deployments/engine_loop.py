@@ -90,12 +90,11 @@ class EngineLoop:
             "kv_cache_used_blocks": (used, "KV cache blocks referenced by sequences."),
             "kv_cache_total_blocks": (manager.num_blocks, "KV cache blocks in all."),
             "kv_cache_usage_ratio": (used / manager.num_blocks, "Share of KV cache blocks in use."),
-            "num_preemptions_total": (scheduler.num_preemptions, "Sequences preempted for KV space."),
         }
 
     def render_metrics(self, model_name: str) -> str:
         with self._lock:
-            return self.metrics.render(self.gauges(), model_name)
+            return self.metrics.render(self.gauges(), model_name, self.engine.scheduler.num_preemptions)
 
     # --- the engine thread ----------------------------------------------------------------------
 

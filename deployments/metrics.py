@@ -52,7 +52,7 @@ class ServingMetrics:
     def count_finished(self, reason: str) -> None:
         self.requests_by_finish_reason[reason] = self.requests_by_finish_reason.get(reason, 0) + 1
 
-    def render(self, gauges: dict[str, tuple[float, str]], model_name: str) -> str:
+    def render(self, gauges: dict[str, tuple[float, str]], model_name: str, num_preemptions: int) -> str:
         """The exposition text; gauges maps a name to (value, help)."""
         lines = [
             f"# HELP {PREFIX}_requests_total Finished requests, by finish reason.",
@@ -65,6 +65,7 @@ class ServingMetrics:
             "prompt_tokens_total": (self.prompt_tokens, "Prompt tokens of admitted requests."),
             "prefix_cache_hit_tokens_total": (self.prefix_cache_hit_tokens, "Prompt tokens from cache."),
             "generation_tokens_total": (self.generation_tokens, "Generated tokens."),
+            "preemptions_total": (num_preemptions, "Sequences preempted for KV cache space."),
         }
         for name, (value, help_text) in counters.items():
             lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} counter"]
