@@ -119,13 +119,14 @@ def test_completions_with_n_seed_echo_and_logprobs(client: openai.OpenAI, served
 
 
 def test_models_health_and_metrics(client: openai.OpenAI, served: Served) -> None:
+    client.completions.create(model=served.model, prompt="Hello", max_tokens=2)  # something to count
     assert [model.id for model in client.models.list().data] == [served.model]
     assert httpx.get(served.base_url + "/health").json() == {"status": "ok"}
     metrics = _metrics(served.base_url)
     for name in (
         "tileinfer_prompt_tokens_total", "tileinfer_generation_tokens_total",
         "tileinfer_time_to_first_token_seconds_count", "tileinfer_time_per_output_token_seconds_count",
-        "tileinfer_kv_cache_usage_ratio", "tileinfer_kv_cache_used_blocks",
+        "tileinfer_kv_cache_usage_ratio", "tileinfer_kv_cache_used_blocks", "tileinfer_preemptions_total",
     ):  # fmt: skip
         assert name in metrics
     assert metrics["tileinfer_generation_tokens_total"] > 0
