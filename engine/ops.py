@@ -11,6 +11,7 @@ import torch
 from kernels.attention import paged_attention_reference, paged_decode_attention_triton
 from kernels.embedding import embedding_reference, embedding_triton
 from kernels.linear import gate_up_silu_reference, gate_up_silu_triton, linear_reference, linear_triton
+from kernels.prefill_attention import paged_prefill_attention_triton
 from kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
 from kernels.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
 
@@ -45,7 +46,7 @@ TRITON_OPS = Ops(
     linear=linear_triton,
     gate_up_silu=gate_up_silu_triton,
     qkv_epilogue=qkv_epilogue_triton,
-    attention=paged_attention_reference,  # the paged flash-attention prefill kernel comes with issue 5
+    attention=paged_prefill_attention_triton,
     decode_attention=paged_decode_attention_triton,
 )
 

@@ -135,6 +135,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=block_tables.to(device),
             is_decode=is_decode,
+            max_query_len=max(item.num_new_tokens for item in scheduled),
         )
         hidden = self.decoder(
             torch.tensor(input_ids, dtype=torch.int64, device=device),

@@ -29,6 +29,10 @@ class AttentionMetadata:
     is_decode: bool = False  # one query token per sequence: the split-KV decode kernel applies
     decode_num_splits: int | None = None  # fixed for a captured CUDA graph
     decode_workspace: DecodeWorkspace | None = None  # preallocated for a captured CUDA graph
+    # The prefill/verify kernel (kernels/prefill_attention.py) sizes its grid from host ints only:
+    max_query_len: int | None = None  # longest q_len; None: read from query_start_loc (a host sync)
+    prefill_num_splits: int | None = None  # KV splits per query tile; fixed for a captured CUDA graph
+    prefill_workspace: DecodeWorkspace | None = None  # its scratch when it splits (PrefillWorkspace)
 
     @property
     def num_seqs(self) -> int:
@@ -135,9 +139,13 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, head_d
     Aim for about two programs per SM over the whole grid, but never more splits than tiles of keys
     in the longest context the block table can hold. At run time each sequence divides its own keys
     evenly among the splits, and the programs left without keys exit at once.
+    In a small batch of mixed lengths (one 32k context among short ones) the longest sequence alone
+    sets the step's time, so it gets enough splits to cover every SM by itself (num_sms / kv heads),
+    as long as the grid stays under 8 programs per SM: idle programs cost a launch slot each.
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    wanted = triton.cdiv(2 * num_sms(), programs)
+    one_sequence_fills = min(triton.cdiv(num_sms(), num_kv_heads), triton.cdiv(8 * num_sms(), programs))
+    wanted = max(triton.cdiv(2 * num_sms(), programs), one_sequence_fills)
     max_tiles = max(triton.cdiv(max_context, decode_block_n(head_dim)), 1)
     return max(1, min(wanted, max_tiles, MAX_DECODE_SPLITS))
 

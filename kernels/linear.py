@@ -12,6 +12,7 @@ Two Triton kernels serve every call, picked by the number of rows of x:
   Every GEMV in the supported models has N >= 576 rows, i.e. >= 4 programs per SM at BLOCK_N = 1.
 - prefill (M > 8): a tiled GEMM on the tensor cores (tl.dot, bf16 in, fp32 accumulation), tiles chosen
   per shape by a small cost model (tile efficiency x waves over the SMs), grouped tile order for L2 reuse.
+Tiles measured fastest per shape on a GPU (kernels/tuned/<device>.json) override both heuristics.
 
 The gate/up kernels compute the matching gate and up columns in the same program and write
 silu(gate) * up, so the [M, 2 * intermediate] activation never reaches memory.
@@ -19,6 +20,9 @@ silu(gate) * up, so the [M, 2 * intermediate] activation never reaches memory.
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -31,6 +35,32 @@ from kernels.triton_common import INTERPRET, num_sms
 
 # Up to this many rows of x take the GEMV; more take the tensor-core GEMM.
 GEMV_MAX_M = 8
+
+# Tiles measured fastest per shape on a given GPU (`bench/bench_linear.py --sweep --write-tuned`), one
+# JSON file per device name; shapes not in the file, and other GPUs, use the heuristics below.
+TUNED_DIR = Path(__file__).parent / "tuned"
+
+
+def tuned_path(device_name: str) -> Path:
+    return TUNED_DIR / f"{device_name.replace(' ', '_')}.json"
+
+
+@functools.cache
+def _tuned_table() -> dict[tuple[str, int, int, int, bool], dict[str, int]]:
+    """(kind, next power of two of M, N, K, gate_up) -> tile config, for the current GPU."""
+    if INTERPRET or not torch.cuda.is_available():
+        return {}
+    path = tuned_path(torch.cuda.get_device_name())
+    if not path.exists():
+        return {}
+    return {
+        (row["kind"], row["m"], row["n"], row["k"], row["gate_up"]): row["config"]
+        for row in json.loads(path.read_text())
+    }
+
+
+def tuned_config(kind: str, m: int, n: int, k: int, gate_up: bool) -> dict[str, int] | None:
+    return _tuned_table().get((kind, triton.next_power_of_2(m), n, k, gate_up))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -155,7 +185,11 @@ def gemv_config(m: int, n: int, k: int, gate_up: bool) -> GemvConfig:
     BLOCK_N is the largest power of two <= 32 (16 for gate/up, which streams two tiles) that still
     gives >= 4 programs per SM; BLOCK_K fills a budget of 64 fp32 accumulators per thread, so that
     every thread has 4-8 16-byte loads in flight per iteration and several programs fit on an SM.
+    A tile measured fastest for this shape on this GPU (tuned_config) takes precedence.
     """
+    tuned = tuned_config("gemv", m, n, k, gate_up)
+    if tuned is not None:
+        return GemvConfig(**tuned)
     block_m = triton.next_power_of_2(m)
     tiles = 2 if gate_up else 1
     block_n = 16 if gate_up else 32
@@ -312,7 +346,10 @@ def gemm_config(m: int, n: int, k: int, gate_up: bool, element_size: int = 2) ->
 
     BLOCK_M is capped at the next power of two >= m (at least 16, the smallest tl.dot). BLOCK_K is 128
     bytes of a row (64 bf16, 32 fp32) unless k is smaller, which keeps 3-4 pipeline stages of the
-    largest tiles within the 227 KB of shared memory."""
+    largest tiles within the 227 KB of shared memory. A measured tile (tuned_config) takes precedence."""
+    tuned = tuned_config("gemm", m, n, k, gate_up)
+    if tuned is not None and element_size == 2:  # tuned in bf16
+        return GemmConfig(**tuned)
     block_m_cap = max(16, triton.next_power_of_2(m))
     block_k = min(128 // element_size, max(16, triton.next_power_of_2(k)))
     best: GemmConfig | None = None

@@ -19,6 +19,7 @@ from kernels.attention import (
     paged_decode_attention_reference,
     paged_decode_attention_triton,
 )
+from kernels.triton_common import num_sms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -190,6 +191,10 @@ def test_num_splits_heuristic() -> None:
     # never more splits than tiles of keys in the longest context
     assert decode_num_splits(1, 1, 16, 128) == 1
     assert decode_num_splits(1, 8, 32768, 128) >= 2
+    # in a small batch the longest sequence alone still spreads over every SM (mixed lengths)...
+    assert decode_num_splits(8, 8, 32768, 128) * 8 >= num_sms()
+    # ...while a batch that fills the GPU by itself is not split
+    assert decode_num_splits(256, 8, 32768, 128) == 1
 
 
 # --- GPU: the real model shapes, compiled ---------------------------------------------------------

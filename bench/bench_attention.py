@@ -1,0 +1,227 @@
+"""Paged attention kernels on Qwen3-4B heads (32 query / 8 KV heads of 128, bf16, pages of 16 tokens).
+
+    python3 bench/bench_attention.py [OUT_DIR]
+
+prefill: paged_prefill_attention_triton on a causal prompt of 4k and 16k tokens read through a
+         shuffled block table, against torch SDPA's flash backend (is_causal) on contiguous K/V; the
+         median of CUDA-event timings; TFLOP/s counts the causal half: 2 * 2 * heads * head_dim * n^2 / 2.
+decode:  paged_decode_attention_triton at batch 1 after 4k and 32k cached positions, replayed in a
+         CUDA graph that calls it once per layer copy of the cache (the copies together exceed the 50 MB
+         L2); % of the copy bandwidth on the K/V bytes read.
+verify:  paged_prefill_attention_triton with 4 and 16 query tokens after 4k cached positions, timed
+         like decode.
+Copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) is measured in the same run.
+The last thing printed is the table; the full results go to OUT_DIR/bench_attention.json (OUT_DIR:
+the argument, else $OUT, else ./bench_out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_linear import time_in_graph  # noqa: E402
+from bench.limits import copy_bandwidth, time_each  # noqa: E402
+from kernels.attention import (  # noqa: E402
+    AttentionMetadata,
+    DecodeWorkspace,
+    decode_num_splits,
+    paged_decode_attention_triton,
+)
+from kernels.prefill_attention import (  # noqa: E402
+    allocate_prefill_workspace,
+    paged_prefill_attention_triton,
+    prefill_num_splits,
+)
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+SCALE = HEAD_DIM**-0.5
+L2_BYTES = 256 * 2**20  # enough cache copies per graph that none is served from L2
+DEVICE = torch.device("cuda")
+
+
+def paged_cache(num_tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random cache of exactly num_tokens positions, its pages in a shuffled order, and the block
+    table [1, num_blocks] that reads them back in order."""
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    kv_cache = torch.randn(shape, device=DEVICE, dtype=DTYPE, generator=generator)
+    block_table = torch.randperm(num_blocks, device=DEVICE, generator=generator).int()[None]
+    return kv_cache, block_table
+
+
+def contiguous_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[2, 1, num_kv_heads, num_tokens, head_dim]: what SDPA reads."""
+    pages = kv_cache[:, block_table[0].long()].flatten(1, 2)[:, :num_tokens]  # [2, tokens, kv heads, dim]
+    return pages.transpose(1, 2).contiguous()[:, None]
+
+
+def metadata_for(
+    query_len: int, seq_len: int, block_table: torch.Tensor, **fields: object
+) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.tensor([0, query_len], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
+        block_tables=block_table,
+        max_query_len=query_len,
+        **fields,
+    )
+
+
+def median_seconds(call: object, repeats: int) -> float:
+    for _ in range(3):
+        call()
+    return statistics.median(time_each(call, repeats, DEVICE))
+
+
+def bench_prefill(num_tokens: int, generator: torch.Generator) -> dict:
+    kv_cache, block_table = paged_cache(num_tokens, generator)
+    query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=generator)
+    metadata = metadata_for(num_tokens, num_tokens, block_table)
+    out = torch.empty_like(query)
+    ours = median_seconds(
+        lambda: paged_prefill_attention_triton(query, kv_cache, metadata, SCALE, out=out), 10
+    )
+
+    keys, values = contiguous_kv(kv_cache, block_table, num_tokens)  # [1, kv heads, tokens, dim]
+    sdpa_query = query.transpose(0, 1)[None].contiguous()  # [1, heads, tokens, dim]
+    group = NUM_HEADS // NUM_KV_HEADS
+    try:  # the flash backend reads K/V once per group where this torch supports GQA in it
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(sdpa_query, keys, values, is_causal=True, enable_gqa=True)
+        gqa_keys, gqa_values, gqa = keys, values, True
+    except RuntimeError:
+        gqa_keys = keys.repeat_interleave(group, dim=1)
+        gqa_values = values.repeat_interleave(group, dim=1)
+        gqa = False
+
+    def sdpa() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(
+                sdpa_query, gqa_keys, gqa_values, is_causal=True, enable_gqa=gqa
+            )
+
+    peer = median_seconds(sdpa, 10)
+    error = (out.float() - sdpa()[0].transpose(0, 1).float()).abs().max().item()
+    flops = 2 * 2 * NUM_HEADS * HEAD_DIM * num_tokens * num_tokens / 2
+    return {
+        "workload": f"prefill {num_tokens // 1024}k",
+        "ours_us": ours * 1e6,
+        "peer_us": peer * 1e6,
+        "ours_tflops": flops / ours / 1e12,
+        "peer_tflops": flops / peer / 1e12,
+        "peer_gqa": gqa,
+        "max_abs_diff_vs_sdpa": error,
+    }
+
+
+def bench_cached(query_len: int, context: int, bandwidth: float, generator: torch.Generator) -> dict:
+    """query_len new tokens (1: the decode kernel) after `context` cached positions, batch 1, in a graph
+    over enough layer copies of the cache to miss L2."""
+    seq_len = context + query_len
+    kv_bytes = 2 * seq_len * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    copies = max(2, -(-L2_BYTES // kv_bytes))
+    caches = [paged_cache(seq_len, generator) for _ in range(copies)]
+    query = torch.randn(query_len, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=generator)
+    out = torch.empty_like(query)
+    max_context = caches[0][1].shape[1] * BLOCK_SIZE
+    if query_len == 1:
+        num_splits = decode_num_splits(1, NUM_KV_HEADS, max_context, HEAD_DIM)
+        workspace = DecodeWorkspace.allocate(1, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, max_context, DEVICE)
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
+
+        def call(i: int) -> None:
+            kv_cache, block_table = caches[i]
+            paged_decode_attention_triton(
+                query,
+                kv_cache,
+                block_table,
+                seq_lens,
+                SCALE,
+                num_splits=num_splits,
+                out=out,
+                workspace=workspace,
+            )
+
+        name = f"decode {context // 1024}k"
+    else:
+        num_splits = prefill_num_splits(
+            query_len, 1, query_len, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, max_context
+        )
+        workspace = allocate_prefill_workspace(
+            query_len, 1, query_len, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, num_splits, DEVICE
+        )
+        metadatas = [
+            metadata_for(
+                query_len, seq_len, table, prefill_num_splits=num_splits, prefill_workspace=workspace
+            )
+            for _, table in caches
+        ]
+
+        def call(i: int) -> None:
+            paged_prefill_attention_triton(query, caches[i][0], metadatas[i], SCALE, out=out)
+
+        name = f"verify q{query_len} @ {context // 1024}k"
+    seconds = time_in_graph(call, copies, replays=20)
+    return {
+        "workload": name,
+        "ours_us": seconds * 1e6,
+        "num_splits": num_splits,
+        "kv_bytes": kv_bytes,
+        "pct_copy_bw": 100 * kv_bytes / seconds / bandwidth,
+    }
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "bench_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    bandwidth = copy_bandwidth(DEVICE)
+    rows = [bench_prefill(4096, generator), bench_prefill(16384, generator)]
+    for context in (4096, 32768):
+        rows.append(bench_cached(1, context, bandwidth, generator))
+    for query_len in (4, 16):
+        rows.append(bench_cached(query_len, 4096, bandwidth, generator))
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "copy_bandwidth_tb_s": bandwidth / 1e12,
+        "heads": [NUM_HEADS, NUM_KV_HEADS, HEAD_DIM],
+        "rows": rows,
+    }
+    (out_dir / "bench_attention.json").write_text(json.dumps(result, indent=2))
+
+    print(
+        f"\n{result['gpu']}, torch {result['torch']}, triton {result['triton']}, "
+        f"copy bw {bandwidth / 1e12:.2f} TB/s"
+    )
+    print("| workload | TileInfer | peer (SDPA flash) | TileInfer / peer | % of limit |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        if "peer_us" in row:
+            print(
+                f"| {row['workload']} | {row['ours_us']:.0f} us ({row['ours_tflops']:.0f} TFLOP/s) "
+                f"| {row['peer_us']:.0f} us ({row['peer_tflops']:.0f} TFLOP/s) "
+                f"| {row['peer_us'] / row['ours_us']:.2f}x | |"
+            )
+        else:
+            print(
+                f"| {row['workload']} ({row['num_splits']} splits) | {row['ours_us']:.1f} us | | "
+                f"| {row['pct_copy_bw']:.0f} % of copy bw |"
+            )
+
+
+if __name__ == "__main__":
+    main()
