@@ -160,12 +160,11 @@ class Case:
             configs = []
             for block_n in (1, 2, 4, 8, 16, 32):
                 for num_warps in (4, 8):
-                    for regs in (32, 64):
-                        block_k = max(16, regs * 32 * num_warps // (block_m * block_n * tiles))
-                        block_k = min(block_k, max(16, triton.next_power_of_2(self.k)))
-                        config = linear.GemvConfig(block_n, block_k, num_warps)
-                        if config not in configs:
-                            configs.append(config)
+                    for block_k in (128, 256, 512, 1024, 2048, 4096):
+                        registers = block_m * block_n * tiles * block_k // (32 * num_warps)
+                        if block_k > max(128, triton.next_power_of_2(self.k)) or not 8 <= registers <= 128:
+                            continue  # past K, or too few/many fp32 accumulators per thread
+                        configs.append(linear.GemvConfig(block_n, block_k, num_warps))
             return configs
         cap = max(16, triton.next_power_of_2(self.m))
         table = linear.GATE_UP_CANDIDATES if self.gate_up else linear.GEMM_CANDIDATES
@@ -183,6 +182,23 @@ class Case:
         return linear.gemm_config(self.m, self.n_out, self.k, self.gate_up)
 
 
+def tuned_rows(sweeps: list[dict]) -> list[dict]:
+    """The fastest candidate of each swept shape, in kernels/linear.py's tuned-table format."""
+    rows = []
+    for sweep in sweeps:
+        if sweep["timings"]:
+            rows.append({
+                "kind": "gemv" if sweep["M"] <= linear.GEMV_MAX_M else "gemm",
+                "m": triton.next_power_of_2(sweep["M"]),
+                "n": sweep["n"],
+                "k": sweep["k"],
+                "gate_up": sweep["gate_up"],
+                "config": sweep["timings"][0]["config"],
+                "us": round(sweep["timings"][0]["us"], 2),
+            })  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -194,6 +210,11 @@ def main() -> None:
     parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma-separated M values")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate tile config")
+    parser.add_argument(
+        "--write-tuned",
+        metavar="PATH",
+        help="with --sweep: write the fastest config per shape as a kernels/tuned/<device>.json table",
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the linear benchmark needs a GPU"
 
@@ -243,7 +264,8 @@ def main() -> None:
                             continue
                         timings.append({"config": config._asdict(), "us": seconds * 1e6})
                     timings.sort(key=lambda t: t["us"])
-                    sweeps.append({"model": model, "layer": layer, "M": m, "heuristic_us": row["triton_us"],
+                    sweeps.append({"model": model, "layer": layer, "M": m, "n": case.n_out, "k": k,
+                                   "gate_up": case.gate_up, "heuristic_us": row["triton_us"],
                                    "heuristic": row["config"], "timings": timings})  # fmt: skip
                     for t in timings[:3]:
                         print(f"    sweep {t['us']:8.2f} us  {t['config']}", flush=True)
@@ -265,6 +287,9 @@ def main() -> None:
     }
     (out_dir / "bench_linear.json").write_text(json.dumps(result, indent=2))
 
+    if args.write_tuned and sweeps:
+        Path(args.write_tuned).write_text(json.dumps(tuned_rows(sweeps), indent=1) + "\n")
+        print(f"tuned configs written to {args.write_tuned}")
     if sweeps:
         print("\nsweep: heuristic pick vs fastest candidate")
         for sweep in sweeps:

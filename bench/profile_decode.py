@@ -1,0 +1,158 @@
+"""Where a decode step's time goes: host wall time of Engine.step() beside the GPU time of the CUDA graph
+replay alone, and the per-kernel GPU time of one step (torch.profiler), for the bench model shapes.
+
+    python bench/profile_decode.py [OUT_DIR] [--models qwen3-0.6b,qwen3-4b]
+
+Random weights, bf16, batch 1, after a 1,024-token prompt. Writes OUT_DIR/profile_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.model_shapes import MODELS, random_weights  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.loader import LoadedModel  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+PROMPT_LEN = 1024
+STEPS = 200
+
+
+def profile(name: str) -> dict:
+    spec = MODELS[name]
+    device = torch.device("cuda")
+    weights = random_weights(spec, torch.bfloat16, device)
+    model = LoadedModel(name=name, source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+    engine = Engine(model, EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096,
+                                        kv_cache_tokens=8192, max_num_seqs=8))  # fmt: skip
+    prompt = torch.randint(0, spec.vocab_size, (PROMPT_LEN,)).tolist()
+    request_id = engine.add_request(
+        prompt, SamplingParams(max_tokens=2 * STEPS + 100, ignore_eos=True, temperature=0.0)
+    )
+    for _ in range(20):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = []
+    for _ in range(STEPS):
+        started = time.perf_counter()
+        engine.step()
+        wall.append(time.perf_counter() - started)
+    graph = engine.runner.graphs.graphs[1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay = []
+    for _ in range(STEPS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        replay.append(start.elapsed_time(end) / 1e3)
+    # back-to-back replays: the GPU time per step without any host gap
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(STEPS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    back_to_back = start.elapsed_time(end) / 1e3 / STEPS
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = collections.defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name].append(event.device_time_total)
+    table = sorted(
+        ({"kernel": k[:80], "calls_per_step": len(v) / 10, "us_per_step": sum(v) / 10, "us_per_call":
+          statistics.median(v)} for k, v in kernels.items()),
+        key=lambda row: -row["us_per_step"],
+    )  # fmt: skip
+    kernel_sum = sum(row["us_per_step"] for row in table)
+    launches = sum(row["calls_per_step"] for row in table)
+    result = {
+        "model": name,
+        "engine_step_ms": statistics.median(wall) * 1e3,
+        "graph_replay_ms": statistics.median(replay) * 1e3,
+        "back_to_back_replay_ms": back_to_back * 1e3,
+        "kernel_sum_ms": kernel_sum / 1e3,
+        "launches_per_step": launches,
+        "kernels": table,
+    }
+    print(
+        f"\n{name}: Engine.step {result['engine_step_ms']:.3f} ms,"
+        f" graph replay {result['graph_replay_ms']:.3f} ms,"
+        f" back-to-back {result['back_to_back_replay_ms']:.3f} ms,"
+        f" kernel time sum {kernel_sum / 1e3:.3f} ms over {launches:.0f} launches"
+    )
+    for row in table[:14]:
+        per_call = f"{row['calls_per_step']:6.1f} x {row['us_per_call']:6.2f} us"
+        print(f"  {row['us_per_step']:8.1f} us/step {per_call}  {row['kernel']}")
+    engine.abort(request_id)
+    result["prefill"] = profile_prefill(engine, spec.vocab_size)
+    del engine, weights
+    torch.cuda.empty_cache()
+    return result
+
+
+def profile_prefill(engine: Engine, vocab_size: int, length: int = 512) -> dict:
+    """Wall time of the step that prefills a fresh prompt beside the GPU time of its kernels."""
+
+    def prefill_step() -> None:
+        prompt = torch.randint(0, vocab_size, (length,)).tolist()
+        request_id = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        engine.step()
+        engine.abort(request_id)
+
+    for _ in range(3):
+        prefill_step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        started = time.perf_counter()
+        prefill_step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    kernels: dict[str, list[float]] = collections.defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name].append(event.device_time_total)
+    table = sorted(
+        ({"kernel": k[:80], "calls": len(v), "us": sum(v)} for k, v in kernels.items()),
+        key=lambda row: -row["us"],
+    )
+    gpu_ms = sum(row["us"] for row in table) / 1e3
+    print(f"  prefill {length}: wall {wall * 1e3:.2f} ms (profiled), kernel time sum {gpu_ms:.2f} ms")
+    for row in table[:10]:
+        print(f"    {row['us']:9.1f} us {row['calls']:4d} calls  {row['kernel']}")
+    cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
+    for event in cpu:
+        print(f"    host {event.self_cpu_time_total / 1e3:8.2f} ms {event.count:5d} x  {event.key[:70]}")
+    return {"wall_ms": wall * 1e3, "kernel_sum_ms": gpu_ms, "kernels": table}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", nargs="?", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--models", default="qwen3-0.6b,qwen3-4b")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = [profile(name) for name in args.models.split(",")]
+    (out / "profile_decode.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

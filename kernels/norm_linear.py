@@ -1,0 +1,428 @@
+"""Residual add + RMSNorm fused into the linear layer that follows it (decode: one launch instead of two).
+
+    residual_out = hidden + residual              (hidden alone when residual is None: the first layer)
+    normed       = rms_norm(residual_out) * norm_weight
+    out          = normed @ weight.T (+ bias)     or, gate_up: silu(gate) * up, weight [2N, K] = [gate; up]
+
+with the rounding points of the unfused chain (kernels/rmsnorm.py, then kernels/linear.py): the sum is
+rounded to the activation dtype, the statistics are fp32, and the normed row is rounded to the activation
+dtype (before and after the norm weight, as HF does) before it meets the weight. The same op with the LM
+head's weight is the final norm + LM head.
+
+Decode (M <= GEMV_MAX_M rows): one GEMV launch, tiles from kernels/linear.py's gemv_config. Every program
+needs the whole normed row, so each first reads the M rows of hidden (+ residual) to get the sum of
+squares (M * K elements from L2, cheap next to its BLOCK_N * K weight elements; usually in one wide
+tile, one round trip, while its first weight tile is already in flight), then streams its weight rows
+with 16-byte loads, rebuilding the normed row tile by tile from hidden (+ residual). When one K tile
+spans the whole row the normed row is simply kept in registers. Each program also stores its own disjoint
+slice of residual_out, so residual_out is written exactly once and must not alias hidden or residual
+(other programs still read them).
+
+Prefill (M > GEMV_MAX_M) runs the unfused chain: an add, rms_norm_triton, then linear_triton /
+gate_up_silu_triton (the GEMMs are bandwidth- and compute-bound there, not launch-bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.activation import silu_and_mul_reference
+from kernels.linear import (
+    GEMV_MAX_M,
+    GemvConfig,
+    gate_up_silu_reference,
+    gate_up_silu_triton,
+    gemv_config,
+    linear_reference,
+    linear_triton,
+)
+from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+
+# ----------------------------------------------------------------------------------------------------------
+# The unfused chain: the reference, and the Triton prefill path
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _chain(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gate_up: bool,
+    out: torch.Tensor | None,
+    residual_out: torch.Tensor | None,
+    rms_norm: Callable,
+    linear: Callable,
+    gate_up_silu: Callable,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add -> rms_norm -> linear (or gate/up + SwiGLU) with the given ops (reference or Triton)."""
+    if residual is None:
+        summed = hidden if residual_out is None else residual_out.copy_(hidden)
+    else:
+        summed = torch.add(hidden, residual, out=residual_out)  # rounded as add_rms_norm_reference's sum
+    normed = rms_norm(summed, norm_weight, eps)
+    # out may hold a wider dtype (fp32 logits): the product is rounded to the activation dtype first.
+    direct_out = out if out is not None and out.dtype == normed.dtype else None
+    if not gate_up:
+        result = linear(normed, weight, bias, out=direct_out)
+    elif bias is None:
+        result = gate_up_silu(normed, weight, out=direct_out)
+    else:
+        gate, up = linear(normed, weight, bias).chunk(2, dim=-1)
+        result = silu_and_mul_reference(gate, up)
+    if out is None or result is out:
+        return result, summed
+    return out.copy_(result), summed
+
+
+def add_rms_norm_linear_reference(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gate_up: bool = False,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, residual_out): hidden [M, K] (+ residual [M, K]) -> RMSNorm -> @ weight.T (+ bias) -> [M, N].
+
+    weight is [N, K], or [2N, K] (gate rows, then up rows) with gate_up, where out = silu(gate) * up;
+    bias is [N] or [2N] to match. residual_out is hidden + residual (hidden itself when residual is None
+    and no residual_out is given). out may be float32 with bf16/fp16 activations (logits): it then holds
+    the activation-dtype result, widened."""
+    return _chain(
+        hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out,
+        rms_norm_reference, linear_reference, gate_up_silu_reference,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decode: the GEMV with the residual add and RMSNorm in front
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _summed_tile(
+    hidden_ptr,
+    residual_ptr,
+    offs_m,  # [BLOCK_M]
+    offs_k,  # [BLOCK_K]
+    mask,  # [BLOCK_M, BLOCK_K]
+    stride_hm,
+    stride_rm,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """hidden (+ residual), rounded to the activation dtype as the reference does; fp32 [BLOCK_M, BLOCK_K]."""
+    rows = offs_m.to(tl.int64)[:, None]
+    summed = tl.load(hidden_ptr + rows * stride_hm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + rows * stride_rm + offs_k[None, :], mask=mask, other=0.0)
+        summed = (summed + residual.to(tl.float32)).to(hidden_ptr.dtype.element_ty).to(tl.float32)
+    return summed
+
+
+@triton.jit
+def _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype: tl.constexpr):
+    """round(round(summed * rstd) * norm_weight): the reference's two roundings; fp32 [BLOCK_M, BLOCK_K]."""
+    norm_weight = tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+    normed = (summed * rstd[:, None]).to(act_dtype).to(tl.float32)
+    return (normed * norm_weight).to(act_dtype).to(tl.float32)
+
+
+@triton.jit
+def _weight_tile(gate_rows, up_rows, offs_k, k_mask, GATE_UP: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] gate (or only) and up weight tiles in fp32; without GATE_UP, up is gate."""
+    w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+    w_up = w
+    if GATE_UP:
+        w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+    return w, w_up
+
+
+@triton.jit
+def _products(x, w, BLOCK_M: tl.constexpr):
+    """w [BLOCK_N, BLOCK_K] times every row of x [BLOCK_M, BLOCK_K]: [BLOCK_N, BLOCK_K] when BLOCK_M is 1
+    (x broadcasts as one row), else [BLOCK_M, BLOCK_N, BLOCK_K] (each weight tile serves every row)."""
+    if BLOCK_M == 1:  # noqa: SIM108 (a constexpr branch)
+        products = w * x
+    else:
+        products = w[None, :, :] * x[:, None, :]
+    return products
+
+
+@triton.jit
+def _statistics_tile(
+    hidden_ptr,
+    residual_ptr,
+    residual_out_rows,  # [BLOCK_M, 1] row pointers
+    offs_m,
+    m_mask,
+    offs_k,
+    K,
+    stride_hm,
+    stride_rm,
+    own_start,
+    residual_chunk,
+    HAS_RESIDUAL: tl.constexpr,
+    WRITE_RESIDUAL: tl.constexpr,
+    act_dtype: tl.constexpr,
+):
+    """One tile of the summed rows (fp32 [BLOCK_M, BLOCK_K_NORM]); stores the part of it that this program
+    owns, columns [own_start, own_start + residual_chunk) of residual_out, so each is written once."""
+    k_mask = offs_k < K
+    mask = m_mask[:, None] & k_mask[None, :]
+    summed = _summed_tile(hidden_ptr, residual_ptr, offs_m, offs_k, mask, stride_hm, stride_rm, HAS_RESIDUAL)
+    if WRITE_RESIDUAL:
+        own = k_mask & (offs_k >= own_start) & (offs_k < own_start + residual_chunk)
+        tl.store(
+            residual_out_rows + offs_k[None, :], summed.to(act_dtype), mask=m_mask[:, None] & own[None, :]
+        )
+    return summed
+
+
+@triton.jit
+def _add_rms_norm_gemv_kernel(
+    hidden_ptr,  # [M, K], K contiguous
+    residual_ptr,  # [M, K] (HAS_RESIDUAL)
+    norm_weight_ptr,  # [K]
+    w_ptr,  # [N, K] or [2N, K] (GATE_UP: gate rows, then up rows), K contiguous
+    bias_ptr,  # [N] or [2N] (HAS_BIAS)
+    out_ptr,  # [M, N], N contiguous
+    residual_out_ptr,  # [M, K] (WRITE_RESIDUAL)
+    M,
+    N,  # output columns: weight rows, or intermediate size for GATE_UP
+    K,
+    eps,
+    residual_chunk,  # program p stores residual_out[:, p * residual_chunk : (p + 1) * residual_chunk]
+    stride_hm,
+    stride_rm,
+    stride_wn,
+    stride_om,
+    stride_rom,
+    HAS_RESIDUAL: tl.constexpr,
+    WRITE_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    SINGLE_K: tl.constexpr,  # BLOCK_K >= K (then BLOCK_K_NORM == BLOCK_K): one tile holds the whole row
+    ONE_NORM_TILE: tl.constexpr,  # BLOCK_K_NORM >= K: the statistics pass is one tile, no loop
+    BLOCK_M: tl.constexpr,  # next power of two >= M (all rows in one program)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_K_NORM: tl.constexpr,  # columns per statistics tile (pass 1): >= BLOCK_K
+):
+    # Products and statistics are fp32 and every bf16 rounding is an explicit cast, so there is no bf16
+    # arithmetic for the interpreter to get wrong (no UPCAST flag needed, as in linear.py's GEMV).
+    act_dtype: tl.constexpr = hidden_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    # The last program's surplus rows re-read row N - 1 (in bounds) and are not stored: no row mask on loads.
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    gate_rows = w_ptr + rows[:, None] * stride_wn  # [BLOCK_N, 1]
+    up_rows = w_ptr + (rows + N)[:, None] * stride_wn  # [BLOCK_N, 1] (GATE_UP only)
+    offs_k0 = tl.arange(0, BLOCK_K)
+    own_start = pid * residual_chunk
+    residual_out_rows = residual_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom  # [BLOCK_M, 1]
+
+    # The first weight tile does not depend on the norm: its loads go out first, so their latency hides
+    # behind the statistics pass.
+    k_mask = offs_k0 < K
+    w, w_up = _weight_tile(gate_rows, up_rows, offs_k0, k_mask, GATE_UP)
+
+    # Pass 1: the sum of squares of each row (and this program's slice of residual_out), in tiles of
+    # BLOCK_K_NORM >= BLOCK_K columns: usually one tile (ONE_NORM_TILE), i.e. one round trip to L2.
+    offs_kn0 = tl.arange(0, BLOCK_K_NORM)
+    if ONE_NORM_TILE:
+        summed = _statistics_tile(
+            hidden_ptr, residual_ptr, residual_out_rows, offs_m, m_mask, offs_kn0, K, stride_hm, stride_rm,
+            own_start, residual_chunk, HAS_RESIDUAL, WRITE_RESIDUAL, act_dtype,
+        )  # fmt: skip
+        squares = summed * summed
+    else:
+        squares = tl.zeros((BLOCK_M, BLOCK_K_NORM), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K_NORM):
+            part = _statistics_tile(
+                hidden_ptr, residual_ptr, residual_out_rows, offs_m, m_mask, k0 + offs_kn0, K, stride_hm,
+                stride_rm, own_start, residual_chunk, HAS_RESIDUAL, WRITE_RESIDUAL, act_dtype,
+            )  # fmt: skip
+            squares += part * part
+    rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)  # [BLOCK_M]
+
+    # Pass 2: the weight rows against the normed row, tile by tile. With SINGLE_K (one tile, the same
+    # width as the statistics tile) the row is still in registers; otherwise it is rebuilt per tile from
+    # hidden (+ residual), which this program has just read (L1/L2 hits).
+    if not SINGLE_K:
+        mask = m_mask[:, None] & k_mask[None, :]
+        summed = _summed_tile(
+            hidden_ptr, residual_ptr, offs_m, offs_k0, mask, stride_hm, stride_rm, HAS_RESIDUAL
+        )
+    x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k0, k_mask, act_dtype)
+    acc = _products(x, w, BLOCK_M)
+    acc_up = acc
+    if GATE_UP:
+        acc_up = _products(x, w_up, BLOCK_M)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        offs_k = k0 + offs_k0
+        k_mask = offs_k < K
+        w, w_up = _weight_tile(gate_rows, up_rows, offs_k, k_mask, GATE_UP)
+        mask = m_mask[:, None] & k_mask[None, :]
+        summed = _summed_tile(
+            hidden_ptr, residual_ptr, offs_m, offs_k, mask, stride_hm, stride_rm, HAS_RESIDUAL
+        )
+        x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype)
+        acc += _products(x, w, BLOCK_M)
+        if GATE_UP:
+            acc_up += _products(x, w_up, BLOCK_M)
+
+    # [BLOCK_M, BLOCK_N] results
+    if BLOCK_M == 1:
+        result = tl.sum(acc, axis=1)[None, :]
+        result_up = tl.sum(acc_up, axis=1)[None, :]
+    else:
+        result = tl.sum(acc, axis=2)
+        result_up = tl.sum(acc_up, axis=2)
+    if HAS_BIAS:
+        result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATE_UP:
+            result_up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATE_UP:
+        result = result / (1.0 + tl.exp(-result)) * result_up
+    # Rounded to the activation dtype first, as the reference's result is, whatever out's dtype.
+    result = result.to(act_dtype).to(out_ptr.dtype.element_ty)
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, result, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _launch_gemv(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gate_up: bool,
+    out: torch.Tensor,
+    residual_out: torch.Tensor | None,
+    config: GemvConfig | None = None,
+    block_k_norm: int | None = None,
+) -> None:
+    """One launch; residual_out None: not written. config and block_k_norm override the tile heuristics
+    (tests, sweeps)."""
+    m, k = hidden.shape
+    n = out.shape[1]
+    block_n, block_k, num_warps = config or gemv_config(m, n, k, gate_up)
+    block_m = triton.next_power_of_2(m)
+    if block_k_norm is None:
+        # The statistics pass takes whole rows in one tile where registers allow (up to 32 fp32 per
+        # thread per tensor, before the accumulators are live), else loops.
+        block_k_norm = max(block_k, min(triton.next_power_of_2(k), 32 * 32 * num_warps // block_m))
+    single_k = block_k >= k
+    if single_k:
+        block_k_norm = block_k  # the statistics tile is the product tile, kept in registers
+    num_programs = triton.cdiv(n, block_n)
+    _add_rms_norm_gemv_kernel[(num_programs,)](
+        hidden,
+        residual if residual is not None else hidden,  # never read without HAS_RESIDUAL
+        norm_weight,
+        weight,
+        bias if bias is not None else out,  # never read without HAS_BIAS
+        out,
+        residual_out if residual_out is not None else hidden,  # never written without WRITE_RESIDUAL
+        m,
+        n,
+        k,
+        eps,
+        triton.cdiv(k, num_programs),
+        hidden.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        weight.stride(0),
+        out.stride(0),
+        residual_out.stride(0) if residual_out is not None else 0,
+        HAS_RESIDUAL=residual is not None,
+        WRITE_RESIDUAL=residual_out is not None,
+        HAS_BIAS=bias is not None,
+        GATE_UP=gate_up,
+        SINGLE_K=single_k,
+        ONE_NORM_TILE=block_k_norm >= k,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_K_NORM=block_k_norm,
+        num_warps=num_warps,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_rows(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    assert tensor.shape == shape, (name, tensor.shape, shape)
+    assert tensor.dtype == dtype, (name, tensor.dtype, dtype)
+    assert tensor.stride(-1) == 1, f"{name}: the last dim must be contiguous"
+
+
+def add_rms_norm_linear_triton(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gate_up: bool = False,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As add_rms_norm_linear_reference. Decode (M <= GEMV_MAX_M): one launch, no host sync, no
+    allocation when out (and residual_out, unless residual is None) are given; residual_out must not
+    overlap hidden or residual. Prefill (M > GEMV_MAX_M): the unfused chain, add + rms_norm_triton +
+    linear_triton / gate_up_silu_triton (three launches, a scratch normed buffer)."""
+    assert hidden.dim() == 2 and weight.dim() == 2, (hidden.shape, weight.shape)
+    m, k = hidden.shape
+    dtype = hidden.dtype
+    assert weight.shape[1] == k and weight.dtype == dtype, (weight.shape, weight.dtype, hidden.shape, dtype)
+    assert weight.stride(1) == 1 and hidden.stride(1) == 1, "hidden and weight rows must be contiguous"
+    assert not gate_up or weight.shape[0] % 2 == 0, weight.shape
+    n = weight.shape[0] // 2 if gate_up else weight.shape[0]
+    assert norm_weight.shape == (k,) and norm_weight.is_contiguous(), norm_weight.shape
+    if residual is not None:
+        _check_rows("residual", residual, (m, k), dtype)
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],) and bias.stride(0) == 1, (bias.shape, weight.shape)
+    if out is None:
+        out = torch.empty(m, n, dtype=dtype, device=hidden.device)
+    assert out.dtype in (dtype, torch.float32), (out.dtype, dtype)
+    _check_rows("out", out, (m, n), out.dtype)
+    if residual_out is not None:
+        _check_rows("residual_out", residual_out, (m, k), dtype)
+        sources = (hidden, residual) if residual is not None else (hidden,)
+        # Other programs still read hidden and residual while one writes its slice of residual_out.
+        assert all(residual_out.data_ptr() != t.data_ptr() for t in sources), "residual_out aliases an input"
+
+    if m > GEMV_MAX_M or k == 0:
+        return _chain(
+            hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out,
+            rms_norm_triton, linear_triton, gate_up_silu_triton,
+        )  # fmt: skip
+    if residual is not None and residual_out is None:
+        residual_out = torch.empty_like(hidden)
+    if m > 0 and n > 0:
+        _launch_gemv(hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out)
+    elif residual_out is not None:
+        # No GEMV programs to write it (N == 0): the sum alone.
+        if residual is not None:
+            torch.add(hidden, residual, out=residual_out)
+        else:
+            residual_out.copy_(hidden)
+    return out, residual_out if residual_out is not None else hidden
