@@ -1,1 +1,1 @@
-"""TileInfer proposers."""
+"""TileInfer proposers: draft tokens for speculative decoding, behind proposers.base.Proposer."""

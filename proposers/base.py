@@ -1,0 +1,37 @@
+"""The interface every draft proposer implements: n-gram here, a draft model and DFlash in their own actor."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftRequest:
+    """One sequence that wants drafts for its next step."""
+
+    request_id: str
+    token_ids: Sequence[int]  # every token so far, prompt + output; drafts are never part of it
+    num_drafts: int  # how many drafts the engine will verify at most (0 = none this step)
+
+
+class Proposer(Protocol):
+    """Guesses the next tokens of each sequence so that the target can verify them in one forward pass.
+
+    Contract:
+    - `propose` returns one list per request, in order, of at most `num_drafts` token ids: the guessed
+      continuation of `token_ids`. It may be shorter than asked, or empty when there is no good guess;
+      the engine then verifies fewer drafts (an empty list means plain decoding for that sequence).
+    - A request's `token_ids` only grow between calls, by the tokens the engine accepted, so a proposer
+      may keep per-request state and look only at the new tokens. A sequence whose tokens were replaced
+      (not extended) must be `forget`-ten first.
+    - `forget(request_id)` drops that request's state (finished, aborted or preempted); forgetting an
+      unknown request is a no-op.
+    Drafts only affect speed: verification makes the output what plain decoding would give, whatever
+    a proposer returns.
+    """
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]: ...
+
+    def forget(self, request_id: str) -> None: ...
