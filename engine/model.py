@@ -13,7 +13,7 @@ from torch import nn
 from engine.ops import REFERENCE_OPS, Ops
 from engine.rope import rope_cos_sin_cache
 from engine.spec import ModelSpec
-from kernels.activation import silu_and_mul_reference, xielu_reference
+from kernels.activation import xielu_reference
 from kernels.attention import AttentionMetadata
 
 
@@ -46,7 +46,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: the fused projection of the normed input
         positions: torch.Tensor,  # [num_tokens]
         kv_cache: torch.Tensor,  # this layer's [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
@@ -54,8 +54,7 @@ class Attention(nn.Module):
         ops: Ops,
     ) -> torch.Tensor:
         spec = self.spec
-        num_tokens = hidden.shape[0]
-        qkv = ops.linear(hidden, self.qkv_weight, self.qkv_bias)
+        num_tokens = qkv.shape[0]
         q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if spec.qk_norm else (None, None)
         query = ops.qkv_epilogue(
             qkv, positions, cos_sin_cache, q_norm, k_norm, spec.rms_norm_eps, kv_cache,
@@ -104,16 +103,16 @@ class MLP(nn.Module):
         self.gate_up_bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.has_bias else None
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+    def input_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias applied to the normed input: gate/up (SwiGLU fused in) or up alone."""
+        if self.gated:
+            return self.gate_up_weight, self.gate_up_bias
+        return self.up_proj.weight, self.up_proj.bias if self.has_bias else None
+
+    def forward(self, projected: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """projected: silu(gate) * up (gated), or up before its activation (Apertus)."""
+        act = projected if self.gated else self.act_fn(projected)
         down_bias = self.down_proj.bias if self.has_bias else None
-        if not self.gated:
-            up = ops.linear(x, self.up_proj.weight, self.up_proj.bias if self.has_bias else None)
-            act = self.act_fn(up)
-        elif self.gate_up_bias is None:
-            act = ops.gate_up_silu(x, self.gate_up_weight)
-        else:
-            gate, up = ops.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-            act = silu_and_mul_reference(gate, up)
         return ops.linear(act, self.down_proj.weight, down_bias)
 
 
@@ -135,15 +134,18 @@ class DecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
         ops: Ops,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        norm = self.input_layernorm
-        if residual is None:
-            residual, hidden = hidden, ops.rms_norm(hidden, norm.weight, norm.eps)
-        else:
-            hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        hidden = self.self_attn(hidden, positions, kv_cache, metadata, cos_sin_cache, ops)
+        """(this layer's output, the residual stream before it), i.e. the inputs of the next norm."""
+        attn, norm = self.self_attn, self.input_layernorm
+        qkv, residual = ops.add_rms_norm_linear(
+            hidden, residual, norm.weight, norm.eps, attn.qkv_weight, attn.qkv_bias
+        )
+        hidden = attn(qkv, positions, kv_cache, metadata, cos_sin_cache, ops)
         norm = self.post_attention_layernorm
-        hidden, residual = ops.add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(hidden, ops), residual
+        weight, bias = self.mlp.input_projection()
+        projected, residual = ops.add_rms_norm_linear(
+            hidden, residual, norm.weight, norm.eps, weight, bias, gate_up=self.mlp.gated
+        )
+        return self.mlp(projected, ops), residual
 
 
 class DecoderBody(nn.Module):
@@ -155,7 +157,8 @@ class DecoderBody(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Token ids in, final hidden states out; compute_logits applies the LM head."""
+    """Token ids in, the last layer's output and residual out; compute_logits applies the final norm and
+    the LM head (fused, and only to the rows that need logits)."""
 
     def __init__(self, spec: ModelSpec, max_positions: int, ops: Ops = REFERENCE_OPS) -> None:
         super().__init__()
@@ -194,7 +197,7 @@ class Decoder(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ops = self.ops
         hidden = ops.embedding(input_ids, self.model.embed_tokens.weight)
         residual = None
@@ -202,12 +205,21 @@ class Decoder(nn.Module):
             hidden, residual = layer(
                 hidden, residual, positions, layer_cache, metadata, self.cos_sin_cache, ops
             )
-        hidden, _ = ops.add_rms_norm(hidden, residual, self.model.norm.weight, self.model.norm.eps)
-        return hidden  # [num_tokens, hidden_size]
+        assert residual is not None, "a decoder has at least one layer"
+        return hidden, residual  # each [num_tokens, hidden_size]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_rows, hidden_size] -> float32 logits [num_rows, vocab_size]."""
-        return self.ops.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(
+        self, hidden: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows of forward()'s (hidden, residual) -> float32 logits [num_rows, vocab_size] (into out)."""
+        if out is None:
+            rows = hidden.shape[0]
+            out = torch.empty(rows, self.spec.vocab_size, dtype=torch.float32, device=hidden.device)
+        norm = self.model.norm
+        logits, _ = self.ops.add_rms_norm_linear(
+            hidden, residual, norm.weight, norm.eps, self.lm_head_weight, out=out
+        )
+        return logits
 
 
 def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

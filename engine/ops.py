@@ -10,19 +10,17 @@ import torch
 
 from kernels.attention import paged_attention_reference, paged_decode_attention_triton
 from kernels.embedding import embedding_reference, embedding_triton
-from kernels.linear import gate_up_silu_reference, gate_up_silu_triton, linear_reference, linear_triton
+from kernels.linear import linear_reference, linear_triton
+from kernels.norm_linear import add_rms_norm_linear_reference, add_rms_norm_linear_triton
 from kernels.prefill_attention import paged_prefill_attention_triton
 from kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
-from kernels.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
 
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
     embedding: Callable
-    rms_norm: Callable
-    add_rms_norm: Callable  # the Triton one updates `residual` in place
+    add_rms_norm_linear: Callable  # residual add + RMSNorm + the linear layer (or gate/up + SwiGLU) after it
     linear: Callable
-    gate_up_silu: Callable
     qkv_epilogue: Callable  # q/k RMSNorm + RoPE + paged KV write, after the fused QKV projection
     attention: Callable  # any number of query tokens per sequence (prefill, mixed batches)
     decode_attention: Callable | None  # one query token per sequence; None: `attention` serves
@@ -30,10 +28,8 @@ class Ops:
 
 REFERENCE_OPS = Ops(
     embedding=embedding_reference,
-    rms_norm=rms_norm_reference,
-    add_rms_norm=add_rms_norm_reference,
+    add_rms_norm_linear=add_rms_norm_linear_reference,
     linear=linear_reference,
-    gate_up_silu=gate_up_silu_reference,
     qkv_epilogue=qkv_epilogue_reference,
     attention=paged_attention_reference,
     decode_attention=None,
@@ -41,10 +37,8 @@ REFERENCE_OPS = Ops(
 
 TRITON_OPS = Ops(
     embedding=embedding_triton,
-    rms_norm=rms_norm_triton,
-    add_rms_norm=add_rms_norm_triton,
+    add_rms_norm_linear=add_rms_norm_linear_triton,
     linear=linear_triton,
-    gate_up_silu=gate_up_silu_triton,
     qkv_epilogue=qkv_epilogue_triton,
     attention=paged_prefill_attention_triton,
     decode_attention=paged_decode_attention_triton,

@@ -137,13 +137,14 @@ class ModelRunner:
             is_decode=is_decode,
             max_query_len=max(item.num_new_tokens for item in scheduled),
         )
-        hidden = self.decoder(
+        hidden, residual = self.decoder(
             torch.tensor(input_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
             self.kv_cache,
             metadata,
         )
-        return self.decoder.compute_logits(hidden[torch.tensor(logit_rows, device=device)])
+        rows = torch.tensor(logit_rows, device=device)
+        return self.decoder.compute_logits(hidden[rows], residual[rows])
 
     def _sample_eager(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -264,13 +265,13 @@ class DecodeGraphs:
 
     def _step(self, batch_size: int) -> None:
         decoder = self.runner.decoder
-        hidden = decoder(
+        hidden, residual = decoder(
             self.input_ids[:batch_size],
             self.positions[:batch_size],
             self.runner.kv_cache,
             self._metadata(batch_size),
         )
-        self.logits[:batch_size] = decoder.compute_logits(hidden)
+        decoder.compute_logits(hidden, residual, out=self.logits[:batch_size])
         sample_triton(
             self.logits[:batch_size], self._sampling_rows(batch_size),
             out=self.token_ids[:batch_size], workspace=self.sampling_workspace,
