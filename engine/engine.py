@@ -19,9 +19,9 @@ from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.loader import LoadedModel, load_model
 from engine.model import Decoder
 from engine.ops import ops_for
-from engine.runner import ModelRunner
+from engine.runner import PENDING_TOKEN, DecodeLaunch, ModelRunner
 from engine.sampling import SamplingParams, TokenLogprob, make_generator
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,6 +37,9 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     cuda_graphs: bool = True  # on a GPU, replay decode steps from CUDA graphs
+    # Launch decode step n+1 before reading step n's tokens (the host works while the GPU runs).
+    # None: on a GPU only; on the CPU it only delays each token by a step, but exercises the same path.
+    run_ahead: bool | None = None
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype not in DTYPES:
@@ -101,6 +104,8 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
+        self.run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
+        self.in_flight: DecodeLaunch | None = None  # the launched decode step whose tokens are unread
 
     @classmethod
     def load(cls, model: str, config: EngineConfig | None = None) -> Engine:
@@ -157,25 +162,90 @@ class Engine:
             request.seq.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step. With run-ahead, a decode step is launched and the previous one's tokens are
+        returned, so each token comes back one step after the step that sampled it."""
+        outputs: list[RequestOutput] = []
+        if self.in_flight is not None and not self._can_run_ahead():
+            outputs += self._resolve_in_flight()
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return outputs + self._resolve_in_flight()
         self.runner.copy_blocks(batch.block_copies)
+        seqs = [item.seq for item in batch.scheduled]
+        is_decode = all(
+            item.num_new_tokens == 1 and item.seq.num_computed_tokens + 1 == item.seq.num_tokens
+            for item in batch.scheduled
+        )
+        if self.run_ahead and is_decode and self.runner.can_launch_ahead(seqs):
+            launch = self.runner.launch_decode(batch.scheduled, self.in_flight)
+            for seq in seqs:
+                seq.token_ids.append(PENDING_TOKEN)
+            outputs += self._resolve_in_flight()
+            self._commit(batch.scheduled)
+            self.in_flight = launch
+            return outputs
+        assert self.in_flight is None, "a step that needs the host's tokens ran with a launch unread"
         sampled = self.runner.execute(batch.scheduled)
-        for item in batch.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit_computed(item.seq)
-        return [self._append_token(result.seq, result.token_id, result.logprob) for result in sampled]
+        self._commit(batch.scheduled)
+        for result in sampled:
+            result.seq.token_ids.append(result.token_id)
+        return outputs + [self._emit(result.seq, result.logprob) for result in sampled]
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def _can_run_ahead(self) -> bool:
+        """Whether the next step can be launched before the in-flight one's tokens are read: it will
+        decode exactly the same sequences (nothing waits, none finished), each wants another token,
+        and the cache has room for all of them without preempting."""
+        assert self.in_flight is not None
+        running = self.scheduler.running
+        if self.scheduler.waiting or running != self.in_flight.seqs:
+            return False
+        if any(
+            seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+            for seq in running
+        ):
+            return False
+        manager = self.block_manager
+        new_blocks = sum(manager.blocks_needed(seq.num_tokens) - len(seq.block_table) for seq in running)
+        return new_blocks <= manager.num_free_blocks and self.runner.can_launch_ahead(running)
+
+    def _resolve_in_flight(self) -> list[RequestOutput]:
+        """Read the in-flight launch's tokens into their sequences (in place of PENDING_TOKEN) and emit
+        them; rows of sequences that finished or were aborted meanwhile are dropped."""
+        launch, self.in_flight = self.in_flight, None
+        if launch is None:
+            return []
+        outputs = []
+        for seq, token_id in zip(launch.seqs, launch.read(), strict=True):
+            if seq.is_finished:
+                continue
+            # this launch's token is the sequence's last, or the one before a newer launch's
+            position = seq.num_tokens - 1
+            if seq.token_ids[position - 1] == PENDING_TOKEN:
+                position -= 1
+            seq.token_ids[position] = token_id
+            outputs.append(self._emit(seq, None, num_known_tokens=position + 1))
+        return outputs
+
+    def _commit(self, scheduled: list[ScheduledSequence]) -> None:
+        for item in scheduled:
+            if not item.seq.is_finished:
+                item.seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.commit_computed(item.seq)
+
+    def _emit(
+        self, seq: Sequence, logprob: TokenLogprob | None, num_known_tokens: int | None = None
+    ) -> RequestOutput:
+        """Detokenize and stop-check the sequence's newest known token (the last of its first
+        num_known_tokens; by default all of them) and say what it adds."""
         request = self.requests[seq.request_id]
         params = seq.params
-        seq.token_ids.append(token_id)
+        num_known_tokens = num_known_tokens or seq.num_tokens
+        token_id = seq.token_ids[num_known_tokens - 1]
         finish_reason = None
         stops_on_token = token_id in params.stop_token_ids or (
             token_id in self.eos_token_ids and not params.ignore_eos
@@ -184,7 +254,10 @@ class Engine:
             request.text += request.detokenizer.push(token_id)
         if stops_on_token or params.stop and self._cut_at_stop_string(request):
             finish_reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (
+            num_known_tokens - seq.num_prompt_tokens >= params.max_tokens
+            or num_known_tokens >= self.max_model_len
+        ):
             finish_reason = "length"
         if finish_reason is None:
             # hold back what could still turn out to be the start of a stop string

@@ -4,6 +4,10 @@ On the CPU every step runs eagerly with the torch reference ops and the host sam
 decoder runs Triton kernels and samples on the device; a step that only decodes (one new token per
 sequence) replays a CUDA graph captured for its batch-size bucket, whose inputs are written into
 static buffers, so the step costs the GPU's time and not the host's.
+
+A decode step can also be launched ahead (launch_decode): its input tokens may be the device-side
+samples of the previous launch, which the host has not read yet (PENDING_TOKEN in the sequence), so
+the host prepares step n+1 while the GPU still runs step n and reads tokens back one step later.
 """
 
 from __future__ import annotations
@@ -29,12 +33,29 @@ from kernels.sampling import (
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
+# In Sequence.token_ids: a token sampled on the device by a launched step, not yet read by the host.
+PENDING_TOKEN = -1
+
 
 @dataclasses.dataclass
 class SampledToken:
     seq: Sequence
     token_id: int
     logprob: TokenLogprob | None
+
+
+@dataclasses.dataclass
+class DecodeLaunch:
+    """A decode step sent to the device; its sampled tokens reach the host when `ready` has fired."""
+
+    seqs: list[Sequence]  # row order
+    token_ids: torch.Tensor  # [num_seqs] int64 on the host (pinned on a GPU)
+    ready: torch.cuda.Event | None  # None: token_ids is filled already (CPU)
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.token_ids.tolist()
 
 
 def _random_seed() -> int:
@@ -93,7 +114,9 @@ class ModelRunner:
         ]
         is_decode = all(item.num_new_tokens == 1 for item in scheduled) and len(sampled) == len(scheduled)
         if self.graphs is not None and is_decode and self.graphs.fits(len(scheduled)):
-            token_ids, logits = self.graphs.replay(scheduled)
+            launch = self.graphs.launch(scheduled, [-1] * len(scheduled))
+            launch.read()
+            token_ids, logits = launch.token_ids, self.graphs.logits[: len(scheduled)]
         else:
             logits = self.forward_eager(scheduled, is_decode)
             if not sampled:
@@ -101,10 +124,46 @@ class ModelRunner:
             token_ids = self._sample_eager(logits, sampled)
         return self._results(sampled, token_ids, logits)
 
+    def can_launch_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of these sequences can run before the host has read the previous
+        step's tokens: a graph replay on a GPU (the eager CPU path also can, to test the bookkeeping);
+        penalties and logprobs need the tokens on the host, so they run step by step."""
+        if self.device.type == "cuda" and (self.graphs is None or not self.graphs.fits(len(seqs))):
+            return False
+        return all(not seq.params.has_penalties and seq.params.logprobs is None for seq in seqs)
+
     @torch.inference_mode()
-    def forward_eager(self, scheduled: list[ScheduledSequence], is_decode: bool = False) -> torch.Tensor:
+    def launch_decode(
+        self, scheduled: list[ScheduledSequence], previous: DecodeLaunch | None
+    ) -> DecodeLaunch:
+        """Launch a decode step (one token per sequence, all sampled) without waiting for it. A sequence
+        whose last token is PENDING_TOKEN takes its input from `previous`, the launch that sampled it."""
+        seqs = [item.seq for item in scheduled]
+        source_rows = [-1] * len(seqs)  # row of `previous` whose sample is the input; -1: from the host
+        for row, seq in enumerate(seqs):
+            if seq.token_ids[-1] == PENDING_TOKEN:
+                assert previous is not None, "a pending token without the launch that samples it"
+                source_rows[row] = next(i for i, other in enumerate(previous.seqs) if other is seq)
+        if self.graphs is not None:
+            return self.graphs.launch(scheduled, source_rows)
+        # CPU: the previous launch's tokens are on the host already
+        earlier = previous.read() if previous is not None else []
+        inputs = [
+            seq.token_ids[-1] if src < 0 else earlier[src] for seq, src in zip(seqs, source_rows, strict=True)
+        ]
+        logits = self.forward_eager(scheduled, is_decode=True, last_token_ids=inputs)
+        return DecodeLaunch(seqs, self._sample_eager(logits, seqs), ready=None)
+
+    @torch.inference_mode()
+    def forward_eager(
+        self,
+        scheduled: list[ScheduledSequence],
+        is_decode: bool = False,
+        last_token_ids: list[int] | None = None,
+    ) -> torch.Tensor:
         """The float32 logits [num_rows, vocab_size] of each sequence whose tokens are all computed
-        after this step, without sampling."""
+        after this step, without sampling. last_token_ids: a decode step's input tokens, where the
+        sequences' own lists hold PENDING_TOKEN."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -124,6 +183,9 @@ class ModelRunner:
             seq_lens.append(end)
             if end == seq.num_tokens:
                 logit_rows.append(query_start_loc[-1] - 1)
+        if last_token_ids is not None:
+            assert is_decode and len(last_token_ids) == len(input_ids)
+            input_ids = last_token_ids
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
         block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
         for row, item in enumerate(scheduled):
@@ -209,14 +271,23 @@ class DecodeGraphs:
         # Every per-step input lives in one of three packed buffers (and the block tables), each filled
         # from a pinned host copy of the same shape with one transfer per step.
         self.ints = torch.zeros(
-            5, max_bs, dtype=torch.int64, device=device
-        )  # ids, positions, slots, seeds, steps
+            6, max_bs, dtype=torch.int64, device=device
+        )  # ids, positions, slots, seeds, steps, source rows
         self.int32s = torch.zeros(2, max_bs, dtype=torch.int32, device=device)  # seq lens, top-k
         self.floats = torch.tensor(_NEUTRAL_FLOATS, device=device)[:, None].repeat(1, max_bs)
         self.block_tables = torch.zeros(max_bs, runner.max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.staging = [torch.empty_like(buffer, device="cpu").pin_memory()
-                        for buffer in (self.ints, self.int32s, self.floats, self.block_tables)]  # fmt: skip
+        # Two sets of pinned host buffers, used by alternate launches: a launch's inputs must stay intact
+        # until its copies have run, which may be after the host has prepared the next launch.
+        self.staging = [
+            [torch.empty_like(buffer, device="cpu").pin_memory()
+             for buffer in (self.ints, self.int32s, self.floats, self.block_tables)]
+            for _ in range(2)
+        ]  # fmt: skip
+        self.host_token_ids = [torch.empty(max_bs, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.ready = [torch.cuda.Event() for _ in range(2)]
+        self.parity = 0
         self.input_ids, self.positions, self.slot_mapping = self.ints[0], self.ints[1], self.ints[2]
+        self.source_rows = self.ints[5]  # >= 0: the input is that row of the previous replay's samples
         self.seq_lens = self.int32s[0]
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.token_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -290,8 +361,10 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[batch_size] = graph
 
-    def replay(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's inputs into the static buffers, replay, return (token ids, logits) rows."""
+    def launch(self, scheduled: list[ScheduledSequence], source_rows: list[int]) -> DecodeLaunch:
+        """Write the step's inputs into the static buffers and replay, without waiting. source_rows[i]
+        >= 0: row i's input is that row of the previous replay's samples. The logits stay in
+        self.logits until the next replay."""
         runner = self.runner
         num_seqs = len(scheduled)
         batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
@@ -299,14 +372,15 @@ class DecodeGraphs:
         seqs = [item.seq for item in scheduled]
         padding = batch_size - num_seqs
         positions = [seq.num_tokens - 1 for seq in seqs]
-        ints_host, int32s_host, floats_host, tables_host = self.staging
+        ints_host, int32s_host, floats_host, tables_host = self.staging[self.parity]
         ints_host[:, :batch_size] = torch.tensor(
-            [[seq.token_ids[-1] for seq in seqs] + [0] * padding,
+            [[max(seq.token_ids[-1], 0) for seq in seqs] + [0] * padding,  # PENDING_TOKEN: fed back
              positions + [0] * padding,
              [seq.block_table[p // block_size] * block_size + p % block_size
               for seq, p in zip(seqs, positions, strict=True)] + [-1] * padding,  # -1: padding writes nothing
              [seed_to_int64(runner.seed_of(seq)) for seq in seqs] + [0] * padding,
-             [seq.num_output_tokens for seq in seqs] + [0] * padding]
+             [seq.num_output_tokens for seq in seqs] + [0] * padding,
+             source_rows + [-1] * padding]
         )  # fmt: skip
         int32s_host[:, :batch_size] = torch.tensor(
             [[seq.num_tokens for seq in seqs] + [0] * padding,  # a length of 0 makes attention skip the row
@@ -325,7 +399,12 @@ class DecodeGraphs:
         self.block_tables[:batch_size].copy_(tables_host[:batch_size], non_blocking=True)
         self._write_penalty_counts(seqs)
         self.graphs[batch_size].replay()
-        return self.token_ids[:num_seqs].cpu(), self.logits[:num_seqs]
+        host_token_ids = self.host_token_ids[self.parity][:num_seqs]
+        host_token_ids.copy_(self.token_ids[:num_seqs], non_blocking=True)
+        ready = self.ready[self.parity]
+        ready.record()
+        self.parity ^= 1
+        return DecodeLaunch(seqs, host_token_ids, ready)
 
     def _write_penalty_counts(self, seqs: list[Sequence]) -> None:
         """Token counts for the rows that use penalties (and zeros where a row used them last step);
