@@ -1,15 +1,19 @@
-"""Paged attention kernels on Qwen3-4B heads (32 query / 8 KV heads of 128, bf16, pages of 16 tokens).
+"""Paged attention kernels on Qwen3 heads (4B: 32 query / 8 KV heads of 128; 0.6B: 16 / 8), bf16, pages of
+16 tokens.
 
     python3 bench/bench_attention.py [OUT_DIR]
 
 prefill: paged_prefill_attention_triton on a causal prompt of 4k and 16k tokens read through a
          shuffled block table, against torch SDPA's flash backend (is_causal) on contiguous K/V; the
          median of CUDA-event timings; TFLOP/s counts the causal half: 2 * 2 * heads * head_dim * n^2 / 2.
-decode:  paged_decode_attention_triton at batch 1 after 4k and 32k cached positions, replayed in a
-         CUDA graph that calls it once per layer copy of the cache (the copies together exceed the 50 MB
-         L2); % of the copy bandwidth on the K/V bytes read.
-verify:  paged_prefill_attention_triton with 4 and 16 query tokens after 4k cached positions, timed
-         like decode.
+decode:  paged_decode_attention_triton at batch 1 after 1k, 4k and 32k cached positions, on Qwen3-4B
+         and Qwen3-0.6B heads, replayed in a CUDA graph that calls it once per layer copy of the cache
+         (the copies together exceed the 50 MB L2); the graph is captured as the engine captures it,
+         for a block table of MAX_MODEL_LEN positions (num_splits from that), so the splits each
+         context actually uses are the kernel's run-time choice; % of the copy bandwidth on the K/V
+         bytes read.
+verify:  paged_prefill_attention_triton with 4 and 16 query tokens after 4k cached positions (4B heads),
+         timed like decode.
 Copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) is measured in the same run.
 The last thing printed is the table; the full results go to OUT_DIR/bench_attention.json (OUT_DIR:
 the argument, else $OUT, else ./bench_out).
@@ -35,6 +39,7 @@ from kernels.attention import (  # noqa: E402
     AttentionMetadata,
     DecodeWorkspace,
     decode_num_splits,
+    decode_splits_used,
     paged_decode_attention_triton,
 )
 from kernels.prefill_attention import (  # noqa: E402
@@ -47,6 +52,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 SCALE = HEAD_DIM**-0.5
 L2_BYTES = 256 * 2**20  # enough cache copies per graph that none is served from L2
+MAX_MODEL_LEN = 40960  # Qwen3's: the block table width a decode graph is captured for
+DECODE_HEADS = {"Qwen3-4B": 32, "Qwen3-0.6B": 16}  # query heads; both have 8 KV heads of 128
 DEVICE = torch.device("cuda")
 
 
@@ -126,56 +133,75 @@ def bench_prefill(num_tokens: int, generator: torch.Generator) -> dict:
     }
 
 
-def bench_cached(query_len: int, context: int, bandwidth: float, generator: torch.Generator) -> dict:
-    """query_len new tokens (1: the decode kernel) after `context` cached positions, batch 1, in a graph
-    over enough layer copies of the cache to miss L2."""
-    seq_len = context + query_len
+def cache_copies(seq_len: int, generator: torch.Generator) -> tuple[list, int]:
+    """Enough copies of a seq_len-position cache to miss L2 across one graph replay, and their K/V bytes."""
     kv_bytes = 2 * seq_len * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
     copies = max(2, -(-L2_BYTES // kv_bytes))
-    caches = [paged_cache(seq_len, generator) for _ in range(copies)]
+    return [paged_cache(seq_len, generator) for _ in range(copies)], kv_bytes
+
+
+def bench_decode(model: str, context: int, bandwidth: float, generator: torch.Generator) -> dict:
+    """One query token after `context` cached positions, batch 1."""
+    num_heads = DECODE_HEADS[model]
+    seq_len = context + 1
+    caches, kv_bytes = cache_copies(seq_len, generator)
+    max_blocks = -(-MAX_MODEL_LEN // BLOCK_SIZE)
+    tables = []
+    for _, block_table in caches:  # padded with block 0 to the captured width; never read past seq_len
+        padded = torch.zeros(1, max_blocks, dtype=torch.int32, device=DEVICE)
+        padded[:, : block_table.shape[1]] = block_table
+        tables.append(padded)
+    query = torch.randn(1, num_heads, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=generator)
+    out = torch.empty_like(query)
+    max_context = max_blocks * BLOCK_SIZE
+    num_splits = decode_num_splits(1, NUM_KV_HEADS, max_context, HEAD_DIM)
+    workspace = DecodeWorkspace.allocate(1, num_heads, NUM_KV_HEADS, HEAD_DIM, max_context, DEVICE)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
+
+    def call(i: int) -> None:
+        paged_decode_attention_triton(
+            query,
+            caches[i][0],
+            tables[i],
+            seq_lens,
+            SCALE,
+            num_splits=num_splits,
+            out=out,
+            workspace=workspace,
+        )
+
+    seconds = time_in_graph(call, len(caches), replays=20)
+    return {
+        "workload": f"decode {context // 1024}k, {model} heads",
+        "ours_us": seconds * 1e6,
+        "num_splits": f"{decode_splits_used(seq_len, num_splits, HEAD_DIM)} of {num_splits}",
+        "kv_bytes": kv_bytes,
+        "pct_copy_bw": 100 * kv_bytes / seconds / bandwidth,
+    }
+
+
+def bench_verify(query_len: int, context: int, bandwidth: float, generator: torch.Generator) -> dict:
+    """query_len new tokens after `context` cached positions, batch 1, 4B heads."""
+    seq_len = context + query_len
+    caches, kv_bytes = cache_copies(seq_len, generator)
     query = torch.randn(query_len, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=generator)
     out = torch.empty_like(query)
     max_context = caches[0][1].shape[1] * BLOCK_SIZE
-    if query_len == 1:
-        num_splits = decode_num_splits(1, NUM_KV_HEADS, max_context, HEAD_DIM)
-        workspace = DecodeWorkspace.allocate(1, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, max_context, DEVICE)
-        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
+    num_splits = prefill_num_splits(query_len, 1, query_len, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, max_context)
+    workspace = allocate_prefill_workspace(
+        query_len, 1, query_len, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, num_splits, DEVICE
+    )
+    metadatas = [
+        metadata_for(query_len, seq_len, table, prefill_num_splits=num_splits, prefill_workspace=workspace)
+        for _, table in caches
+    ]
 
-        def call(i: int) -> None:
-            kv_cache, block_table = caches[i]
-            paged_decode_attention_triton(
-                query,
-                kv_cache,
-                block_table,
-                seq_lens,
-                SCALE,
-                num_splits=num_splits,
-                out=out,
-                workspace=workspace,
-            )
+    def call(i: int) -> None:
+        paged_prefill_attention_triton(query, caches[i][0], metadatas[i], SCALE, out=out)
 
-        name = f"decode {context // 1024}k"
-    else:
-        num_splits = prefill_num_splits(
-            query_len, 1, query_len, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, max_context
-        )
-        workspace = allocate_prefill_workspace(
-            query_len, 1, query_len, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, num_splits, DEVICE
-        )
-        metadatas = [
-            metadata_for(
-                query_len, seq_len, table, prefill_num_splits=num_splits, prefill_workspace=workspace
-            )
-            for _, table in caches
-        ]
-
-        def call(i: int) -> None:
-            paged_prefill_attention_triton(query, caches[i][0], metadatas[i], SCALE, out=out)
-
-        name = f"verify q{query_len} @ {context // 1024}k"
-    seconds = time_in_graph(call, copies, replays=20)
+    seconds = time_in_graph(call, len(caches), replays=20)
     return {
-        "workload": name,
+        "workload": f"verify q{query_len} @ {context // 1024}k",
         "ours_us": seconds * 1e6,
         "num_splits": num_splits,
         "kv_bytes": kv_bytes,
@@ -189,10 +215,12 @@ def main() -> None:
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     bandwidth = copy_bandwidth(DEVICE)
     rows = [bench_prefill(4096, generator), bench_prefill(16384, generator)]
-    for context in (4096, 32768):
-        rows.append(bench_cached(1, context, bandwidth, generator))
+    for model in DECODE_HEADS:
+        for context in (1024, 4096, 32768):
+            rows.append(bench_decode(model, context, bandwidth, generator))
+            torch.cuda.empty_cache()  # the 1k case's many cache copies
     for query_len in (4, 16):
-        rows.append(bench_cached(query_len, 4096, bandwidth, generator))
+        rows.append(bench_verify(query_len, 4096, bandwidth, generator))
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -120,7 +120,12 @@ def paged_decode_attention_reference(
     return out
 
 
-MAX_DECODE_SPLITS = 128  # bounds the merge's unrolled loop
+MAX_DECODE_SPLITS = 128  # bounds the workspace: partials per (sequence, KV head)
+# The default split count stays within this, so that the merge reads every split's partials in one
+# pass (one round trip to L2) for GQA groups up to 4 at head_dim 128: 32 splits x 4 rows x 128 fp32.
+DEFAULT_MAX_SPLITS = 32
+MERGE_ELEMENTS = 16384  # fp32 partials the merge holds at once: 128 registers a thread at 4 warps
+DECODE_STAGES = 3  # K/V tiles in the kernel's software pipeline: two in flight while one is computed
 
 
 def decode_block_n(head_dim: int) -> int:
@@ -133,12 +138,25 @@ def decode_block_n(head_dim: int) -> int:
     return max(16, min(128, 8192 // head_dim))
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int) -> int:
-    """How many KV splits each (sequence, KV head) gets, from shapes only (CUDA graphs fix the grid).
+def decode_min_keys_per_split(head_dim: int) -> int:
+    """The fewest keys a split takes at run time (a shorter sequence uses fewer splits).
 
-    Aim for about two programs per SM over the whole grid, but never more splits than tiles of keys
-    in the longest context the block table can hold. At run time each sequence divides its own keys
-    evenly among the splits, and the programs left without keys exit at once.
+    That is the tiles the pipeline requests together (DECODE_STAGES - 1; 64 KiB of bf16 K/V at
+    head_dim 128): a split this size costs one memory round trip, like a smaller one, so smaller
+    splits would only add programs and partials to merge. Above it, more splits shorten the stream
+    each program reads, which is what bounds a long context.
+    """
+    return (DECODE_STAGES - 1) * decode_block_n(head_dim)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int) -> int:
+    """The most KV splits a (sequence, KV head) may use, from shapes only (CUDA graphs fix the grid).
+
+    Aim for about two programs per SM over the whole grid when every sequence is long (K/V bytes in
+    flight from two pipelines per SM), but never more splits than a sequence of max_context keys would
+    use (decode_min_keys_per_split each), nor more than DEFAULT_MAX_SPLITS (a one-pass merge).
+    At run time each sequence uses only as many of them as its own length needs (at least
+    decode_min_keys_per_split keys each), and the programs left without keys exit at once.
     In a small batch of mixed lengths (one 32k context among short ones) the longest sequence alone
     sets the step's time, so it gets enough splits to cover every SM by itself (num_sms / kv heads),
     as long as the grid stays under 8 programs per SM: idle programs cost a launch slot each.
@@ -146,8 +164,22 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, head_d
     programs = max(num_seqs * num_kv_heads, 1)
     one_sequence_fills = min(triton.cdiv(num_sms(), num_kv_heads), triton.cdiv(8 * num_sms(), programs))
     wanted = max(triton.cdiv(2 * num_sms(), programs), one_sequence_fills)
-    max_tiles = max(triton.cdiv(max_context, decode_block_n(head_dim)), 1)
-    return max(1, min(wanted, max_tiles, MAX_DECODE_SPLITS))
+    most_useful = max(triton.cdiv(max_context, decode_min_keys_per_split(head_dim)), 1)
+    return max(1, min(wanted, most_useful, DEFAULT_MAX_SPLITS))
+
+
+def decode_splits_used(
+    seq_len: int, num_splits: int, head_dim: int, sliding_window: int | None = None
+) -> int:
+    """How many of its num_splits a sequence of seq_len keys uses in the kernel (0 for an empty one):
+    the kernel's own rule, mirrored on the host for tests and benchmarks. Whole tiles of
+    decode_block_n keys, at least decode_min_keys_per_split keys a split, dealt evenly."""
+    block_n = decode_block_n(head_dim)
+    first_tile = max(seq_len - sliding_window, 0) // block_n if sliding_window else 0
+    num_tiles = -(-seq_len // block_n) - first_tile
+    wanted = min(max(-(-num_tiles // (decode_min_keys_per_split(head_dim) // block_n)), 1), num_splits)
+    tiles_per_split = max(-(-num_tiles // wanted), 1)
+    return -(-num_tiles // tiles_per_split)
 
 
 @dataclasses.dataclass
@@ -230,9 +262,9 @@ def _paged_decode_kernel(
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (page)
     BLOCK_N: tl.constexpr,  # keys per tile
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # splits in the grid: the most a sequence may use
+    MIN_TILES: tl.constexpr,  # the fewest tiles a used split takes (decode_min_keys_per_split)
     MERGE_ROWS: tl.constexpr,  # GROUP padded to a power of two (rows of the merge)
-    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS padded to a power of two
     SPLIT_CHUNK: tl.constexpr,  # splits merged per step
     UPCAST: tl.constexpr = INTERPRET,
     DOT_PRECISION: tl.constexpr = "tf32",  # "ieee" for an fp32 cache: exact fp32, not TF32
@@ -249,13 +281,16 @@ def _paged_decode_kernel(
     dim_mask = dims < HEAD_DIM
     out_mask = row_mask[:, None] & dim_mask[None, :]
 
-    # The sequence's visible keys [first_key, seq_len) in whole tiles, dealt evenly to the splits;
-    # `active` splits get at least one tile, and every tile they get holds a visible key.
+    # The sequence's visible keys [first_key, seq_len) in whole tiles. Its length, not the grid, sets
+    # how many splits it uses (at least MIN_TILES tiles each, at most NUM_SPLITS); the tiles are dealt
+    # evenly to the first `active` splits, every tile they get holds a visible key, and the programs
+    # of the other splits exit at once.
     seq_len = tl.load(seq_lens_ptr + seq)
     first_key = tl.maximum(seq_len - window, 0)
     first_tile = first_key // BLOCK_N
     num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N - first_tile
-    tiles_per_split = tl.maximum((num_tiles + NUM_SPLITS - 1) // NUM_SPLITS, 1)
+    splits_used = tl.minimum(tl.maximum((num_tiles + MIN_TILES - 1) // MIN_TILES, 1), NUM_SPLITS)
+    tiles_per_split = tl.maximum((num_tiles + splits_used - 1) // splits_used, 1)
     active = (num_tiles + tiles_per_split - 1) // tiles_per_split
     tile_begin = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, first_tile + num_tiles)
@@ -276,6 +311,7 @@ def _paged_decode_kernel(
             keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             key_mask = (keys >= first_key) & (keys < seq_len)
             block_ids = tl.load(table_base + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+            # int64 offsets: a large cache holds more than 2^31 elements per layer
             row_offsets = block_ids * stride_block + (keys % BLOCK_SIZE) * stride_slot  # [BLOCK_N]
             kv_offsets = row_offsets[:, None] + dims[None, :]
             kv_mask = key_mask[:, None] if BLOCK_D == HEAD_DIM else key_mask[:, None] & dim_mask[None, :]
@@ -299,7 +335,7 @@ def _paged_decode_kernel(
 
         if NUM_SPLITS == 1:  # noqa: SIM114 (constexpr: the merge below is not even compiled)
             _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, out_mask, acc, l_i)
-        elif active == 1:  # a short sequence: its one split holds the whole answer
+        elif active == 1:  # a short sequence: its one split holds the whole answer, no partials
             _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, out_mask, acc, l_i)
         else:
             pair = seq * num_kv_heads + kv_head
@@ -329,7 +365,6 @@ def _paged_decode_kernel(
                     BLOCK_D,
                     NUM_SPLITS,
                     MERGE_ROWS,
-                    SPLITS_PAD,
                     SPLIT_CHUNK,
                 )
                 tl.store(counters_ptr + pair, 0)  # ready for the next launch (graph replay)
@@ -357,43 +392,45 @@ def _merge_splits(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MERGE_ROWS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
 ):
-    """out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the active splits, in split order
-    (deterministic whichever program arrives last). Loads bypass L1 (.cg): they read other SMs' writes."""
+    """out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s over the `active` splits only, SPLIT_CHUNK
+    at a time with a running max (one pass: each chunk's max, sum and outputs load together), in split
+    order, so the result is deterministic whichever program arrives last. Loads bypass L1 (.cg): they
+    read other SMs' writes."""
     rows = tl.arange(0, MERGE_ROWS)
     row_mask = rows < GROUP
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     first_slot = (pair * NUM_SPLITS).to(tl.int64)
-
-    splits = tl.arange(0, SPLITS_PAD)
-    stat_slots = (first_slot + splits[:, None]) * GROUP + rows[None, :]  # [SPLITS_PAD, MERGE_ROWS]
-    stat_mask = (splits[:, None] < active) & row_mask[None, :]
-    m_split = tl.load(partial_max_ptr + stat_slots, mask=stat_mask, other=float("-inf"), cache_modifier=".cg")
-    l_split = tl.load(partial_sum_ptr + stat_slots, mask=stat_mask, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m_split, axis=0)  # [MERGE_ROWS]
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # padded rows: every weight exp2(-inf) = 0
-    l_total = tl.sum(tl.exp2(m_split - m_max[None, :]) * l_split, axis=0)
-
     chunk = tl.arange(0, SPLIT_CHUNK)
+
+    m_run = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([MERGE_ROWS], dtype=tl.float32)
     acc = tl.zeros([MERGE_ROWS, BLOCK_D], dtype=tl.float32)
-    for first in tl.static_range(0, NUM_SPLITS, SPLIT_CHUNK):
-        chunk_slots = (first_slot + first + chunk[:, None]) * GROUP + rows[None, :]  # [SPLIT_CHUNK, ROWS]
-        chunk_mask = (first + chunk[:, None] < active) & row_mask[None, :]
-        m_chunk = tl.load(
-            partial_max_ptr + chunk_slots, mask=chunk_mask, other=float("-inf"), cache_modifier=".cg"
-        )
-        weights = tl.exp2(m_chunk - m_max[None, :])  # [SPLIT_CHUNK, MERGE_ROWS]
-        acc_ptrs = partial_acc_ptr + chunk_slots[:, :, None] * HEAD_DIM + dims[None, None, :]
-        acc_mask = chunk_mask[:, :, None] & dim_mask[None, None, :]
-        partial = tl.load(acc_ptrs, mask=acc_mask, other=0.0, cache_modifier=".cg")
-        acc += tl.sum(partial * weights[:, :, None], axis=0)
+    for first in range(0, active, SPLIT_CHUNK):  # usually one step
+        slots = (first_slot + first + chunk[:, None]) * GROUP + rows[None, :]  # [SPLIT_CHUNK, MERGE_ROWS]
+        mask = (first + chunk[:, None] < active) & row_mask[None, :]
+        m_chunk = tl.load(partial_max_ptr + slots, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        l_chunk = tl.load(partial_sum_ptr + slots, mask=mask, other=0.0, cache_modifier=".cg")
+        acc_mask = mask[:, :, None] & dim_mask[None, None, :]
+        partial = tl.load(
+            partial_acc_ptr + slots[:, :, None] * HEAD_DIM + dims[None, None, :],
+            mask=acc_mask,
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [SPLIT_CHUNK, MERGE_ROWS, BLOCK_D]
+        m_new = tl.maximum(m_run, tl.max(m_chunk, axis=0))
+        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # padded rows: every weight exp2(-inf) = 0
+        alpha = tl.exp2(m_run - m_new)
+        weights = tl.exp2(m_chunk - m_new[None, :])  # [SPLIT_CHUNK, MERGE_ROWS]
+        l_run = l_run * alpha + tl.sum(weights * l_chunk, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(partial * weights[:, :, None], axis=0)
+        m_run = m_new
 
     heads = kv_head * GROUP + rows
     mask = row_mask[:, None] & dim_mask[None, :]
-    _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, mask, acc, l_total)
+    _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, mask, acc, l_run)
 
 
 def paged_decode_attention_triton(
@@ -412,9 +449,11 @@ def paged_decode_attention_triton(
 
     Grid (num_seqs, num_kv_heads, num_splits). A program reads its KV head's keys and values once for
     all the query heads that share them (the GQA group is the M of tl.dot), over its share of the
-    sequence's pages, with an online softmax in fp32. A sequence short enough for one split is written
-    directly; otherwise each split writes partials to the workspace and the last one (an atomic
-    counter) merges them in split order, so the result is deterministic.
+    sequence's pages, with an online softmax in fp32. num_splits is the most splits a sequence may
+    use; each sequence uses as many as its own length needs (decode_min_keys_per_split keys or more
+    each), so a short context runs few programs and a 32k one all of them. A sequence that uses one
+    split is written directly; otherwise each split writes partials to the workspace and the last one
+    (an atomic counter) merges the used ones in split order, so the result is deterministic.
     CUDA-graph safe: no host sync; no allocation when `out` and, for num_splits > 1, `workspace`
     (DecodeWorkspace.allocate) are given; the grid depends on shapes and num_splits only, never on
     seq_lens' values. Without a workspace one is allocated per call.
@@ -427,6 +466,7 @@ def paged_decode_attention_triton(
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, head_dim)
+    assert 1 <= num_splits <= MAX_DECODE_SPLITS
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.stride(2) == 1
@@ -451,8 +491,10 @@ def paged_decode_attention_triton(
         partial_acc = partial_max = partial_sum = out
         counters = seq_lens
 
+    block_n = decode_block_n(head_dim)
+    block_d = triton.next_power_of_2(head_dim)
     merge_rows = triton.next_power_of_2(group)
-    splits_pad = triton.next_power_of_2(num_splits)
+    split_chunk = min(triton.next_power_of_2(num_splits), max(1, MERGE_ELEMENTS // (merge_rows * block_d)))
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         kv_cache,
@@ -478,14 +520,14 @@ def paged_decode_attention_triton(
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         GROUP_PAD=max(16, merge_rows),
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
-        BLOCK_N=decode_block_n(head_dim),
+        BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        MIN_TILES=decode_min_keys_per_split(head_dim) // block_n,
         MERGE_ROWS=merge_rows,
-        SPLITS_PAD=splits_pad,
-        SPLIT_CHUNK=min(splits_pad, max(1, 32 // merge_rows)),
+        SPLIT_CHUNK=split_chunk,
         num_warps=4,
-        num_stages=3,
+        num_stages=DECODE_STAGES,
     )
     return out
