@@ -205,7 +205,9 @@ class ModelRunner:
             self.kv_cache,
             metadata,
         )
-        rows = torch.tensor(logit_rows, device=device)
+        if not logit_rows:  # a prompt chunk that completes no sequence
+            return torch.empty(0, self.spec.vocab_size, dtype=torch.float32, device=device)
+        rows = torch.tensor(logit_rows, dtype=torch.int64, device=device)
         return self.decoder.compute_logits(hidden[rows], residual[rows])
 
     def _sample_eager(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -65,7 +65,7 @@ def load_safetensors_folder(
     expected_shapes = weight_shapes(spec)
     weights: dict[str, torch.Tensor] = {}
     for path in safetensors_files(folder):
-        weights.update(_read_file(path, expected_shapes, dtype, device))
+        weights.update(read_safetensors_file(path, expected_shapes, dtype, device))
     missing = [name for name in expected_shapes if name not in weights]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -75,7 +75,7 @@ def load_safetensors_folder(
     return spec, weights
 
 
-def _read_file(
+def read_safetensors_file(
     path: Path, expected_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str | torch.device
 ) -> dict[str, torch.Tensor]:
     """Canonical tensors of one file; names the model does not use (rotary inv_freq, a tied lm_head) are

@@ -321,7 +321,7 @@ def paged_prefill_attention_triton(
     """paged_attention_reference on the GPU, in one launch (see the module docstring).
 
     query [num_tokens, num_heads, head_dim] (query_start_loc[-1] == num_tokens) -> the same shape.
-    head_dim a power of two, 32..256. Host ints from metadata: max_query_len (None: one host read of
+    head_dim a power of two, 16..256. Host ints from metadata: max_query_len (None: one host read of
     query_start_loc) and prefill_num_splits (None: prefill_num_splits() from shapes). With more than
     one split it uses metadata.prefill_workspace (allocate_prefill_workspace), or allocates one.
     CUDA-graph safe when max_query_len, prefill_num_splits, `out` and (splits > 1) the workspace are
@@ -332,7 +332,7 @@ def paged_prefill_attention_triton(
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     assert kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim and num_heads % num_kv_heads == 0
-    assert head_dim in (32, 64, 128, 256), f"head_dim {head_dim}: a power of two 32..256"
+    assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim}: a power of two 16..256"
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1
     block_tables, seq_lens = metadata.block_tables, metadata.seq_lens
     query_start_loc = metadata.query_start_loc

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +17,10 @@ class DraftRequest:
     request_id: str
     token_ids: Sequence[int]  # every token so far, prompt + output; drafts are never part of it
     num_drafts: int  # how many drafts the engine will verify at most (0 = none this step)
+    # DFlash only: the target's hidden states at the proposer's target_layer_ids, concatenated per token
+    # ([num_rows, len(target_layer_ids) * hidden_size]), for the tokens the proposer has not seen yet that
+    # the target has run (every token but the last); extra trailing rows (rejected drafts) are ignored
+    target_hidden: torch.Tensor | None = None
 
 
 class Proposer(Protocol):

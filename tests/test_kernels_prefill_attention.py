@@ -116,6 +116,7 @@ CASES = [
     ([4, 16, 2], [300, 517, 64], 4, 1, 64, 16, None),  # verify: few tokens after long contexts, splits
     ([21], [21], 2, 1, 256, 16, None),  # head_dim 256: 64-row tiles
     ([12], [44], 4, 2, 32, 8, 9),  # head_dim 32, block size 8, window within one page
+    ([9, 3], [9, 20], 4, 2, 16, 16, None),  # head_dim 16 (the tiny model-family configs)
 ]
 
 

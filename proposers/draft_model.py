@@ -1,0 +1,221 @@
+"""Draft-model proposer: a smaller model with the target's vocabulary, or the target's own first layers
+(self-draft), drafts greedily with its own paged KV cache and, on a GPU, its own decode graphs.
+
+Per request it keeps a Sequence whose tokens are the request's tokens as of the last call plus the drafts
+it proposed then. A call rolls that back to where it agrees with the request's tokens now (rejected drafts
+drop out; their KV slots are simply overwritten later), computes the new tokens, and decodes the drafts.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence as TokenIds
+
+from engine.block_manager import BlockManager
+from engine.engine import EngineConfig
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.loader import LoadedModel
+from engine.model import Decoder
+from engine.ops import ops_for
+from engine.runner import PENDING_TOKEN, DecodeLaunch, ModelRunner
+from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledSequence
+from engine.sequence import Sequence
+from proposers.base import DraftRequest
+
+# Argmax drafts: deterministic, so the engine verifies them with a one-hot q (draft_probs=None).
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclasses.dataclass(eq=False)
+class _DraftState:
+    seq: Sequence  # token_ids: the request's tokens as of the last call, then that call's drafts
+    num_request_tokens: int = 0  # how many of seq.token_ids were the request's own at the last call
+
+
+class DraftModelProposer:
+    """Proposes each request's greedy continuation under the draft model (see proposers.base.Proposer).
+
+    config: the draft side's own settings (EngineConfig's fields): device, dtype, block_size, its KV
+    capacity (kv_cache_tokens), max_model_len, max_num_seqs (the batch of one decode step, and the largest
+    CUDA graph), max_num_batched_tokens (one prefill chunk) and cuda_graphs. A request that does not fit
+    the KV capacity or max_model_len gets fewer drafts, or none; drafts only affect speed.
+    """
+
+    def __init__(
+        self, draft: LoadedModel, target_vocab_size: int, config: EngineConfig | None = None
+    ) -> None:
+        if draft.spec.vocab_size != target_vocab_size:
+            raise ModelLoadError(
+                f"the draft model {draft.name} has a vocabulary of {draft.spec.vocab_size} tokens but the "
+                f"target's has {target_vocab_size}: a draft model must use the target's tokenizer"
+            )
+        config = config or EngineConfig()
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        device, dtype = config.torch_device(), config.torch_dtype()
+        self.name = draft.name
+        self.max_model_len = min(config.max_model_len or draft.spec.max_position_embeddings, 1 << 20)
+        self.max_num_seqs = config.max_num_seqs  # sequences drafting together (one decode step's batch)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        num_blocks = -(-(config.kv_cache_tokens or self.max_model_len) // config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        # .to() returns the same tensor when device and dtype already match: weights are shared, not copied
+        weights = {name: tensor.to(device=device, dtype=dtype) for name, tensor in draft.weights.items()}
+        decoder = Decoder.from_weights(draft.spec, weights, self.max_model_len, ops_for(device))
+        self.runner = ModelRunner(
+            decoder, num_blocks, config.block_size, dtype, config.max_num_seqs, self.max_model_len,
+            use_cuda_graphs=config.cuda_graphs,
+        )  # fmt: skip
+        self._states: dict[str, _DraftState] = {}
+
+    @classmethod
+    def self_draft(
+        cls, target: LoadedModel, num_layers: int, config: EngineConfig | None = None
+    ) -> DraftModelProposer:
+        """Draft with the target's first num_layers layers, its final norm and its LM head. The weight
+        tensors are the target's own (a subset of its dict, not copies)."""
+        if not 1 <= num_layers <= target.spec.num_layers:
+            raise InvalidRequestError(
+                f"a self-draft runs 1 to {target.spec.num_layers} of the target's layers, got {num_layers}"
+            )
+        weights = {name: tensor for name, tensor in target.weights.items() if _layer_index(name) < num_layers}
+        draft = dataclasses.replace(
+            target,
+            name=f"{target.name} (first {num_layers} layers)",
+            spec=dataclasses.replace(target.spec, num_layers=num_layers),
+            weights=weights,
+        )
+        return cls(draft, target.spec.vocab_size, config)
+
+    # --- Proposer ---------------------------------------------------------------------------------
+
+    def propose(self, requests: TokenIds[DraftRequest]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in requests]
+        wanted = [(row, request) for row, request in enumerate(requests) if request.num_drafts > 0]
+        for start in range(0, len(wanted), self.max_num_seqs):
+            group: dict[Sequence, int] = {}  # sequence -> its token count once its drafts are in
+            rows: list[tuple[int, _DraftState]] = []
+            for row, request in wanted[start : start + self.max_num_seqs]:
+                state = self._catch_up(request)
+                num_drafts = self._reserve(state.seq, request.num_drafts)
+                if num_drafts > 0:
+                    group[state.seq] = state.seq.num_tokens + num_drafts
+                    rows.append((row, state))
+            self._decode(group)
+            for row, state in rows:
+                drafts[row] = state.seq.token_ids[state.num_request_tokens :]
+        return drafts
+
+    def forget(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self._free(state.seq)
+            self.runner.forget(request_id)
+
+    # --- per request --------------------------------------------------------------------------------
+
+    def _catch_up(self, request: DraftRequest) -> _DraftState:
+        """Roll the request's sequence back to where it agrees with the request's tokens, then append the
+        rest of them (uncomputed)."""
+        state = self._states.get(request.request_id)
+        if state is None:
+            state = self._states[request.request_id] = _DraftState(Sequence(request.request_id, [], _GREEDY))
+        seq, token_ids = state.seq, request.token_ids
+        # The first num_request_tokens tokens were the request's at the last call, and its tokens only
+        # grow (the Proposer contract): only what came after needs comparing, i.e. about k + 1 tokens.
+        known = state.num_request_tokens if len(token_ids) >= state.num_request_tokens else 0
+        common = known + _common_prefix_length(seq.token_ids[known:], token_ids[known:])
+        del seq.token_ids[common:]
+        seq.token_ids += token_ids[common:]
+        # keep at least the last token to compute: its logits give the first draft
+        seq.num_computed_tokens = max(0, min(seq.num_computed_tokens, common, len(token_ids) - 1))
+        state.num_request_tokens = len(token_ids)
+        return state
+
+    def _reserve(self, seq: Sequence, num_drafts: int) -> int:
+        """How many drafts the sequence can have (at most num_drafts), with KV slots reserved for them;
+        0 frees its blocks for the others. Draft i is computed at position num_tokens + i - 1, so the last
+        (never computed) one needs no slot."""
+        manager = self.block_manager
+        num_slots = (len(seq.block_table) + manager.num_free_blocks) * manager.block_size
+        num_drafts = min(num_drafts, min(num_slots, self.max_model_len) + 1 - seq.num_tokens)
+        if num_drafts <= 0 or seq.num_tokens == 0:
+            self._free(seq)
+            return 0
+        manager.append_slots(seq, num_drafts - 1)
+        return num_drafts
+
+    def _free(self, seq: Sequence) -> None:
+        # With no computed tokens, free() registers no partial block in the prefix cache (the draft side
+        # shares no KV: a rolled-back block is overwritten in place).
+        seq.num_computed_tokens = 0
+        self.block_manager.free(seq)
+
+    # --- the batched drafting loop ---------------------------------------------------------------------
+
+    def _decode(self, goal: dict[Sequence, int]) -> None:
+        """Compute each sequence's uncomputed tokens (chunked), then decode greedily until it holds
+        goal[seq] tokens. Steps of one new token per sequence are launched without waiting for their
+        tokens (on a GPU: CUDA-graph replays back to back); a step that needs the tokens on the host
+        reads them first."""
+        unread: collections.deque[tuple[DecodeLaunch, list[int]]] = collections.deque()  # + token positions
+        previous: DecodeLaunch | None = None
+        active = list(goal)
+        while active:
+            if all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in active):
+                if len(unread) == 2:  # the runner's pinned buffers alternate between two launches
+                    _read(*unread.popleft())
+                launch = self.runner.launch_decode([ScheduledSequence(seq, 1) for seq in active], previous)
+                positions = [seq.num_tokens for seq in active]
+                for seq in active:
+                    seq.num_computed_tokens += 1
+                    seq.token_ids.append(PENDING_TOKEN)
+                unread.append((launch, positions))
+                previous = launch
+            else:
+                while unread:
+                    _read(*unread.popleft())
+                previous = None
+                scheduled = self._prefill_chunks(active)
+                sampled = self.runner.execute(scheduled)
+                for item in scheduled:
+                    item.seq.num_computed_tokens += item.num_new_tokens
+                for result in sampled:
+                    result.seq.token_ids.append(result.token_id)
+            active = [seq for seq in active if seq.num_tokens < goal[seq]]
+        while unread:
+            _read(*unread.popleft())
+
+    def _prefill_chunks(self, seqs: list[Sequence]) -> list[ScheduledSequence]:
+        """Each sequence's uncomputed tokens, in order, as far as one step's token budget goes."""
+        scheduled: list[ScheduledSequence] = []
+        budget = self.max_num_batched_tokens
+        for seq in seqs:
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new > 0:
+                scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+        return scheduled
+
+
+def _read(launch: DecodeLaunch, positions: list[int]) -> None:
+    """Put a launch's sampled tokens in place of their PENDING_TOKEN."""
+    for seq, position, token_id in zip(launch.seqs, positions, launch.read(), strict=True):
+        seq.token_ids[position] = token_id
+
+
+def _common_prefix_length(a: TokenIds[int], b: TokenIds[int]) -> int:
+    length = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        length += 1
+    return length
+
+
+def _layer_index(weight_name: str) -> int:
+    """The layer a weight belongs to, -1 for the embedding, final norm and LM head."""
+    parts = weight_name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] else -1

@@ -1,0 +1,361 @@
+"""DFlash drafter: a tiny random checkpoint in the published format, a random Qwen3 target run by
+transformers for the hidden states, and an independent re-implementation of the paper's equations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from engine.errors import InvalidRequestError, ModelLoadError
+from proposers.base import DraftRequest, Proposer
+from proposers.dflash import DFlashDrafter, DFlashProposer, load_dflash_checkpoint
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 160, 64, 4, 2, 16, 96
+TARGET_LAYERS, DRAFT_LAYERS, TARGET_LAYER_IDS = 4, 2, [0, 2]
+BLOCK_SIZE, MASK_TOKEN_ID, ROPE_THETA, EPS = 5, 151, 10000.0, 1e-6
+MAX_POSITIONS = 64
+
+DRAFT_CONFIG = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "block_size": BLOCK_SIZE,
+    "dflash_config": {"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": TARGET_LAYER_IDS},
+    "hidden_size": HIDDEN,
+    "intermediate_size": INTERMEDIATE,
+    "num_hidden_layers": DRAFT_LAYERS,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "num_target_layers": TARGET_LAYERS,
+    "rms_norm_eps": EPS,
+    "rope_theta": ROPE_THETA,
+    "max_position_embeddings": 512,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "vocab_size": VOCAB,
+}
+
+
+def random_draft_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The published tensor names (no embedding, no LM head), random values."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def matrix(rows: int, columns: int) -> torch.Tensor:
+        return torch.randn(rows, columns, generator=generator) * columns**-0.5
+
+    def norm(size: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(size, generator=generator)
+
+    weights = {
+        "fc.weight": matrix(HIDDEN, len(TARGET_LAYER_IDS) * HIDDEN),
+        "hidden_norm.weight": norm(HIDDEN),
+        "norm.weight": norm(HIDDEN),
+    }
+    for layer in range(DRAFT_LAYERS):
+        prefix = f"layers.{layer}."
+        weights |= {
+            prefix + "input_layernorm.weight": norm(HIDDEN),
+            prefix + "post_attention_layernorm.weight": norm(HIDDEN),
+            prefix + "self_attn.q_proj.weight": matrix(HEADS * HEAD_DIM, HIDDEN),
+            prefix + "self_attn.k_proj.weight": matrix(KV_HEADS * HEAD_DIM, HIDDEN),
+            prefix + "self_attn.v_proj.weight": matrix(KV_HEADS * HEAD_DIM, HIDDEN),
+            prefix + "self_attn.o_proj.weight": matrix(HIDDEN, HEADS * HEAD_DIM),
+            prefix + "self_attn.q_norm.weight": norm(HEAD_DIM),
+            prefix + "self_attn.k_norm.weight": norm(HEAD_DIM),
+            prefix + "mlp.gate_proj.weight": matrix(INTERMEDIATE, HIDDEN),
+            prefix + "mlp.up_proj.weight": matrix(INTERMEDIATE, HIDDEN),
+            prefix + "mlp.down_proj.weight": matrix(HIDDEN, INTERMEDIATE),
+        }
+    return weights
+
+
+def write_checkpoint(folder: Path, config: dict | None = None, weights: dict | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config or DRAFT_CONFIG))
+    save_file(weights or random_draft_weights(), str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def target() -> transformers.Qwen3ForCausalLM:
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+        num_hidden_layers=TARGET_LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("dflash"))
+
+
+@pytest.fixture(scope="module")
+def sequence(target: transformers.Qwen3ForCausalLM) -> tuple[list[int], torch.Tensor]:
+    """Random tokens and their context features: the outputs of target layers TARGET_LAYER_IDS
+    (hidden_states[i + 1] in transformers), concatenated per token -> [num_tokens, 2 * HIDDEN]."""
+    token_ids = torch.randint(0, 150, (24,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden_states = target(token_ids[None], output_hidden_states=True).hidden_states
+    features = torch.cat([hidden_states[layer + 1][0] for layer in TARGET_LAYER_IDS], dim=-1)
+    return token_ids.tolist(), features
+
+
+def make_proposer(checkpoint: Path, target: transformers.Qwen3ForCausalLM) -> DFlashProposer:
+    return DFlashProposer.from_checkpoint(
+        checkpoint, target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach(), MAX_POSITIONS
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (a) the drafter against the paper's equations, written out densely in float64
+# ----------------------------------------------------------------------------------------------------------
+
+
+def reference_draft_logits(
+    weights: dict[str, torch.Tensor],
+    context_features: torch.Tensor,  # [num_context, 2 * HIDDEN], for positions 0..num_context - 1
+    block_token_ids: list[int],
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+) -> torch.Tensor:
+    w = {name: tensor.double() for name, tensor in weights.items()}
+    num_context, block_len = context_features.shape[0], len(block_token_ids)
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+
+    def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [tokens, heads, HEAD_DIM]
+        inv_freq = ROPE_THETA ** (-torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+        angles = positions[:, None].double() * inv_freq  # [tokens, HEAD_DIM / 2]
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+        first, second = x[..., : HEAD_DIM // 2], x[..., HEAD_DIM // 2 :]
+        return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+    # context = RMSNorm(fc(concatenated target hidden states)), shared by every layer
+    context = rms_norm(context_features.double() @ w["fc.weight"].T, w["hidden_norm.weight"])
+    positions = torch.arange(num_context + block_len)  # context tokens, then the block right after
+    x = embed.double()[block_token_ids]
+    for layer in range(DRAFT_LAYERS):
+        p = f"layers.{layer}."
+        h = rms_norm(x, w[p + "input_layernorm.weight"])
+        q = rms_norm((h @ w[p + "self_attn.q_proj.weight"].T).view(block_len, HEADS, HEAD_DIM),
+                     w[p + "self_attn.q_norm.weight"])  # fmt: skip
+        kv_input = torch.cat([context, h])  # the keys/values: projected context, then the block itself
+        k = (kv_input @ w[p + "self_attn.k_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM)
+        k = rms_norm(k, w[p + "self_attn.k_norm.weight"])
+        v = (kv_input @ w[p + "self_attn.v_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM)
+        q, k = rotate(q, positions[num_context:]), rotate(k, positions)
+        group = HEADS // KV_HEADS
+        out = torch.empty(block_len, HEADS, HEAD_DIM, dtype=torch.float64)
+        for head in range(HEADS):
+            scores = q[:, head] @ k[:, head // group].T / HEAD_DIM**0.5  # [block, context + block], no mask
+            out[:, head] = torch.softmax(scores, dim=-1) @ v[:, head // group]
+        x = x + out.reshape(block_len, -1) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return rms_norm(x, w["norm.weight"])[1:] @ lm_head.double().T  # block positions 1.. are the drafts
+
+
+def test_drafter_matches_the_equations(
+    checkpoint: Path, target: transformers.Qwen3ForCausalLM, sequence: tuple[list[int], torch.Tensor]
+) -> None:
+    token_ids, features = sequence
+    config, weights = load_dflash_checkpoint(checkpoint)
+    drafter = DFlashDrafter.from_weights(config, weights, MAX_POSITIONS)
+    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    num_context = 11  # tokens 0..10 ran through the target; token 11 is the last one, starting the block
+    block = [token_ids[num_context]] + [MASK_TOKEN_ID] * (BLOCK_SIZE - 1)
+    expected = reference_draft_logits(weights, features[:num_context], block, embed, lm_head)
+    with torch.no_grad():
+        got = drafter(
+            features[:num_context], torch.arange(num_context), torch.tensor(block),
+            torch.arange(num_context, num_context + BLOCK_SIZE), embed, lm_head,
+        )  # fmt: skip
+    assert got.shape == (BLOCK_SIZE - 1, VOCAB) and got.dtype == torch.float32
+    assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+    # the proposer drafts the same greedy tokens from a request carrying the same hidden states
+    proposer = make_proposer(checkpoint, target)
+    request = DraftRequest("r", token_ids[: num_context + 1], BLOCK_SIZE - 1, features[:num_context])
+    assert proposer.propose([request]) == [expected.argmax(-1).tolist()]
+    assert proposer.target_layer_ids == tuple(TARGET_LAYER_IDS)
+
+
+def test_context_matters(checkpoint: Path, target: transformers.Qwen3ForCausalLM) -> None:
+    """A sanity check on the test itself: different context features give different drafts' logits."""
+    config, weights = load_dflash_checkpoint(checkpoint)
+    drafter = DFlashDrafter.from_weights(config, weights, MAX_POSITIONS)
+    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    block, positions = torch.tensor([3] + [MASK_TOKEN_ID] * 4), torch.arange(6, 11)
+    features = torch.randn(6, 2 * HIDDEN, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        first = drafter(features, torch.arange(6), block, positions, embed, lm_head)
+        second = drafter(features.flip(0), torch.arange(6), block, positions, embed, lm_head)
+    assert (first - second).abs().max() > 1e-3 * first.abs().max()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (b) the per-request context cache: incremental steps and rollback equal a recomputation from scratch
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_incremental_context_and_rollback_equal_recomputing(
+    checkpoint: Path, target: transformers.Qwen3ForCausalLM, sequence: tuple[list[int], torch.Tensor]
+) -> None:
+    token_ids, features = sequence
+    config, weights = load_dflash_checkpoint(checkpoint)
+    drafter = DFlashDrafter.from_weights(config, weights, MAX_POSITIONS)
+    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    wrong = torch.randn(features.shape, generator=torch.Generator().manual_seed(2))  # rejected drafts' states
+    cache = drafter.new_cache()
+    num_cached = 0
+    # (context length after the step, rows of rejected drafts that were appended and are then rolled back)
+    for num_context, num_rejected in [(7, 0), (8, 0), (8, 3), (12, 2), (13, 0), (19, 4)]:
+        if num_rejected:  # e.g. drafted ahead: context appended for drafts that verification then rejected
+            drafter.extend_context(
+                cache, wrong[num_cached : num_cached + num_rejected],
+                torch.arange(num_cached, num_cached + num_rejected),
+            )  # fmt: skip
+            cache.truncate(num_cached)
+        block = torch.tensor([token_ids[num_context]] + [MASK_TOKEN_ID] * (BLOCK_SIZE - 1))
+        block_positions = torch.arange(num_context, num_context + BLOCK_SIZE)
+        with torch.no_grad():
+            incremental = drafter(
+                features[num_cached:num_context], torch.arange(num_cached, num_context),
+                block, block_positions, embed, lm_head, cache,
+            )  # fmt: skip
+            from_scratch = drafter(
+                features[:num_context], torch.arange(num_context), block, block_positions, embed, lm_head
+            )
+        num_cached = num_context
+        assert cache.num_tokens == num_context
+        torch.testing.assert_close(incremental, from_scratch, rtol=1e-5, atol=1e-5)
+
+
+def test_proposer_steps_equal_a_fresh_proposer(
+    checkpoint: Path, target: transformers.Qwen3ForCausalLM, sequence: tuple[list[int], torch.Tensor]
+) -> None:
+    """A proposer fed only the new rows each step (plus ignored trailing rows of rejected drafts, and one
+    rollback of the sequence) drafts what a fresh proposer drafts from the whole context."""
+    token_ids, features = sequence
+    proposer = make_proposer(checkpoint, target)
+    num_seen = 0  # context rows the proposer has been given
+    for num_tokens, num_drafts in [(6, 4), (7, 2), (11, 0), (14, 4), (12, 3), (20, 4)]:
+        num_context = num_tokens - 1
+        start = min(num_seen, num_context)  # after a rollback the engine sends nothing new
+        extra = 2  # the engine may publish its whole verified block, rejected drafts included
+        request = DraftRequest("r", token_ids[:num_tokens], num_drafts, features[start : num_context + extra])
+        drafts = proposer.propose([request])[0]
+        fresh = make_proposer(checkpoint, target).propose(
+            [DraftRequest("f", token_ids[:num_tokens], num_drafts, features[:num_context])]
+        )[0]
+        assert drafts == fresh and len(drafts) == num_drafts
+        num_seen = num_context
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (c) the proposer contract
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_proposer_contract(
+    checkpoint: Path, target: transformers.Qwen3ForCausalLM, sequence: tuple[list[int], torch.Tensor]
+) -> None:
+    token_ids, features = sequence
+    proposer: Proposer = make_proposer(checkpoint, target)
+    assert proposer.propose([]) == []
+    requests = [
+        DraftRequest(f"r{num_drafts}", token_ids[:9], num_drafts, features[:8])
+        for num_drafts in (0, 1, 3, BLOCK_SIZE - 1, BLOCK_SIZE + 5)
+    ]
+    drafts = proposer.propose(requests)
+    assert [len(d) for d in drafts] == [0, 1, 3, BLOCK_SIZE - 1, BLOCK_SIZE - 1]
+    assert drafts[2] == drafts[3][:3] == drafts[4][:3]  # the same block, cut to the number asked for
+    assert all(0 <= token < VOCAB for draft in drafts for token in draft)
+    # num_drafts 0 still took the context: the next call needs only the new rows
+    assert len(proposer.propose([DraftRequest("r0", token_ids[:10], 2, features[8:9])])[0]) == 2
+    # forget drops the context; then the request must bring it all again
+    proposer.forget("r0")
+    proposer.forget("never seen")
+    with pytest.raises(InvalidRequestError, match="needs the target's hidden states"):
+        proposer.propose([DraftRequest("r0", token_ids[:11], 2, features[9:10])])
+    assert len(proposer.propose([DraftRequest("r0", token_ids[:11], 2, features[:10])])[0]) == 2
+    with pytest.raises(InvalidRequestError, match="needs the target's hidden states"):
+        proposer.propose([DraftRequest("x", token_ids[:5], 2)])
+    with pytest.raises(InvalidRequestError, match="must be"):
+        proposer.propose([DraftRequest("y", token_ids[:5], 2, features[:4, :HIDDEN])])
+    # a one-token prompt has no context yet: the block alone still drafts
+    assert len(proposer.propose([DraftRequest("z", token_ids[:1], 3, features[:0])])[0]) == 3
+
+
+def test_proposer_checks_the_target(checkpoint: Path, target: transformers.Qwen3ForCausalLM) -> None:
+    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    with pytest.raises(ModelLoadError, match="mask token"):
+        DFlashProposer.from_checkpoint(checkpoint, embed[:100], lm_head[:100], MAX_POSITIONS)
+    with pytest.raises(ModelLoadError, match="hidden size"):
+        DFlashProposer.from_checkpoint(checkpoint, embed[:, :32], lm_head[:, :32], MAX_POSITIONS)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (d) the loader
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_loader_reads_the_published_format(checkpoint: Path) -> None:
+    config, weights = load_dflash_checkpoint(checkpoint, torch.bfloat16)
+    assert (config.block_size, config.mask_token_id, config.target_layer_ids) == (5, 151, (0, 2))
+    assert config.spec.num_layers == DRAFT_LAYERS and config.spec.qk_norm
+    assert weights["fc.weight"].shape == (HIDDEN, 2 * HIDDEN) and weights["fc.weight"].dtype == torch.bfloat16
+    assert set(weights) == set(random_draft_weights())
+    assert torch.equal(weights["norm.weight"], random_draft_weights()["norm.weight"].bfloat16())
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c.update(architectures=["Qwen3ForCausalLM"]), "not a DFlash draft checkpoint"),
+        (lambda c: c["dflash_config"].pop("target_layer_ids"), "target_layer_ids"),
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: c.pop("block_size"), "block_size"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[0, 4]), "reach past"),
+        (lambda c: c.update(layer_types=["sliding_attention"] * 2), "sliding-window"),
+        (lambda c: c.pop("num_attention_heads"), "missing or has a bad field"),
+    ],
+)
+def test_loader_refuses_bad_configs(change, message: str, tmp_path: Path) -> None:  # noqa: ANN001
+    config = json.loads(json.dumps(DRAFT_CONFIG))
+    change(config)
+    with pytest.raises(ModelLoadError, match=message):
+        load_dflash_checkpoint(write_checkpoint(tmp_path, config))
+
+
+def test_loader_refuses_bad_weights(tmp_path: Path) -> None:
+    weights = random_draft_weights()
+    del weights["layers.1.self_attn.k_norm.weight"]
+    with pytest.raises(ModelLoadError, match="missing 1 DFlash tensor"):
+        load_dflash_checkpoint(write_checkpoint(tmp_path / "missing", weights=weights))
+    weights = random_draft_weights() | {"fc.weight": torch.zeros(HIDDEN, 3 * HIDDEN)}
+    with pytest.raises(ModelLoadError, match="shape"):
+        load_dflash_checkpoint(write_checkpoint(tmp_path / "shape", weights=weights))
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps(DRAFT_CONFIG))
+    (pickled / "pytorch_model.bin").write_bytes(b"not opened")
+    with pytest.raises(ModelLoadError, match="never unpickles"):
+        load_dflash_checkpoint(pickled)
+    with pytest.raises(ModelLoadError, match="not a folder"):
+        load_dflash_checkpoint(tmp_path / "absent")
