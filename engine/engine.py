@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,10 +20,14 @@ from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.loader import LoadedModel, load_model
 from engine.model import Decoder
 from engine.ops import ops_for
-from engine.runner import PENDING_TOKEN, DecodeLaunch, ModelRunner
+from engine.runner import PENDING_TOKEN, DecodeLaunch, ModelRunner, Verification
 from engine.sampling import SamplingParams, TokenLogprob, make_generator
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculator import Speculator
+
+if TYPE_CHECKING:
+    from proposers.base import Proposer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +45,12 @@ class EngineConfig:
     # Launch decode step n+1 before reading step n's tokens (the host works while the GPU runs).
     # None: on a GPU only; on the CPU it only delays each token by a step, but exercises the same path.
     run_ahead: bool | None = None
+    # Speculative decoding: "ngram", "draft" (draft_model, or the target's first draft_layers layers),
+    # "dflash" (draft_model: a DFlash checkpoint folder); at most num_draft drafts a step.
+    proposer: str | None = None
+    draft_model: str | None = None
+    draft_layers: int | None = None
+    num_draft: int = 4
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype not in DTYPES:
@@ -81,7 +92,11 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model: LoadedModel, config: EngineConfig | None = None, proposer: Proposer | None = None
+    ) -> None:
+        """proposer: drafts for speculative decoding (e.g. a client of a proposer actor); by default the
+        one config.proposer names is built in process."""
         config = config or EngineConfig()
         self.config = config
         self.spec = model.spec
@@ -104,7 +119,13 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
-        self.run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
+        if proposer is None and config.proposer is not None:
+            from proposers.factory import build_proposer  # proposers import the engine
+
+            proposer = build_proposer(config, model)
+        self.speculator = Speculator(proposer, config.num_draft) if proposer is not None else None
+        run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
+        self.run_ahead = run_ahead and self.speculator is None  # drafting needs the tokens on the host
         self.in_flight: DecodeLaunch | None = None  # the launched decode step whose tokens are unread
 
     @classmethod
@@ -158,6 +179,8 @@ class Engine:
         if request is not None:
             self.scheduler.remove(request.seq)
             self.runner.forget(request_id)
+            if self.speculator is not None:
+                self.speculator.forget(request_id)
             request.seq.status = SequenceStatus.FINISHED
             request.seq.finish_reason = "abort"
 
@@ -172,9 +195,18 @@ class Engine:
         outputs: list[RequestOutput] = []
         if self.in_flight is not None and not self._can_run_ahead():
             outputs += self._resolve_in_flight()
+        drafts: dict[Sequence, list[int]] = {}
+        if self.speculator is not None:
+            drafts = self.speculator.plan(
+                self.scheduler.running, self.block_manager, self.config.max_num_batched_tokens,
+                self.max_model_len,
+            )  # fmt: skip
         batch = self.scheduler.schedule()
         if not batch:
             return outputs + self._resolve_in_flight()
+        if drafts:
+            self.runner.copy_blocks(batch.block_copies)
+            return outputs + self._speculative_step(batch.scheduled, drafts)
         self.runner.copy_blocks(batch.block_copies)
         seqs = [item.seq for item in batch.scheduled]
         is_decode = all(
@@ -195,6 +227,48 @@ class Engine:
         for result in sampled:
             result.seq.token_ids.append(result.token_id)
         return outputs + [self._emit(result.seq, result.logprob) for result in sampled]
+
+    def _speculative_step(
+        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
+    ) -> list[RequestOutput]:
+        """Verify the drafts; each sequence keeps its accepted drafts and the target's next token (its KV
+        stops at the last accepted draft: rolling back only moves num_computed_tokens)."""
+        sampled, verifications = self.runner.execute_speculative(scheduled, drafts)
+        verified = {verification.seq: verification for verification in verifications}
+        for item in scheduled:
+            seq = item.seq
+            if seq in verified:
+                num_drafts = len(drafts[seq])
+                accepted = verified[seq].num_accepted
+                del seq.token_ids[seq.num_tokens - num_drafts + accepted :]  # rejected drafts
+                seq.num_computed_tokens = seq.num_tokens  # the last token and the accepted drafts
+                self.speculator.record(seq, num_drafts, accepted)
+            else:
+                seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_computed(seq)
+        outputs = []
+        for result in sampled:
+            result.seq.token_ids.append(result.token_id)
+            outputs.append(self._emit(result.seq, result.logprob))
+        for verification in verifications:
+            outputs.append(self._emit_verified(verification))
+        return outputs
+
+    def _emit_verified(self, verification: Verification) -> RequestOutput:
+        """Emit a verified step's tokens one by one (a stop among them ends the request there) as one
+        output."""
+        seq = verification.seq
+        start = seq.num_tokens - verification.num_accepted  # the first accepted draft
+        seq.token_ids.append(verification.token_ids[-1])
+        parts = []
+        for position in range(start, seq.num_tokens):
+            parts.append(self._emit(seq, None, num_known_tokens=position + 1))
+            if parts[-1].finished:
+                break
+        merged = parts[-1]
+        merged.new_token_ids = [token for part in parts for token in part.new_token_ids]
+        merged.new_text = "".join(part.new_text for part in parts)
+        return merged
 
     def _can_run_ahead(self) -> bool:
         """Whether the next step can be launched before the in-flight one's tokens are read: it will
@@ -300,6 +374,8 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.runner.forget(seq.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(seq.request_id)
         del self.requests[seq.request_id]
 
     # --- conveniences ---------------------------------------------------------------------------

@@ -19,9 +19,10 @@ import torch
 
 from engine.block_manager import BlockCopy
 from engine.model import Decoder
-from engine.sampling import TokenLogprob, sample
+from engine.sampling import TokenLogprob, filtered_probs, sample
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
+from engine.speculative import verify_greedy, verify_sampled
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
 from kernels.sampling import (
     SamplingTensors,
@@ -42,6 +43,15 @@ class SampledToken:
     seq: Sequence
     token_id: int
     logprob: TokenLogprob | None
+
+
+@dataclasses.dataclass
+class Verification:
+    """A sequence's drafts checked against the target: the tokens it emits this step."""
+
+    seq: Sequence
+    token_ids: list[int]  # the accepted drafts, then the target's own next token
+    num_accepted: int
 
 
 @dataclasses.dataclass
@@ -124,6 +134,55 @@ class ModelRunner:
             token_ids = self._sample_eager(logits, sampled)
         return self._results(sampled, token_ids, logits)
 
+    @torch.inference_mode()
+    def execute_speculative(
+        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
+    ) -> tuple[list[SampledToken], list[Verification]]:
+        """As execute, for a step in which some sequences end with drafts (already in their tokens):
+        the target scores [last token, drafts] of those in the same forward pass, and their drafts are
+        verified exactly (greedy: the target's argmax; sampled: rejection sampling). Eager."""
+        logits = self.forward_eager(scheduled, num_logits={seq: len(d) + 1 for seq, d in drafts.items()})
+        plain_seqs: list[Sequence] = []
+        plain_rows: list[int] = []
+        verifications: list[Verification] = []
+        row = 0
+        for item in scheduled:
+            seq = item.seq
+            if seq.num_computed_tokens + item.num_new_tokens != seq.num_tokens:
+                continue  # a prompt chunk: no logits
+            if seq in drafts:
+                count = len(drafts[seq]) + 1
+                verifications.append(self._verify(seq, logits[row : row + count], drafts[seq]))
+                row += count
+            else:
+                plain_seqs.append(seq)
+                plain_rows.append(row)
+                row += 1
+        results: list[SampledToken] = []
+        if plain_seqs:
+            plain_logits = logits[torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)]
+            results = self._results(plain_seqs, self._sample_eager(plain_logits, plain_seqs), plain_logits)
+        return results, verifications
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> Verification:
+        """logits [k + 1, vocab]: the target at the last token and at each draft."""
+        device = logits.device
+        draft_ids = torch.tensor([drafts], dtype=torch.int64, device=device)
+        num_drafts = torch.tensor([len(drafts)], device=device)
+        if seq.params.is_greedy:
+            verified = verify_greedy(logits.argmax(dim=-1)[None], draft_ids, num_drafts)
+        else:
+            probs = filtered_probs(logits, [seq.params] * logits.shape[0])[None]
+            generator = seq.generator
+            if generator is None and seq.params.seed is not None:  # device sampling: keyed by seed and step
+                generator = torch.Generator(device=device)
+                generator.manual_seed(hash((self.seed_of(seq), seq.num_tokens)) & (2**63 - 1))
+            accept_uniforms = torch.rand(1, len(drafts), generator=generator, device=device)
+            final_uniforms = torch.rand(1, logits.shape[1], generator=generator, device=device)
+            verified = verify_sampled(probs, None, draft_ids, num_drafts, accept_uniforms, final_uniforms)
+        num_accepted = int(verified.num_accepted[0])
+        return Verification(seq, verified.output_token_ids[0, : num_accepted + 1].tolist(), num_accepted)
+
     def can_launch_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether a decode step of these sequences can run before the host has read the previous
         step's tokens: a graph replay on a GPU (the eager CPU path also can, to test the bookkeeping);
@@ -160,10 +219,11 @@ class ModelRunner:
         scheduled: list[ScheduledSequence],
         is_decode: bool = False,
         last_token_ids: list[int] | None = None,
+        num_logits: dict[Sequence, int] | None = None,
     ) -> torch.Tensor:
         """The float32 logits [num_rows, vocab_size] of each sequence whose tokens are all computed
-        after this step, without sampling. last_token_ids: a decode step's input tokens, where the
-        sequences' own lists hold PENDING_TOKEN."""
+        after this step, without sampling: its last token's row, or its last num_logits[seq] rows.
+        last_token_ids: a decode step's input tokens, where the sequences' own lists hold PENDING_TOKEN."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -182,7 +242,8 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
             seq_lens.append(end)
             if end == seq.num_tokens:
-                logit_rows.append(query_start_loc[-1] - 1)
+                count = num_logits.get(seq, 1) if num_logits else 1
+                logit_rows += range(query_start_loc[-1] - count, query_start_loc[-1])
         if last_token_ids is not None:
             assert is_decode and len(last_token_ids) == len(input_ids)
             input_ids = last_token_ids

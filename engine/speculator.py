@@ -1,0 +1,115 @@
+"""Speculative decoding in the engine: which sequences get drafts this step, how many, from the proposer.
+
+Each step, every running sequence that is ready to decode gets k drafts (k from its own
+DraftLengthController), appended to its tokens so that the scheduler computes [last token, drafts] in
+one forward pass; the runner verifies them (engine/speculative.py) and the engine rolls the sequence
+back to the accepted prefix plus the target's own next token. Sequences whose sampling needs the exact
+token history per position (penalties) or logprobs decode plainly.
+
+A proposer that fails (a dead or stalled actor raises) costs nothing but speed: the step goes on without
+drafts, and the proposer is tried again after a pause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence as Seq
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence
+from engine.speculative import DraftLengthController
+from proposers.base import DraftRequest, Proposer
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5.0  # after a proposer failure, plain decoding for this long
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    steps: int = 0  # steps that verified at least one draft
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    proposer_failures: int = 0
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, max_drafts: int) -> None:
+        self.proposer = proposer
+        self.max_drafts = max_drafts
+        self.controllers: dict[str, DraftLengthController] = {}
+        self.stats = SpeculationStats()
+        self._paused_until = 0.0
+
+    def plan(
+        self,
+        running: Seq[Sequence],
+        block_manager: BlockManager,
+        token_budget: int,
+        max_model_len: int,
+    ) -> dict[Sequence, list[int]]:
+        """Ask for drafts for the sequences ready to decode and append them to their tokens. Returns the
+        drafts per sequence (only non-empty ones). Never asks for more than the cache, the token budget
+        and each sequence's limits can take, so that the step needs no preemption."""
+        if time.monotonic() < self._paused_until:
+            return {}
+        wanted: dict[Sequence, int] = {}
+        free_blocks = block_manager.num_free_blocks
+        budget = token_budget - len(running)  # each running sequence computes at least one token
+        for seq in running:
+            if seq.num_computed_tokens + 1 != seq.num_tokens or seq.params.has_penalties:
+                continue
+            if seq.params.logprobs is not None:
+                continue
+            controller = self.controllers.setdefault(seq.request_id, DraftLengthController(self.max_drafts))
+            limit = min(
+                controller.next_num_drafts(),
+                seq.params.max_tokens - seq.num_output_tokens - 1,  # the last token is the target's
+                max_model_len - seq.num_tokens - 1,
+                budget,
+            )
+            # blocks for the drafts' KV, taken from what is free now
+            while limit > 0:
+                new_blocks = block_manager.blocks_needed(seq.num_tokens + limit) - len(seq.block_table)
+                if new_blocks <= free_blocks:
+                    free_blocks -= max(new_blocks, 0)
+                    break
+                limit -= 1
+            if limit > 0:
+                wanted[seq] = limit
+                budget -= limit
+        if not wanted:
+            return {}
+        requests = [DraftRequest(seq.request_id, seq.token_ids, k) for seq, k in wanted.items()]
+        try:
+            proposals = self.proposer.propose(requests)
+        except Exception:  # noqa: BLE001 - any proposer fault means: decode without drafts for a while
+            logger.warning("proposer failed; decoding without speculation for %.0f s", RETRY_AFTER_S,
+                           exc_info=True)  # fmt: skip
+            self.stats.proposer_failures += 1
+            self._paused_until = time.monotonic() + RETRY_AFTER_S
+            return {}
+        drafts: dict[Sequence, list[int]] = {}
+        for (seq, k), proposal in zip(wanted.items(), proposals, strict=True):
+            proposal = [int(token) for token in proposal[:k]]
+            if proposal:
+                seq.token_ids.extend(proposal)
+                drafts[seq] = proposal
+        return drafts
+
+    def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        self.stats.steps += 1
+        self.stats.drafts_proposed += num_proposed
+        self.stats.drafts_accepted += num_accepted
+        controller = self.controllers.get(seq.request_id)
+        if controller is not None:
+            controller.record(num_proposed, num_accepted)
+
+    def forget(self, request_id: str) -> None:
+        self.controllers.pop(request_id, None)
+        try:
+            self.proposer.forget(request_id)
+        except Exception:  # noqa: BLE001 - a dead proposer has nothing left to forget
+            logger.debug("proposer.forget(%s) failed", request_id, exc_info=True)

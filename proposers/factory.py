@@ -1,0 +1,46 @@
+"""Build the proposer an EngineConfig names (in process; deployments/ runs the same in its own actor)."""
+
+from __future__ import annotations
+
+from engine.engine import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.loader import LoadedModel, load_model
+from proposers.base import Proposer
+
+PROPOSERS = ("ngram", "draft", "dflash")
+
+
+def build_proposer(config: EngineConfig, target: LoadedModel) -> Proposer:
+    """ngram: prompt lookup. draft: config.draft_model, or without one the target's first
+    config.draft_layers layers (self-draft). dflash: the DFlash checkpoint folder config.draft_model,
+    using the target's embedding and LM head."""
+    name = config.proposer
+    if name == "ngram":
+        from proposers.ngram import NgramProposer
+
+        return NgramProposer()
+    draft_config = EngineConfig(
+        device=config.device, dtype=config.dtype, block_size=config.block_size,
+        max_model_len=config.max_model_len or target.spec.max_position_embeddings,
+        kv_cache_tokens=config.kv_cache_tokens, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, cuda_graphs=config.cuda_graphs,
+    )  # fmt: skip
+    if name == "draft":
+        from proposers.draft_model import DraftModelProposer
+
+        if config.draft_model is None:
+            layers = config.draft_layers or max(1, target.spec.num_layers // 4)
+            return DraftModelProposer.self_draft(target, layers, draft_config)
+        draft = load_model(config.draft_model, dtype=config.torch_dtype(), device=config.torch_device())
+        return DraftModelProposer(draft, target.spec.vocab_size, draft_config)
+    if name == "dflash":
+        from proposers.dflash import DFlashProposer
+
+        if config.draft_model is None:
+            raise InvalidRequestError("the dflash proposer needs --draft-model: a DFlash checkpoint folder")
+        head = target.weights.get("lm_head.weight", target.weights["model.embed_tokens.weight"])
+        return DFlashProposer.from_checkpoint(
+            config.draft_model, target.weights["model.embed_tokens.weight"], head,
+            max_positions=draft_config.max_model_len, dtype=config.torch_dtype(),
+        )  # fmt: skip
+    raise InvalidRequestError(f"proposer must be one of {', '.join(PROPOSERS)}, got {name!r}")

@@ -1,0 +1,111 @@
+"""Speculative decoding in the engine, on the real SmolLM2-135M-Instruct: with each proposer the output
+is plain decoding's, token for token under greedy; drafts really are accepted; a failing proposer only
+costs speed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.engine import Engine, EngineConfig
+from engine.loader import LoadedModel, load_model
+from engine.sampling import SamplingParams
+from proposers.base import DraftRequest
+
+CODE_EDIT = (
+    "Rename the variable `total` to `running_sum` in this function and return the whole function.\n\n"
+    "def add_all(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
+    "    return total\n"
+)
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_gguf: Path) -> LoadedModel:
+    return load_model(str(smollm2_gguf))
+
+
+@pytest.fixture(scope="module")
+def prompts(model: LoadedModel) -> list[list[int]]:
+    tokenizer = model.tokenizer
+    return [
+        tokenizer.encode_chat([{"role": "user", "content": CODE_EDIT}]),
+        tokenizer.encode_chat([{"role": "user", "content": "Name three rivers in Europe."}]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain(model: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
+    engine = Engine(model, EngineConfig())
+    return [engine.generate(prompt, GREEDY)[0] for prompt in prompts]
+
+
+def _batch(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [tokens[request_id] for request_id in ids]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"proposer": "ngram"}, {"proposer": "draft", "draft_layers": 24}],
+    ids=["ngram", "self-draft"],
+)
+def test_greedy_speculation_equals_plain_decoding(
+    model: LoadedModel, prompts: list[list[int]], plain: list[list[int]], settings: dict
+) -> None:
+    engine = Engine(model, EngineConfig(num_draft=4, **settings))
+    assert engine.speculator is not None and not engine.run_ahead
+    assert [engine.generate(prompt, GREEDY)[0] for prompt in prompts] == plain
+    assert _batch(engine, prompts, GREEDY) == plain  # both in one batch
+    stats = engine.speculator.stats
+    assert stats.drafts_accepted > 0 and stats.drafts_proposed >= stats.drafts_accepted
+
+
+def test_a_separate_draft_model_and_a_one_hot_sampled_distribution(
+    model: LoadedModel, smollm2_gguf: Path, prompts: list[list[int]], plain: list[list[int]]
+) -> None:
+    """The target itself as the draft model: every greedy draft is accepted. top_k=1 makes sampling
+    one-hot, so rejection sampling must give the greedy tokens exactly."""
+    engine = Engine(model, EngineConfig(proposer="draft", draft_model=str(smollm2_gguf), num_draft=3))
+    assert engine.generate(prompts[1], GREEDY)[0] == plain[1]
+    stats = engine.speculator.stats
+    assert stats.drafts_accepted == stats.drafts_proposed > 0
+    one_hot = SamplingParams(max_tokens=40, temperature=0.7, top_k=1, seed=3)
+    assert engine.generate(prompts[0], one_hot)[0] == plain[0]
+
+
+def test_ngram_accepts_several_tokens_a_step_when_the_answer_copies_the_prompt(model: LoadedModel) -> None:
+    engine = Engine(model, EngineConfig(proposer="ngram", num_draft=6))
+    request = "Repeat this sentence three times: The quick brown fox jumps over the lazy dog."
+    prompt = model.tokenizer.encode_chat([{"role": "user", "content": request}])
+    outputs = list(engine.stream(prompt, SamplingParams(max_tokens=60, temperature=0.0)))
+    tokens = sum(len(output.new_token_ids) for output in outputs)
+    assert "quick brown fox jumps over" in "".join(output.new_text for output in outputs)
+    assert tokens / len(outputs) > 1.5  # steps emit more than one token on average
+
+
+class _BrokenProposer:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        self.calls += 1
+        raise ConnectionError("the proposer actor died")
+
+    def forget(self, request_id: str) -> None:
+        raise ConnectionError("the proposer actor died")
+
+
+def test_a_failing_proposer_only_costs_speed(
+    model: LoadedModel, prompts: list[list[int]], plain: list[list[int]]
+) -> None:
+    proposer = _BrokenProposer()
+    engine = Engine(model, EngineConfig(), proposer=proposer)
+    assert engine.generate(prompts[0], GREEDY)[0] == plain[0]
+    assert proposer.calls == 1 and engine.speculator.stats.proposer_failures == 1  # then paused
