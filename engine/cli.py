@@ -47,6 +47,21 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="cap the context (prompt + generated tokens) at N tokens (default: the model's own limit)",
     )
+    group = parser.add_argument_group("speculative decoding (the output is what plain decoding gives)")
+    group.add_argument(
+        "--proposer",
+        choices=["ngram", "draft", "dflash"],
+        help="prompt lookup, a draft model (default: the model's own first layers), or DFlash",
+    )
+    group.add_argument(
+        "--draft-model", metavar="M", help="the draft model (draft) or DFlash checkpoint folder (dflash)"
+    )
+    group.add_argument(
+        "--draft-layers", type=int, metavar="N", help="self-draft: run the first N layers (default: 1/4)"
+    )
+    group.add_argument(
+        "--num-draft", type=int, default=4, metavar="K", help="most drafts a step (default: 4)"
+    )
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,7 +145,10 @@ def _load_engine(args: argparse.Namespace) -> Engine:
     # the engine (and torch) is imported only here, so usage errors and --help answer at once
     from engine.engine import Engine, EngineConfig
 
-    config = EngineConfig(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    config = EngineConfig(
+        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, proposer=args.proposer,
+        draft_model=args.draft_model, draft_layers=args.draft_layers, num_draft=args.num_draft,
+    )  # fmt: skip
     print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr, flush=True)
     return Engine.load(args.model, config)
 

@@ -165,3 +165,11 @@ def test_usage_error_exits_2() -> None:
     assert result.returncode == 2
     assert "--prompt" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_generate_with_the_ngram_proposer_gives_the_plain_answer(raw_result) -> None:
+    speculative = run_cli(
+        "generate", MODEL, "--prompt", "The capital of France is", "--max-tokens", str(MAX_TOKENS), "--json",
+        "--proposer", "ngram", "--num-draft", "3",
+    )  # fmt: skip
+    assert last_json_line(speculative)["token_ids"] == last_json_line(raw_result)["token_ids"]
