@@ -124,6 +124,8 @@ class Engine:
 
             proposer = build_proposer(config, model)
         self.speculator = Speculator(proposer, config.num_draft) if proposer is not None else None
+        if self.speculator is not None:
+            self.runner.capture_layers = self.speculator.target_layer_ids
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
         self.run_ahead = run_ahead and self.speculator is None  # drafting needs the tokens on the host
         self.in_flight: DecodeLaunch | None = None  # the launched decode step whose tokens are unread
@@ -223,6 +225,7 @@ class Engine:
             return outputs
         assert self.in_flight is None, "a step that needs the host's tokens ran with a launch unread"
         sampled = self.runner.execute(batch.scheduled)
+        self._keep_hidden(batch.scheduled, {})
         self._commit(batch.scheduled)
         for result in sampled:
             result.seq.token_ids.append(result.token_id)
@@ -235,6 +238,7 @@ class Engine:
         stops at the last accepted draft: rolling back only moves num_computed_tokens)."""
         sampled, verifications = self.runner.execute_speculative(scheduled, drafts)
         verified = {verification.seq: verification for verification in verifications}
+        self._keep_hidden(scheduled, {seq: v.num_accepted for seq, v in verified.items()})
         for item in scheduled:
             seq = item.seq
             if seq in verified:
@@ -253,6 +257,20 @@ class Engine:
         for verification in verifications:
             outputs.append(self._emit_verified(verification))
         return outputs
+
+    def _keep_hidden(self, scheduled: list[ScheduledSequence], num_accepted: dict[Sequence, int]) -> None:
+        """Hand the proposer's hidden-state rows of the tokens this step kept (a verified sequence keeps
+        its last token and the accepted drafts)."""
+        captured = self.runner.captured_hidden
+        if self.speculator is None or not self.speculator.target_layer_ids or captured is None:
+            return
+        start = 0
+        for item in scheduled:
+            rows = captured[start : start + item.num_new_tokens]
+            start += item.num_new_tokens
+            if item.seq in num_accepted:
+                rows = rows[: num_accepted[item.seq] + 1]
+            self.speculator.add_hidden(item.seq.request_id, rows, item.seq.num_computed_tokens)
 
     def _emit_verified(self, verification: Verification) -> RequestOutput:
         """Emit a verified step's tokens one by one (a stop among them ends the request there) as one

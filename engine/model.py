@@ -197,14 +197,19 @@ class Decoder(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        capture: dict[int, torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """capture: layer index -> filled with the residual stream after that layer [num_tokens, hidden]
+        (what a DFlash drafter reads)."""
         ops = self.ops
         hidden = ops.embedding(input_ids, self.model.embed_tokens.weight)
         residual = None
-        for layer, layer_cache in zip(self.model.layers, kv_cache, strict=True):
+        for index, (layer, layer_cache) in enumerate(zip(self.model.layers, kv_cache, strict=True)):
             hidden, residual = layer(
                 hidden, residual, positions, layer_cache, metadata, self.cos_sin_cache, ops
             )
+            if capture is not None and index in capture:
+                capture[index] = hidden + residual
         assert residual is not None, "a decoder has at least one layer"
         return hidden, residual  # each [num_tokens, hidden_size]
 

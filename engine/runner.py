@@ -95,6 +95,10 @@ class ModelRunner:
             dtype=dtype, device=self.device,
         )  # fmt: skip
         self.seeds: dict[str, int] = {}  # request id -> the seed its device-side noise is keyed by
+        # Decoder layers whose output stream each eager step keeps in captured_hidden (for DFlash); when
+        # set, every step runs eagerly.
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured_hidden: torch.Tensor | None = None  # [num_tokens, len(layers) * hidden], packed
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and use_cuda_graphs:
             self.graphs = DecodeGraphs(self, max_num_seqs)
@@ -123,7 +127,12 @@ class ModelRunner:
             if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
         ]
         is_decode = all(item.num_new_tokens == 1 for item in scheduled) and len(sampled) == len(scheduled)
-        if self.graphs is not None and is_decode and self.graphs.fits(len(scheduled)):
+        if (
+            self.graphs is not None
+            and is_decode
+            and self.graphs.fits(len(scheduled))
+            and not self.capture_layers
+        ):
             launch = self.graphs.launch(scheduled, [-1] * len(scheduled))
             launch.read()
             token_ids, logits = launch.token_ids, self.graphs.logits[: len(scheduled)]
@@ -187,6 +196,8 @@ class ModelRunner:
         """Whether a decode step of these sequences can run before the host has read the previous
         step's tokens: a graph replay on a GPU (the eager CPU path also can, to test the bookkeeping);
         penalties and logprobs need the tokens on the host, so they run step by step."""
+        if self.capture_layers:
+            return False
         if self.device.type == "cuda" and (self.graphs is None or not self.graphs.fits(len(seqs))):
             return False
         return all(not seq.params.has_penalties and seq.params.logprobs is None for seq in seqs)
@@ -260,12 +271,18 @@ class ModelRunner:
             is_decode=is_decode,
             max_query_len=max(item.num_new_tokens for item in scheduled),
         )
+        capture: dict[int, torch.Tensor | None] | None = (
+            dict.fromkeys(self.capture_layers) if self.capture_layers else None
+        )
         hidden, residual = self.decoder(
             torch.tensor(input_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
             self.kv_cache,
             metadata,
+            capture,
         )
+        if capture is not None:
+            self.captured_hidden = torch.cat([capture[index] for index in self.capture_layers], dim=-1)
         if not logit_rows:  # a prompt chunk that completes no sequence
             return torch.empty(0, self.spec.vocab_size, dtype=torch.float32, device=device)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=device)

@@ -17,6 +17,8 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence
 from engine.speculative import DraftLengthController
@@ -42,6 +44,27 @@ class Speculator:
         self.controllers: dict[str, DraftLengthController] = {}
         self.stats = SpeculationStats()
         self._paused_until = 0.0
+        # A proposer that reads the target's hidden states (DFlash) names the layers; the engine hands
+        # over the rows of each request's newly kept tokens, sent with its next DraftRequest.
+        self.target_layer_ids: tuple[int, ...] = tuple(getattr(proposer, "target_layer_ids", ()))
+        self._unsent_hidden: dict[str, list[torch.Tensor]] = {}
+        self._has_all_hidden: dict[str, bool] = {}  # rows from token 0 on (not after a prefix-cache hit)
+
+    def add_hidden(self, request_id: str, rows: torch.Tensor, first_position: int) -> None:
+        """The target's captured hidden states of tokens this step kept, in token order, the first at
+        first_position. A sequence computed from position 0 again (preempted) starts over."""
+        if first_position == 0:
+            self.forget(request_id)
+            self._has_all_hidden[request_id] = True
+        elif request_id not in self._has_all_hidden:
+            self._has_all_hidden[request_id] = False  # its cached prefix was never through this engine
+        self._unsent_hidden.setdefault(request_id, []).append(rows)
+
+    def _target_hidden(self, request_id: str) -> torch.Tensor | None:
+        rows = self._unsent_hidden.get(request_id)
+        if not self.target_layer_ids or not rows:
+            return None
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def plan(
         self,
@@ -63,6 +86,8 @@ class Speculator:
                 continue
             if seq.params.logprobs is not None:
                 continue
+            if self.target_layer_ids and not self._has_all_hidden.get(seq.request_id, False):
+                continue
             controller = self.controllers.setdefault(seq.request_id, DraftLengthController(self.max_drafts))
             limit = min(
                 controller.next_num_drafts(),
@@ -82,7 +107,10 @@ class Speculator:
                 budget -= limit
         if not wanted:
             return {}
-        requests = [DraftRequest(seq.request_id, seq.token_ids, k) for seq, k in wanted.items()]
+        requests = [
+            DraftRequest(seq.request_id, seq.token_ids, k, target_hidden=self._target_hidden(seq.request_id))
+            for seq, k in wanted.items()
+        ]
         try:
             proposals = self.proposer.propose(requests)
         except Exception:  # noqa: BLE001 - any proposer fault means: decode without drafts for a while
@@ -91,6 +119,8 @@ class Speculator:
             self.stats.proposer_failures += 1
             self._paused_until = time.monotonic() + RETRY_AFTER_S
             return {}
+        for seq in wanted:
+            self._unsent_hidden.pop(seq.request_id, None)  # the proposer has them now
         drafts: dict[Sequence, list[int]] = {}
         for (seq, k), proposal in zip(wanted.items(), proposals, strict=True):
             proposal = [int(token) for token in proposal[:k]]
@@ -109,6 +139,8 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self.controllers.pop(request_id, None)
+        self._unsent_hidden.pop(request_id, None)
+        self._has_all_hidden.pop(request_id, None)
         try:
             self.proposer.forget(request_id)
         except Exception:  # noqa: BLE001 - a dead proposer has nothing left to forget

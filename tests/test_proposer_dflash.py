@@ -359,3 +359,55 @@ def test_loader_refuses_bad_weights(tmp_path: Path) -> None:
         load_dflash_checkpoint(pickled)
     with pytest.raises(ModelLoadError, match="not a folder"):
         load_dflash_checkpoint(tmp_path / "absent")
+
+
+class _CheckingProposer:
+    """Delegates to a DFlashProposer and checks every hand-over: the hidden rows the engine sends are
+    the target's own (transformers) features of exactly the tokens the proposer has not seen yet."""
+
+    def __init__(self, inner: DFlashProposer, target: transformers.Qwen3ForCausalLM) -> None:
+        self.inner, self.target = inner, target
+        self.target_layer_ids = inner.target_layer_ids
+        self.rows_seen: dict[str, int] = {}
+        self.calls = 0
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        for request in requests:
+            tokens = torch.tensor(list(request.token_ids))
+            with torch.no_grad():
+                hidden_states = self.target(tokens[None, :-1], output_hidden_states=True).hidden_states
+            features = torch.cat([hidden_states[layer + 1][0] for layer in TARGET_LAYER_IDS], dim=-1)
+            seen = self.rows_seen.get(request.request_id, 0)
+            assert request.target_hidden is not None
+            assert request.target_hidden.shape[0] == len(tokens) - 1 - seen
+            torch.testing.assert_close(request.target_hidden, features[seen:], atol=1e-4, rtol=1e-4)
+            self.rows_seen[request.request_id] = len(tokens) - 1
+        self.calls += 1
+        return self.inner.propose(requests)
+
+    def forget(self, request_id: str) -> None:
+        self.rows_seen.pop(request_id, None)
+        self.inner.forget(request_id)
+
+
+def test_the_engine_hands_dflash_the_target_hidden_states(
+    checkpoint: Path, target: transformers.Qwen3ForCausalLM
+) -> None:
+    from engine.engine import Engine, EngineConfig
+    from engine.loader import LoadedModel
+    from engine.sampling import SamplingParams
+    from engine.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(target.config.to_dict())
+    weights = {name: tensor.detach() for name, tensor in target.state_dict().items()}
+    model = LoadedModel(name="tiny-qwen3", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+    config = EngineConfig(max_model_len=MAX_POSITIONS, block_size=4, max_num_batched_tokens=8)
+    proposer = _CheckingProposer(make_proposer(checkpoint, target), target)
+    speculative = Engine(model, config, proposer=proposer)
+    plain = Engine(model, config)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = torch.randint(0, 150, (13,), generator=torch.Generator().manual_seed(5)).tolist()  # 2 chunks
+    assert speculative.generate(prompt, params)[0] == plain.generate(prompt, params)[0]
+    stats = speculative.speculator.stats
+    assert proposer.calls > 1 and stats.drafts_proposed > 0
+    assert stats.proposer_failures == 0  # the speculator would swallow a failed check in propose

@@ -65,6 +65,7 @@ def test_greedy_speculation_equals_plain_decoding(
     assert _batch(engine, prompts, GREEDY) == plain  # both in one batch
     stats = engine.speculator.stats
     assert stats.drafts_accepted > 0 and stats.drafts_proposed >= stats.drafts_accepted
+    assert stats.proposer_failures == 0
 
 
 def test_a_separate_draft_model_and_a_one_hot_sampled_distribution(
