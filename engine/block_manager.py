@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import hashlib
 import struct
+from collections import abc
 
 from engine.sequence import Sequence
 
@@ -25,7 +26,8 @@ def _chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
+def common_prefix_length(a: abc.Sequence[int], b: abc.Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
     length = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -132,7 +134,7 @@ class BlockManager:
         best, best_length = None, 0
         for block_id in self.children.get(parent_hash, {}):
             block = self.blocks[block_id]
-            length = _common_prefix_length(block.token_ids, token_ids)
+            length = common_prefix_length(block.token_ids, token_ids)
             if length > best_length:
                 best, best_length = block, length
         return best, best_length

@@ -198,6 +198,21 @@ class DecodeWorkspace:
     def partials_numel(num_seqs: int, num_heads: int, head_dim: int, num_splits: int) -> int:
         return num_seqs * num_heads * num_splits * (head_dim + 2)
 
+    def split_partials(
+        self, num_rows: int, num_heads: int, head_dim: int, num_splits: int, num_counters: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of the partials for num_rows query rows: (outputs, running maxima, sums)."""
+        numel = self.partials_numel(num_rows, num_heads, head_dim, num_splits)
+        partials, counters = self.partials, self.counters
+        assert partials.dtype == torch.float32 and partials.is_contiguous() and partials.numel() >= numel
+        assert counters.dtype == torch.int32 and counters.numel() >= num_counters
+        num_stats = num_rows * num_heads * num_splits
+        return (
+            partials[: num_stats * head_dim],
+            partials[num_stats * head_dim : num_stats * (head_dim + 1)],
+            partials[num_stats * (head_dim + 1) : num_stats * (head_dim + 2)],
+        )
+
     @classmethod
     def allocate(
         cls,
@@ -480,13 +495,10 @@ def paged_decode_attention_triton(
                 partials=torch.empty(numel, dtype=torch.float32, device=query.device),
                 counters=torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=query.device),
             )
-        partials, counters = workspace.partials, workspace.counters
-        assert partials.dtype == torch.float32 and partials.is_contiguous() and partials.numel() >= numel
-        assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads
-        num_stats = num_seqs * num_heads * num_splits
-        partial_acc = partials[: num_stats * head_dim]
-        partial_max = partials[num_stats * head_dim : num_stats * (head_dim + 1)]
-        partial_sum = partials[num_stats * (head_dim + 1) : num_stats * (head_dim + 2)]
+        counters = workspace.counters
+        partial_acc, partial_max, partial_sum = workspace.split_partials(
+            num_seqs, num_heads, head_dim, num_splits, num_seqs * num_kv_heads
+        )
     else:  # not touched by the kernel
         partial_acc = partial_max = partial_sum = out
         counters = seq_lens

@@ -362,14 +362,10 @@ def paged_prefill_attention_triton(
         if workspace is None:
             shape = (num_tokens, num_seqs, max_query_len, num_heads, num_kv_heads, head_dim, num_splits)
             workspace = allocate_prefill_workspace(*shape, query.device)
-        numel = DecodeWorkspace.partials_numel(num_tokens, num_heads, head_dim, num_splits)
-        partials, counters = workspace.partials, workspace.counters
-        assert partials.dtype == torch.float32 and partials.is_contiguous() and partials.numel() >= numel
-        assert counters.dtype == torch.int32 and counters.numel() >= num_tiles * num_kv_heads
-        num_stats = num_tokens * num_heads * num_splits
-        partial_acc = partials[: num_stats * head_dim]
-        partial_max = partials[num_stats * head_dim : num_stats * (head_dim + 1)]
-        partial_sum = partials[num_stats * (head_dim + 1) : num_stats * (head_dim + 2)]
+        counters = workspace.counters
+        partial_acc, partial_max, partial_sum = workspace.split_partials(
+            num_tokens, num_heads, head_dim, num_splits, num_tiles * num_kv_heads
+        )
     else:  # not touched by the kernel
         partial_acc = partial_max = partial_sum = out
         counters = seq_lens

@@ -12,7 +12,7 @@ import collections
 import dataclasses
 from collections.abc import Sequence as TokenIds
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, common_prefix_length
 from engine.engine import EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.loader import LoadedModel
@@ -126,7 +126,7 @@ class DraftModelProposer:
         # The first num_request_tokens tokens were the request's at the last call, and its tokens only
         # grow (the Proposer contract): only what came after needs comparing, i.e. about k + 1 tokens.
         known = state.num_request_tokens if len(token_ids) >= state.num_request_tokens else 0
-        common = known + _common_prefix_length(seq.token_ids[known:], token_ids[known:])
+        common = known + common_prefix_length(seq.token_ids[known:], token_ids[known:])
         del seq.token_ids[common:]
         seq.token_ids += token_ids[common:]
         # keep at least the last token to compute: its logits give the first draft
@@ -204,15 +204,6 @@ def _read(launch: DecodeLaunch, positions: list[int]) -> None:
     """Put a launch's sampled tokens in place of their PENDING_TOKEN."""
     for seq, position, token_id in zip(launch.seqs, positions, launch.read(), strict=True):
         seq.token_ids[position] = token_id
-
-
-def _common_prefix_length(a: TokenIds[int], b: TokenIds[int]) -> int:
-    length = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        length += 1
-    return length
 
 
 def _layer_index(weight_name: str) -> int:
