@@ -14,6 +14,7 @@ from ray.serve import Application
 from deployments.config import AppArgs, parse_app_args
 from deployments.engine import EngineDeployment
 from deployments.ingress import OpenAIIngress
+from deployments.proposer import ProposerDeployment
 
 # Calls beyond the request streams (info, metrics, health) that the engine actor must still take.
 _CONTROL_CALLS = 32
@@ -39,11 +40,24 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     device = resolve_device(app_args.device)
     dtype = app_args.dtype if app_args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     capacity = app_args.max_num_seqs + app_args.max_queue_len
+    on_gpu = device == "cuda"
+    proposer = None
+    if app_args.proposer_actor:
+        # on one GPU, the engine and the proposer share it (their channel is on this node's host memory)
+        proposer_gpus = app_args.proposer_num_gpus if app_args.proposer_num_gpus is not None else 0.5
+        proposer = ProposerDeployment.options(
+            ray_actor_options={
+                "num_cpus": app_args.proposer_num_cpus,
+                "num_gpus": proposer_gpus if on_gpu else 0,
+            }
+        ).bind(app_args, device, dtype)
+    engine_gpus = app_args.engine_num_gpus
+    if engine_gpus is None:
+        engine_gpus = 0.5 if proposer is not None else 1
     engine = EngineDeployment.options(
-        ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": 1 if device == "cuda" else 0},
+        ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": engine_gpus if on_gpu else 0},
         max_ongoing_requests=capacity + _CONTROL_CALLS,
-    ).bind(app_args, device, dtype)
-    # A speculative-decoding proposer deployment binds here, beside the engine, and is passed to it.
+    ).bind(app_args, device, dtype, proposer)
     return OpenAIIngress.options(
         num_replicas=app_args.num_ingress_replicas,
         ray_actor_options={"num_cpus": app_args.ingress_num_cpus},

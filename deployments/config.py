@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.default_model import DEFAULT_MODEL_ALIAS
+from engine.engine import EngineConfig
 
 
 class AppArgs(BaseModel):
@@ -27,10 +28,49 @@ class AppArgs(BaseModel):
     engine_num_cpus: float = Field(1.0, ge=0)
     ingress_num_cpus: float = Field(0.0, ge=0)
     num_ingress_replicas: int = Field(1, ge=1)
+    # Speculative decoding: the proposer runs as its own deployment beside the engine (or in the engine's
+    # process with proposer_in_process) and hands its drafts over through shared memory.
+    proposer: Literal["ngram", "draft", "dflash"] | None = None
+    draft_model: str | None = Field(None, description="draft: a smaller model; dflash: a DFlash checkpoint")
+    draft_layers: int | None = Field(None, ge=1, description="self-draft: the target's first layers")
+    num_draft: int = Field(4, ge=1, le=16, description="drafts verified per step, at most")
+    proposer_in_process: bool = False
+    proposer_timeout_s: float = Field(0.5, gt=0, description="a step waits this long for drafts, at most")
+    proposer_num_cpus: float = Field(1.0, ge=0)
+    proposer_num_gpus: float | None = Field(None, ge=0, le=1, description="default: 0.5 on a GPU")
+    engine_num_gpus: float | None = Field(None, ge=0, le=1, description="default: 1; 0.5 beside a proposer")
+
+    @model_validator(mode="after")
+    def _check_proposer(self) -> AppArgs:
+        if self.proposer == "dflash" and not self.proposer_in_process:
+            # DFlash drafts from the target's hidden states, which do not cross to an actor yet
+            raise ValueError("proposer dflash needs proposer_in_process: true")
+        return self
+
+    @property
+    def proposer_actor(self) -> bool:
+        """Whether a proposer deployment runs beside the engine."""
+        return self.proposer is not None and not self.proposer_in_process
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    def engine_config(self, device: str, dtype: str) -> EngineConfig:
+        """The engine's settings, proposer included (the engine or the proposer deployment builds it)."""
+        return EngineConfig(
+            block_size=self.block_size,
+            kv_cache_tokens=self.kv_cache_tokens,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            dtype=dtype,
+            device=device,
+            proposer=self.proposer,
+            draft_model=self.draft_model,
+            draft_layers=self.draft_layers,
+            num_draft=self.num_draft,
+        )
 
 
 def parse_app_args(args: dict | None) -> AppArgs:

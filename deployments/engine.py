@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import AsyncIterator
 
 import torch
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppArgs
 from deployments.engine_loop import EngineLoop
-from engine.engine import Engine, EngineConfig, RequestOutput
+from deployments.metrics import render_speculation
+from engine.engine import Engine, RequestOutput
+from engine.loader import load_model
 from engine.sampling import SamplingParams
+from proposers.channel import ChannelCapacity
+from proposers.remote import RemoteProposer
+
+logger = logging.getLogger(__name__)
+
+ATTACH_AT_START_S = 60.0  # the engine waits this long for its proposer before it serves without one
+ATTACH_CALL_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,19 +46,26 @@ class EngineInfo:
 
 @serve.deployment(name="Engine", health_check_period_s=10)
 class EngineDeployment:
-    def __init__(self, args: AppArgs, device: str, dtype: str) -> None:
+    def __init__(
+        self, args: AppArgs, device: str, dtype: str, proposer_handle: DeploymentHandle | None = None
+    ) -> None:
+        """proposer_handle: the proposer deployment (deployments/proposer.py), when one runs beside."""
         if device == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)  # Ray sets one thread per reserved CPU
-        config = EngineConfig(
-            block_size=args.block_size,
-            kv_cache_tokens=args.kv_cache_tokens,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            dtype=dtype,
-            device=device,
-        )
-        self.engine = Engine.load(args.model, config)
+        config = args.engine_config(device, dtype)
+        self.proposer: RemoteProposer | None = None
+        if proposer_handle is not None:
+            config = dataclasses.replace(config, proposer=None)  # not in process: drafts come from the actor
+
+            def attach(channel_name: str) -> None:  # on the RemoteProposer's own thread, never per step
+                proposer_handle.attach.remote(channel_name).result(timeout_s=ATTACH_CALL_TIMEOUT_S)
+
+            capacity = ChannelCapacity(max_requests=args.max_num_seqs, max_drafts=args.num_draft)
+            self.proposer = RemoteProposer(attach, capacity, timeout_s=args.proposer_timeout_s)
+        model = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
+        self.engine = Engine(model, config, proposer=self.proposer)
+        if self.proposer is not None and not self.proposer.wait_attached(ATTACH_AT_START_S):
+            logger.warning("the proposer has not attached yet; decoding without drafts until it does")
         self.loop = EngineLoop(self.engine, args.max_queue_len)
         self.info_value = EngineInfo(
             model_name=args.model_name,
@@ -88,7 +106,9 @@ class EngineDeployment:
             self.loop.abort(request_id)
 
     def metrics(self) -> str:
-        return self.loop.render_metrics(self.info_value.model_name)
+        speculator = self.engine.speculator
+        stats = speculator.stats if speculator is not None else None
+        return self.loop.render_metrics(self.info_value.model_name) + render_speculation(stats)
 
     def check_health(self) -> None:
         if not self.loop.is_alive():
@@ -98,3 +118,6 @@ class EngineDeployment:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+        proposer = getattr(self, "proposer", None)
+        if proposer is not None:
+            proposer.close()

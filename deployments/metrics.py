@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.speculator import SpeculationStats
 
 PREFIX = "tileinfer"
 
@@ -80,3 +84,21 @@ class ServingMetrics:
             lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} gauge"]
             lines.append(f"{PREFIX}_{name} {value}")
         return "\n".join(lines) + "\n"
+
+
+def render_speculation(stats: SpeculationStats | None) -> str:
+    """Speculative decoding's counters; present (all 0) without a proposer, so that dashboards and
+    alerts need not know whether this server speculates. Acceptance = accepted / proposed."""
+    counters = {
+        "spec_steps_total": (stats.steps if stats else 0, "Sequence steps that verified drafts."),
+        "spec_drafts_proposed_total": (stats.drafts_proposed if stats else 0, "Draft tokens verified."),
+        "spec_drafts_accepted_total": (stats.drafts_accepted if stats else 0, "Draft tokens accepted."),
+        "spec_proposer_failures_total": (
+            stats.proposer_failures if stats else 0, "Steps without drafts: the proposer failed or stalled."
+        ),
+    }  # fmt: skip
+    lines = []
+    for name, (value, help_text) in counters.items():
+        lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} counter"]
+        lines.append(f"{PREFIX}_{name} {value}")
+    return "\n".join(lines) + "\n"

@@ -22,7 +22,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence
 from engine.speculative import DraftLengthController
-from proposers.base import DraftRequest, Proposer
+from proposers.base import DraftRequest, Proposer, ProposerUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ class Speculator:
         ]
         try:
             proposals = self.proposer.propose(requests)
+        except ProposerUnavailableError:
+            return {}  # e.g. a restarted proposer actor that has not attached yet: not a failure
         except Exception:  # noqa: BLE001 - any proposer fault means: decode without drafts for a while
             logger.warning("proposer failed; decoding without speculation for %.0f s", RETRY_AFTER_S,
                            exc_info=True)  # fmt: skip

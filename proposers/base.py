@@ -10,6 +10,10 @@ if TYPE_CHECKING:
     import torch
 
 
+class ProposerUnavailableError(RuntimeError):
+    """No drafts now, and no fault either (a remote proposer not attached yet): the step decodes plainly."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftRequest:
     """One sequence that wants drafts for its next step."""

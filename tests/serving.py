@@ -1,5 +1,6 @@
 """Starts the real application for the tests: Ray on 127.0.0.1, then `serve run` on a copy of
-serve_config.yaml, plus a second, guarded application (API key, a tiny queue, a small body limit)."""
+serve_config.yaml, plus a second, guarded application (API key, a tiny queue, a small body limit) and a
+third, speculative one (an n-gram proposer in its own actor)."""
 
 from __future__ import annotations
 
@@ -27,12 +28,20 @@ GUARDED_ARGS = {
     "kv_cache_tokens": 1024,
     "engine_num_cpus": 0,
 }
+SPECULATIVE_ARGS = {
+    "proposer": "ngram",
+    "num_draft": 4,
+    "proposer_num_cpus": 0,
+    "max_model_len": 2048,
+    "kv_cache_tokens": 4096,
+}
 
 
 @dataclasses.dataclass
 class Served:
     base_url: str  # the main application, at /
     guarded_url: str  # the guarded one, at /guarded
+    speculative_url: str  # the speculative one, at /speculative
     ray_address: str
     ray_client_address: str  # ray://..., the cluster's Ray Client server
     model: str
@@ -79,7 +88,9 @@ def serve_application(workdir: Path) -> Iterator[Served]:
     main_app["args"]["engine_num_cpus"] = 0  # two engines on a two-core machine
     guarded = {**main_app, "name": "guarded", "route_prefix": "/guarded"}
     guarded["args"] = {**main_app["args"], **GUARDED_ARGS}
-    config["applications"].append(guarded)
+    speculative = {**main_app, "name": "speculative", "route_prefix": "/speculative"}
+    speculative["args"] = {**main_app["args"], **SPECULATIVE_ARGS}
+    config["applications"] += [guarded, speculative]
     config_path = workdir / "serve_config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     log = workdir / "serve.log"
@@ -97,10 +108,11 @@ def serve_application(workdir: Path) -> Iterator[Served]:
         )  # fmt: skip
     base_url = f"http://127.0.0.1:{http_port}"
     try:
-        _wait_healthy([base_url, base_url + "/guarded"], process, log)
+        _wait_healthy([base_url, base_url + "/guarded", base_url + "/speculative"], process, log)
         client_address = f"ray://127.0.0.1:{client_port}"
         model = main_app["args"]["served_model_name"]
-        yield Served(base_url, base_url + "/guarded", ray_address, client_address, model, env, log)
+        app_urls = (base_url, base_url + "/guarded", base_url + "/speculative")
+        yield Served(*app_urls, ray_address, client_address, model, env, log)
     finally:
         process.terminate()
         try:

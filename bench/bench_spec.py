@@ -1,0 +1,158 @@
+"""Speculative decoding (BENCH.md `spec`): accepted tokens per verify step (tau) and the speedup over
+plain decoding, same prompts, same run, on SmolLM2-135M (real weights).
+
+    python bench/bench_spec.py [OUT_DIR] [--device cuda] [--max-tokens 256]
+
+Prompt sets: open chat questions, and a code edit (return a given 40-line function with one identifier
+renamed). For each proposer (n-gram, self-draft with the first layers) every prompt is decoded greedily
+with and without speculation; the outputs must be equal (exact verification). tau = generated tokens /
+engine steps that emitted them; speedup = plain wall time / speculative wall time, summed over the set.
+Writes OUT_DIR/bench_spec.json and prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.default_model import default_model_path  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.loader import LoadedModel, load_model  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+OPEN_CHAT = [
+    "What is the capital of France, and why is it famous?",
+    "Explain in a few sentences how a rainbow forms.",
+    "Give me three tips for writing clear emails.",
+    "What are the main differences between a cat and a dog as pets?",
+    "Write a short poem about autumn leaves.",
+]
+
+FUNCTION = '''def summarize_orders(orders, tax_rate, discount_threshold):
+    """Totals, taxes and discounts for a list of orders."""
+    subtotal = 0.0
+    item_count = 0
+    largest_order = None
+    discounted_orders = []
+    for order in orders:
+        order_total = 0.0
+        for item in order["items"]:
+            price = item["price"]
+            quantity = item["quantity"]
+            order_total += price * quantity
+            item_count += quantity
+        if order_total > discount_threshold:
+            discount = order_total * 0.1
+            order_total -= discount
+            discounted_orders.append(order["id"])
+        subtotal += order_total
+        if largest_order is None or order_total > largest_order["total"]:
+            largest_order = {"id": order["id"], "total": order_total}
+    tax = subtotal * tax_rate
+    total = subtotal + tax
+    average = subtotal / len(orders) if orders else 0.0
+    report = {
+        "subtotal": round(subtotal, 2),
+        "tax": round(tax, 2),
+        "total": round(total, 2),
+        "items": item_count,
+        "average_order": round(average, 2),
+        "largest_order": largest_order,
+        "discounted_orders": discounted_orders,
+    }
+    if total > 10000:
+        report["flag"] = "review"
+    elif total > 1000:
+        report["flag"] = "normal"
+    else:
+        report["flag"] = "small"
+    return report
+'''
+CODE_EDIT = [
+    "Rename the variable `subtotal` to `running_subtotal` in this function. Return the whole function and "
+    "nothing else.\n\n" + FUNCTION
+]
+
+
+def run_set(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    outputs, tokens, steps = [], 0, 0
+    started = time.perf_counter()
+    for prompt in prompts:
+        generated: list[int] = []
+        for output in engine.stream(prompt, params):
+            generated += output.new_token_ids
+            steps += 1
+        outputs.append(generated)
+        tokens += len(generated)
+    return {"seconds": time.perf_counter() - started, "tokens": tokens, "steps": steps, "outputs": outputs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", nargs="?", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--num-draft", type=int, default=6)
+    args = parser.parse_args()
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    base = EngineConfig(device=args.device, dtype=dtype, max_model_len=4096, kv_cache_tokens=16384)
+    model: LoadedModel = load_model(str(default_model_path()), dtype=base.torch_dtype(), device=args.device)
+    tokenizer = model.tokenizer
+    sets = {
+        "open chat": [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in OPEN_CHAT],
+        "code edit": [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CODE_EDIT],
+    }
+    plain_engine = Engine(model, base)
+    proposers = {
+        "ngram": {"proposer": "ngram"},
+        "self-draft (8 of 30 layers)": {"proposer": "draft", "draft_layers": 8},
+        "self-draft (15 of 30 layers)": {"proposer": "draft", "draft_layers": 15},
+    }
+    rows = []
+    for set_name, prompts in sets.items():
+        run_set(plain_engine, prompts[:1], 16)  # warm-up (compiles, captures)
+        plain = run_set(plain_engine, prompts, args.max_tokens)
+        for proposer_name, settings in proposers.items():
+            config = EngineConfig(**{**base.__dict__, **settings, "num_draft": args.num_draft})
+            engine = Engine(model, config)
+            run_set(engine, prompts[:1], 16)
+            spec = run_set(engine, prompts, args.max_tokens)
+            stats = engine.speculator.stats
+            row = {
+                "prompts": set_name,
+                "proposer": proposer_name,
+                "tau": spec["tokens"] / spec["steps"],
+                "speedup": plain["seconds"] / spec["seconds"],
+                "plain_tok_s": plain["tokens"] / plain["seconds"],
+                "spec_tok_s": spec["tokens"] / spec["seconds"],
+                "acceptance": stats.drafts_accepted / max(stats.drafts_proposed, 1),
+                "same_output": spec["outputs"] == plain["outputs"],
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del engine
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_spec.json").write_text(json.dumps({"device": args.device, "rows": rows}, indent=2))
+    print(f"\nspeculative decoding, SmolLM2-135M, {args.device}, greedy, {args.max_tokens} tokens a prompt")
+    columns = ["prompts", "proposer", "tau", "acceptance", "plain tok/s", "spec tok/s", "speedup", "same"]
+    print("| " + " | ".join(columns) + " |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for row in rows:
+        cells = [
+            row["prompts"], row["proposer"], f"{row['tau']:.2f}", f"{100 * row['acceptance']:.0f} %",
+            f"{row['plain_tok_s']:.0f}", f"{row['spec_tok_s']:.0f}", f"{row['speedup']:.2f}x",
+            str(row["same_output"]),
+        ]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The proposer deployment: a draft proposer in an actor of its own, beside the engine.
+
+The engine's RemoteProposer creates a shared-memory channel and calls `attach(channel_name)` once (again
+after a failure); from then on every step crosses the channel, served here on a thread, with no Ray call.
+The channel is host memory, so this replica must run on the engine's node.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+from ray import serve
+
+from deployments.config import AppArgs
+from engine.loader import load_model
+from proposers.factory import build_proposer
+from proposers.remote import ProposerServer
+
+
+@serve.deployment(name="Proposer", health_check_period_s=5)
+class ProposerDeployment:
+    def __init__(self, args: AppArgs, device: str, dtype: str) -> None:
+        if device == "cpu":
+            torch.set_num_threads(os.cpu_count() or 1)  # Ray sets one thread per reserved CPU
+        config = args.engine_config(device, dtype)
+        # the draft model and DFlash proposers run (parts of) the target model; n-gram needs none of it
+        target = None
+        if args.proposer != "ngram":
+            target = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
+        self.proposer = build_proposer(config, target)
+        self._lock = threading.Lock()  # one server at a time calls the proposer
+        self._server: ProposerServer | None = None
+
+    def attach(self, channel_name: str) -> None:
+        """Serve the engine's channel `channel_name` from now on, in place of any earlier one."""
+        try:
+            server = ProposerServer(self.proposer, channel_name, self._lock)
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"no shared-memory channel {channel_name!r} on this node: the proposer replica must run on "
+                "the engine's node"
+            ) from None
+        previous, self._server = self._server, server
+        if previous is not None:
+            previous.stop()  # an engine that re-attached has given up on that channel
+        threading.Thread(target=server.serve, name="tileinfer-proposer", daemon=True).start()
+
+    def __del__(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.stop()

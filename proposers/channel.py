@@ -1,0 +1,283 @@
+"""A shared-memory channel between the engine and a proposer in another process: one request and one
+response per step, signalled by sequence counters, with no Ray call and no pickling per step.
+
+The engine side (ChannelClient) creates and owns the segment; the proposer side (ChannelServer) attaches
+by name. The layout is fixed at creation from ChannelCapacity, which the header records, so the server
+derives the same layout:
+
+    header     int64[len(HEADER)]                  counters, sizes of the current step, capacities
+    request    keys, keep, num_new, num_drafts     int64[max_requests] each
+               new_tokens                          int32[max_step_tokens]  (each request's, in order)
+               forget_keys                         int64[max_forgets]
+    response   draft_lengths                       int64[max_requests]
+               drafts                              int32[max_requests, max_drafts]
+               error                               uint8[ERROR_BYTES]      (utf-8, when status is 1)
+
+A request names a sequence by a small integer key and says how many of the tokens the server mirrors to
+KEEP and which NEW tokens follow, so only the tokens accepted since the last step cross. The token and
+draft arrays are plain host arrays here; a device-buffer variant (CUDA IPC) can replace exactly those
+two while the header keeps the signalling.
+
+Signalling: the client writes a request, then bumps request_seq; the server polls request_seq (spinning
+briefly, then sleeping a little), answers, then sets response_seq to it; the client waits for that with a
+deadline. Stores are ordered on x86 (TSO), which is what this relies on between the writes and the bump.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import mmap
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from multiprocessing import shared_memory
+
+import numpy as np
+
+MAGIC = 0x54494C4543484E31  # "TILECHN1": the segment is a channel of this layout
+HEADER = (
+    "magic", "request_seq", "response_seq", "closed", "num_requests", "num_new_tokens", "num_forgets",
+    "status", "max_requests", "max_step_tokens", "max_drafts", "max_forgets",
+)  # fmt: skip
+_FIELD = {name: index for index, name in enumerate(HEADER)}
+ERROR_BYTES = 1024
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
+STATUS_OK, STATUS_ERROR = 0, 1
+
+SPIN_S = 200e-6  # poll without sleeping this long (after sending; after the last step)
+POLL_SLEEP_S = 50e-6  # then sleep this long between polls
+IDLE_AFTER_S = 1.0  # a server with no step for this long...
+IDLE_SLEEP_S = 1e-3  # ...polls this rarely (the first step after a pause waits up to this much longer)
+
+
+class ChannelCapacityError(ValueError):
+    """A step that does not fit the channel's fixed capacity."""
+
+
+class ChannelClosedError(RuntimeError):
+    """The other side closed the channel."""
+
+
+class RemoteProposerError(RuntimeError):
+    """The proposer raised while serving a step; its message crossed the channel."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelCapacity:
+    max_requests: int = 256  # sequences per step
+    max_step_tokens: int = 1 << 20  # new tokens per step, all sequences together (a new prompt crosses once)
+    max_drafts: int = 16  # drafts per sequence
+    max_forgets: int = 1024  # forgotten keys per step
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) < 1:
+                raise ValueError(f"channel capacity {field.name} must be at least 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelRequest:
+    """One sequence in a step: keep `keep` mirrored tokens, append `new_tokens`, draft `num_drafts`."""
+
+    key: int
+    keep: int
+    new_tokens: Sequence[int]
+    num_drafts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelStep:
+    """A step as the server reads it (copies: the client may write the next step after the answer)."""
+
+    requests: list[ChannelRequest]
+    forget_keys: list[int]
+
+
+class _Layout:
+    """Numpy views of every area of a channel segment."""
+
+    def __init__(self, buffer: memoryview | mmap.mmap, capacity: ChannelCapacity) -> None:
+        offset = 0
+
+        def take(dtype: type, shape: int | tuple[int, ...]) -> np.ndarray:
+            nonlocal offset
+            array = np.ndarray(shape, dtype=dtype, buffer=buffer, offset=offset)
+            offset += array.nbytes
+            return array
+
+        self.header = take(np.int64, len(HEADER))
+        self.keys = take(np.int64, capacity.max_requests)
+        self.keep = take(np.int64, capacity.max_requests)
+        self.num_new = take(np.int64, capacity.max_requests)
+        self.num_drafts = take(np.int64, capacity.max_requests)
+        self.forget_keys = take(np.int64, capacity.max_forgets)
+        self.draft_lengths = take(np.int64, capacity.max_requests)
+        self.new_tokens = take(np.int32, capacity.max_step_tokens)
+        self.drafts = take(np.int32, (capacity.max_requests, capacity.max_drafts))
+        self.error = take(np.uint8, ERROR_BYTES)
+        self.nbytes = offset
+
+    @classmethod
+    def size(cls, capacity: ChannelCapacity) -> int:
+        int64s = len(HEADER) + 5 * capacity.max_requests + capacity.max_forgets
+        int32s = capacity.max_step_tokens + capacity.max_requests * capacity.max_drafts
+        return 8 * int64s + 4 * int32s + ERROR_BYTES
+
+    def get(self, field: str) -> int:
+        return int(self.header[_FIELD[field]])
+
+    def set(self, field: str, value: int) -> None:
+        self.header[_FIELD[field]] = value
+
+
+class ChannelClient:
+    """The engine's end: creates the segment, writes steps and waits for their drafts."""
+
+    def __init__(self, capacity: ChannelCapacity | None = None) -> None:
+        self.capacity = capacity or ChannelCapacity()
+        self._shm = shared_memory.SharedMemory(
+            name=f"tileinfer-{uuid.uuid4().hex[:16]}", create=True, size=_Layout.size(self.capacity)
+        )
+        self.name = self._shm.name
+        self._layout = _Layout(self._shm.buf, self.capacity)
+        self._layout.header[:] = 0
+        for field in ("max_requests", "max_step_tokens", "max_drafts", "max_forgets"):
+            self._layout.set(field, getattr(self.capacity, field))
+        self._layout.set("magic", MAGIC)  # last: a server that sees it sees the capacities too
+        self._seq = 0
+
+    def exchange(
+        self, requests: Sequence[ChannelRequest], forget_keys: Sequence[int], timeout_s: float
+    ) -> list[list[int]]:
+        """Send one step and wait for its drafts, one list per request. Raises ChannelCapacityError for
+        a step that does not fit, TimeoutError when no answer comes within timeout_s (the server is dead
+        or stalled: the channel must then be abandoned) and RemoteProposerError when the proposer raised."""
+        self._check_fits(requests, forget_keys)
+        layout = self._layout
+        if layout.get("closed"):
+            raise ChannelClosedError(f"channel {self.name} is closed")
+        offset = 0
+        for index, request in enumerate(requests):
+            layout.keys[index] = request.key
+            layout.keep[index] = request.keep
+            layout.num_new[index] = len(request.new_tokens)
+            layout.num_drafts[index] = request.num_drafts
+            layout.new_tokens[offset : offset + len(request.new_tokens)] = request.new_tokens
+            offset += len(request.new_tokens)
+        layout.forget_keys[: len(forget_keys)] = forget_keys
+        layout.set("num_requests", len(requests))
+        layout.set("num_new_tokens", offset)
+        layout.set("num_forgets", len(forget_keys))
+        layout.set("status", STATUS_OK)
+        self._seq += 1
+        layout.set("request_seq", self._seq)  # last: this publishes the step
+
+        deadline = time.monotonic() + timeout_s
+        spin_until = time.monotonic() + SPIN_S
+        while layout.get("response_seq") < self._seq:
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"the proposer did not answer within {timeout_s:.3f} s")
+            time.sleep(0 if now < spin_until else POLL_SLEEP_S)
+        if layout.get("status") == STATUS_ERROR:
+            message = bytes(layout.error).rstrip(b"\0").decode("utf-8", "replace")
+            raise RemoteProposerError(f"the proposer failed: {message}")
+        lengths = layout.draft_lengths[: len(requests)].tolist()
+        return [layout.drafts[index, :length].tolist() for index, length in enumerate(lengths)]
+
+    def _check_fits(self, requests: Sequence[ChannelRequest], forget_keys: Sequence[int]) -> None:
+        capacity = self.capacity
+        num_new_tokens = sum(len(request.new_tokens) for request in requests)
+        most_drafts = max((request.num_drafts for request in requests), default=0)
+        for what, value, limit in (
+            ("sequences", len(requests), capacity.max_requests),
+            ("new tokens", num_new_tokens, capacity.max_step_tokens),
+            ("drafts per sequence", most_drafts, capacity.max_drafts),
+            ("forgotten sequences", len(forget_keys), capacity.max_forgets),
+        ):
+            if value > limit:
+                raise ChannelCapacityError(f"this step has {value} {what}; the channel holds at most {limit}")
+
+    def close(self) -> None:
+        """Tell the server to stop and remove the segment (mappings already made stay valid)."""
+        if self._shm is None:
+            return
+        self._layout.set("closed", 1)
+        del self._layout  # the views must go before the buffer can be released
+        self._shm.unlink()
+        with contextlib.suppress(BufferError):  # a view alive on another thread: the mapping goes with it
+            self._shm.close()
+        self._shm = None
+
+
+class ChannelServer:
+    """The proposer's end: attaches to a client's segment by name, reads steps and answers them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # Mapped from /dev/shm directly, not through SharedMemory, which would register the segment with
+        # this process's resource tracker and have it unlinked when this process ends (Python < 3.13).
+        with open(os.path.join(SHM_DIR, name), "r+b") as file:  # FileNotFoundError: not on this host
+            self._mmap = mmap.mmap(file.fileno(), 0)
+        header = np.ndarray(len(HEADER), dtype=np.int64, buffer=self._mmap)
+        magic = int(header[_FIELD["magic"]])
+        capacity = [int(header[_FIELD[field.name]]) for field in dataclasses.fields(ChannelCapacity)]
+        del header
+        if magic != MAGIC:
+            self._mmap.close()
+            raise ValueError(f"shared memory {name!r} is not a TileInfer proposer channel")
+        self.capacity = ChannelCapacity(*capacity)
+        self._layout = _Layout(self._mmap, self.capacity)
+        self._seq = self._layout.get("response_seq")
+        self._last_step_time = time.monotonic()
+
+    def next_step(self, stop: threading.Event) -> ChannelStep | None:
+        """Wait for the next step; None once the client closed the channel or `stop` is set."""
+        layout = self._layout
+        while layout.get("request_seq") <= self._seq and not layout.get("closed") and not stop.is_set():
+            idle_s = time.monotonic() - self._last_step_time
+            time.sleep(0 if idle_s < SPIN_S else POLL_SLEEP_S if idle_s < IDLE_AFTER_S else IDLE_SLEEP_S)
+        if layout.get("closed") or stop.is_set():
+            return None
+        self._seq = layout.get("request_seq")
+        self._last_step_time = time.monotonic()
+        requests, offset = [], 0
+        for index in range(layout.get("num_requests")):
+            num_new = int(layout.num_new[index])
+            requests.append(
+                ChannelRequest(
+                    key=int(layout.keys[index]),
+                    keep=int(layout.keep[index]),
+                    new_tokens=layout.new_tokens[offset : offset + num_new].tolist(),
+                    num_drafts=int(layout.num_drafts[index]),
+                )  # fmt: skip
+            )
+            offset += num_new
+        return ChannelStep(requests, layout.forget_keys[: layout.get("num_forgets")].tolist())
+
+    def respond(self, drafts: Sequence[Sequence[int]]) -> None:
+        """Answer the step just read: drafts[i] for its i-th request, at most its num_drafts."""
+        layout = self._layout
+        for index, proposal in enumerate(drafts):
+            length = min(len(proposal), int(layout.num_drafts[index]))
+            layout.drafts[index, :length] = proposal[:length]
+            layout.draft_lengths[index] = length
+        layout.set("response_seq", self._seq)  # last: this publishes the answer
+
+    def respond_error(self, message: str) -> None:
+        layout = self._layout
+        encoded = message.encode("utf-8", "replace")[: ERROR_BYTES - 1]
+        layout.error[:] = 0
+        layout.error[: len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+        layout.set("status", STATUS_ERROR)
+        layout.set("response_seq", self._seq)
+
+    def close(self) -> None:
+        if self._mmap is None:
+            return
+        del self._layout
+        self._mmap.close()
+        self._mmap = None

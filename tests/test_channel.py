@@ -1,0 +1,236 @@
+"""The shared-memory proposer channel between two real processes: the raw layout, the token mirror
+(keep/new, forget), capacities, and a dead server (timeout, then a new channel to a new server)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from proposers.base import DraftRequest
+from proposers.channel import (
+    ChannelCapacity,
+    ChannelCapacityError,
+    ChannelClient,
+    ChannelRequest,
+    ChannelServer,
+)
+from proposers.ngram import NgramProposer
+from proposers.remote import ProposerServer, ProposerUnavailableError, RemoteProposer
+
+CONTEXT = multiprocessing.get_context("spawn")
+
+
+class MirrorReport:
+    """A proposer whose drafts describe what it holds: [number of tokens, number of live requests,
+    the last token]."""
+
+    def __init__(self) -> None:
+        self.live: set[str] = set()
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        self.live |= {request.request_id for request in requests}
+        return [[len(request.token_ids), len(self.live), request.token_ids[-1]] for request in requests]
+
+    def forget(self, request_id: str) -> None:
+        self.live.discard(request_id)
+
+
+def _serve_raw(name: str) -> None:
+    """Answer each request with what crossed: [key, keep, number of new tokens, their sum, forgets]."""
+    server = ChannelServer(name)
+    stop = threading.Event()
+    while (step := server.next_step(stop)) is not None:
+        server.respond(
+            [
+                [r.key, r.keep, len(r.new_tokens), sum(r.new_tokens), len(step.forget_keys)]
+                for r in step.requests
+            ]
+        )
+    server.close()
+
+
+def _serve_proposer(kind: str, channel_names: multiprocessing.Queue, attached: multiprocessing.Queue) -> None:
+    """The proposer process: attach to each channel name that arrives and serve it on a thread."""
+    proposer = NgramProposer() if kind == "ngram" else MirrorReport()
+    lock = threading.Lock()
+    while True:
+        server = ProposerServer(proposer, channel_names.get(), lock)
+        threading.Thread(target=server.serve, daemon=True).start()
+        attached.put(True)
+
+
+class ProposerProcess:
+    """A proposer in a spawned process, and the `connect` that a RemoteProposer calls to attach it."""
+
+    def __init__(self, kind: str) -> None:
+        self.channel_names, self.attached = CONTEXT.Queue(), CONTEXT.Queue()
+        self.process = CONTEXT.Process(target=_serve_proposer, args=(kind, self.channel_names, self.attached))
+        self.process.start()
+
+    def connect(self, channel_name: str) -> None:
+        if not self.process.is_alive():
+            raise ConnectionError("the proposer process is gone")
+        self.channel_names.put(channel_name)
+        self.attached.get(timeout=60)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+
+@pytest.fixture
+def proposer_process(request: pytest.FixtureRequest):  # noqa: ANN201
+    process = ProposerProcess(request.param)
+    yield process
+    process.kill()
+
+
+def test_raw_steps_cross_with_their_layout() -> None:
+    client = ChannelClient(ChannelCapacity(max_requests=4, max_step_tokens=64, max_drafts=5, max_forgets=3))
+    process = CONTEXT.Process(target=_serve_raw, args=(client.name,))
+    process.start()
+    try:
+        steps = [
+            ([ChannelRequest(7, 0, [5, 6, 7], 5), ChannelRequest(9, 2, [], 5)], [1, 2]),
+            ([ChannelRequest(7, 3, list(range(100, 161)), 5)], []),  # 61 tokens: near the capacity
+            ([ChannelRequest(3, 1, [2**31 - 1], 5), ChannelRequest(4, 0, [0], 5)], [3, 4, 5]),
+        ]
+        for requests, forget_keys in steps:
+            answers = client.exchange(requests, forget_keys, timeout_s=60)
+            assert answers == [
+                [r.key, r.keep, len(r.new_tokens), sum(r.new_tokens), len(forget_keys)] for r in requests
+            ]
+        # drafts are cut at the request's num_drafts
+        assert client.exchange([ChannelRequest(1, 0, [4], 2)], [], timeout_s=60) == [[1, 0]]
+    finally:
+        client.close()  # the server sees the closed flag and exits
+        process.join(timeout=60)
+    assert process.exitcode == 0
+
+
+def test_steps_beyond_the_capacity_raise_before_anything_crosses() -> None:
+    client = ChannelClient(ChannelCapacity(max_requests=2, max_step_tokens=8, max_drafts=4, max_forgets=1))
+    try:
+        for requests, forget_keys, what in [
+            ([ChannelRequest(key, 0, [1], 1) for key in range(3)], [], "3 sequences"),
+            ([ChannelRequest(0, 0, list(range(9)), 1)], [], "9 new tokens"),
+            ([ChannelRequest(0, 0, [1], 5)], [], "5 drafts per sequence"),
+            ([], [1, 2], "2 forgotten sequences"),
+        ]:
+            with pytest.raises(ChannelCapacityError, match=what):
+                client.exchange(requests, forget_keys, timeout_s=0.01)
+        with pytest.raises(TimeoutError):  # a step that fits, with no server: the deadline holds
+            client.exchange([ChannelRequest(0, 0, [1], 1)], [], timeout_s=0.05)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("proposer_process", ["report"], indirect=True)
+def test_the_server_mirrors_new_tokens_and_forgets(proposer_process: ProposerProcess) -> None:
+    remote = RemoteProposer(proposer_process.connect, ChannelCapacity(max_step_tokens=40), timeout_s=30)
+    try:
+        assert remote.wait_attached(60)
+        first, second = list(range(1, 31)), [50, 51]
+        # [tokens held, live requests, last token]: the whole prefix, though only the new tokens cross
+        assert remote.propose([DraftRequest("a", first, 3), DraftRequest("b", second, 3)]) == [
+            [30, 2, 30], [2, 2, 51],
+        ]  # fmt: skip
+        first += [31, 32]
+        second += [52]
+        assert remote.propose([DraftRequest("a", first, 3), DraftRequest("b", second, 3)]) == [
+            [32, 2, 32], [3, 2, 52],
+        ]  # fmt: skip
+        remote.forget("a")
+        assert remote.propose([DraftRequest("b", second + [53], 3)]) == [[4, 1, 53]]
+        # a sequence beyond this step's token capacity waits; the one that fits is drafted
+        long = list(range(100, 145))
+        assert remote.propose([DraftRequest("c", long, 3), DraftRequest("d", [7, 8], 3)]) == [[], [2, 2, 8]]
+        # a request whose tokens got shorter (against the contract) is not corrupted: it keeps less
+        assert remote.propose([DraftRequest("d", [7], 3)]) == [[1, 2, 7]]
+    finally:
+        remote.close()
+
+
+@pytest.mark.parametrize("proposer_process", ["ngram"], indirect=True)
+def test_remote_ngram_drafts_equal_in_process_drafts_on_real_text(
+    proposer_process: ProposerProcess, smollm2_gguf: Path
+) -> None:
+    from engine.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(str(smollm2_gguf))
+    text = "The quick brown fox jumps over the lazy dog. " * 3 + "A quick brown fox jumps over the lazy cat."
+    token_ids = tokenizer.encode(text)
+    remote = RemoteProposer(proposer_process.connect, timeout_s=30)
+    local = NgramProposer()
+    try:
+        assert remote.wait_attached(60)
+        num_drafted = 0
+        # the sequences grow the way decoding grows them: a prompt, then 1-3 accepted tokens a step
+        for length in [12, 13, 15, 16, 19, 20, 21, 24, *range(25, len(token_ids) + 1)]:
+            requests = [
+                DraftRequest("x", token_ids[:length], 4),
+                DraftRequest("y", token_ids[: length // 2], 2),
+            ]
+            expected = local.propose(requests)
+            assert remote.propose(requests) == expected
+            num_drafted += len(expected[0])
+        assert num_drafted > 20  # the repeated sentence is drafted from its earlier occurrence
+    finally:
+        remote.close()
+
+
+@pytest.mark.parametrize("proposer_process", ["report"], indirect=True)
+def test_a_dead_server_times_out_and_a_new_one_is_attached(proposer_process: ProposerProcess) -> None:
+    replacement: list[ProposerProcess] = []
+
+    def connect(channel_name: str) -> None:
+        (replacement or [proposer_process])[-1].connect(channel_name)
+
+    remote = RemoteProposer(connect, timeout_s=0.3, connect_timeout_s=120)
+    try:
+        assert remote.wait_attached(60)
+        assert remote.propose([DraftRequest("a", [1, 2, 3], 3)]) == [[3, 1, 3]]
+        proposer_process.kill()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            remote.propose([DraftRequest("a", [1, 2, 3, 4], 3)])
+        assert time.monotonic() - started < 30  # the deadline, not a hang (generous: a shared machine)
+        replacement.append(ProposerProcess("report"))
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    answer = remote.propose([DraftRequest("a", [1, 2, 3, 4, 5], 3)])
+                    break
+                except ProposerUnavailableError:
+                    assert time.monotonic() < deadline, "the new proposer was never attached"
+                    time.sleep(0.2)
+            assert answer == [[5, 1, 5]]  # a fresh mirror: the whole sequence crossed again
+        finally:
+            replacement[-1].kill()
+    finally:
+        remote.close()
+
+
+def test_connect_failures_leave_propose_unavailable() -> None:
+    attempts: queue.Queue[str] = queue.Queue()
+
+    def connect(channel_name: str) -> None:
+        attempts.put(channel_name)
+        raise ConnectionError("nobody there")
+
+    remote = RemoteProposer(connect, connect_timeout_s=0.1)
+    try:
+        assert not remote.wait_attached(0.5)
+        with pytest.raises(ProposerUnavailableError):
+            remote.propose([DraftRequest("a", [1], 1)])
+        first = attempts.get(timeout=10)
+        assert first.startswith("tileinfer-")
+    finally:
+        remote.close()
