@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.default_model import DEFAULT_MODEL_ALIAS
 from engine.engine import EngineConfig
@@ -39,13 +39,6 @@ class AppArgs(BaseModel):
     proposer_num_cpus: float = Field(1.0, ge=0)
     proposer_num_gpus: float | None = Field(None, ge=0, le=1, description="default: 0.5 on a GPU")
     engine_num_gpus: float | None = Field(None, ge=0, le=1, description="default: 1; 0.5 beside a proposer")
-
-    @model_validator(mode="after")
-    def _check_proposer(self) -> AppArgs:
-        if self.proposer == "dflash" and not self.proposer_in_process:
-            # DFlash drafts from the target's hidden states, which do not cross to an actor yet
-            raise ValueError("proposer dflash needs proposer_in_process: true")
-        return self
 
     @property
     def proposer_actor(self) -> bool:

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 ATTACH_AT_START_S = 60.0  # the engine waits this long for its proposer before it serves without one
 ATTACH_CALL_TIMEOUT_S = 30.0
+PROPOSER_START_S = 600.0  # DFlash: the engine waits this long for the proposer to say what it reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +61,15 @@ class EngineDeployment:
             def attach(channel_name: str) -> None:  # on the RemoteProposer's own thread, never per step
                 proposer_handle.attach.remote(channel_name).result(timeout_s=ATTACH_CALL_TIMEOUT_S)
 
-            capacity = ChannelCapacity(max_requests=args.max_num_seqs, max_drafts=args.num_draft)
-            self.proposer = RemoteProposer(attach, capacity, timeout_s=args.proposer_timeout_s)
+            hidden = None
+            if args.proposer == "dflash":  # the layers to capture: the engine must know them before it starts
+                hidden = proposer_handle.hidden_layout.remote().result(timeout_s=PROPOSER_START_S)
+            # a step carries at most max_num_batched_tokens hidden rows; a longer prompt's cross over several
+            capacity = ChannelCapacity(
+                max_requests=args.max_num_seqs, max_drafts=args.num_draft,
+                max_step_rows=args.max_num_batched_tokens,
+            )  # fmt: skip
+            self.proposer = RemoteProposer(attach, capacity, timeout_s=args.proposer_timeout_s, hidden=hidden)
         model = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
         self.engine = Engine(model, config, proposer=self.proposer)
         if self.proposer is not None and not self.proposer.wait_attached(ATTACH_AT_START_S):

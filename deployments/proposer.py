@@ -2,7 +2,9 @@
 
 The engine's RemoteProposer creates a shared-memory channel and calls `attach(channel_name)` once (again
 after a failure); from then on every step crosses the channel, served here on a thread, with no Ray call.
-The channel is host memory, so this replica must run on the engine's node.
+For DFlash the engine first asks `hidden_layout()` once, to make a channel that carries the target's
+hidden states in this proposer's layout. The channel is host memory, so this replica must run on the
+engine's node.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ray import serve
 from deployments.config import AppArgs
 from engine.loader import load_model
 from proposers.factory import build_proposer
-from proposers.remote import ProposerServer
+from proposers.remote import HiddenLayout, ProposerServer, hidden_layout
 
 
 @serve.deployment(name="Proposer", health_check_period_s=5)
@@ -32,6 +34,10 @@ class ProposerDeployment:
         self.proposer = build_proposer(config, target)
         self._lock = threading.Lock()  # one server at a time calls the proposer
         self._server: ProposerServer | None = None
+
+    def hidden_layout(self) -> HiddenLayout:
+        """The target hidden states this proposer reads (none but for DFlash), asked once at start."""
+        return hidden_layout(self.proposer)
 
     def attach(self, channel_name: str) -> None:
         """Serve the engine's channel `channel_name` from now on, in place of any earlier one."""

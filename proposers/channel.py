@@ -6,17 +6,20 @@ by name. The layout is fixed at creation from ChannelCapacity, which the header 
 derives the same layout:
 
     header     int64[len(HEADER)]                  counters, sizes of the current step, capacities
-    request    keys, keep, num_new, num_drafts     int64[max_requests] each
-               new_tokens                          int32[max_step_tokens]  (each request's, in order)
+    request    keys, keep, num_new, num_drafts,    int64[max_requests] each
+               num_rows
                forget_keys                         int64[max_forgets]
+               hidden                              hidden_dtype[max_step_rows, hidden_width]
+               new_tokens                          int32[max_step_tokens]  (each request's, in order)
     response   draft_lengths                       int64[max_requests]
                drafts                              int32[max_requests, max_drafts]
                error                               uint8[ERROR_BYTES]      (utf-8, when status is 1)
 
 A request names a sequence by a small integer key and says how many of the tokens the server mirrors to
-KEEP and which NEW tokens follow, so only the tokens accepted since the last step cross. The token and
-draft arrays are plain host arrays here; a device-buffer variant (CUDA IPC) can replace exactly those
-two while the header keeps the signalling.
+KEEP and which NEW tokens follow, so only the tokens accepted since the last step cross. For DFlash a
+request also carries NUM_ROWS new rows of the target's hidden states (rows, like tokens, cross once); a
+channel without a hidden width has no hidden area. The token, row and draft arrays are plain host arrays
+here; a device-buffer variant (CUDA IPC) can replace exactly those while the header keeps the signalling.
 
 Signalling: the client writes a request, then bumps request_seq; the server polls request_seq (spinning
 briefly, then sleeping a little), answers, then sets response_seq to it; the client waits for that with a
@@ -36,16 +39,20 @@ from collections.abc import Sequence
 from multiprocessing import shared_memory
 
 import numpy as np
+import torch
 
 MAGIC = 0x54494C4543484E31  # "TILECHN1": the segment is a channel of this layout
 HEADER = (
     "magic", "request_seq", "response_seq", "closed", "num_requests", "num_new_tokens", "num_forgets",
-    "status", "max_requests", "max_step_tokens", "max_drafts", "max_forgets",
+    "status", "num_step_rows", "max_requests", "max_step_tokens", "max_drafts", "max_forgets",
+    "max_step_rows", "hidden_width", "hidden_dtype",
 )  # fmt: skip
 _FIELD = {name: index for index, name in enumerate(HEADER)}
 ERROR_BYTES = 1024
 SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
 STATUS_OK, STATUS_ERROR = 0, 1
+HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_CODES = {name: code for code, name in enumerate(HIDDEN_DTYPES)}  # as the header records it
 
 SPIN_S = 200e-6  # poll without sleeping this long (after sending; after the last step)
 POLL_SLEEP_S = 50e-6  # then sleep this long between polls
@@ -71,21 +78,52 @@ class ChannelCapacity:
     max_step_tokens: int = 1 << 20  # new tokens per step, all sequences together (a new prompt crosses once)
     max_drafts: int = 16  # drafts per sequence
     max_forgets: int = 1024  # forgotten keys per step
+    # DFlash: the target's hidden-state rows per step, all sequences together, and their width and dtype
+    # (fixed for the channel); a hidden_width of 0 means no rows cross
+    max_step_rows: int = 0
+    hidden_width: int = 0
+    hidden_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            if getattr(self, field.name) < 1:
-                raise ValueError(f"channel capacity {field.name} must be at least 1")
+        for name in ("max_requests", "max_step_tokens", "max_drafts", "max_forgets"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"channel capacity {name} must be at least 1")
+        if self.hidden_width < 0 or self.max_step_rows < (1 if self.hidden_width else 0):
+            raise ValueError("a channel with a hidden width needs max_step_rows of at least 1")
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            raise ValueError(
+                f"hidden_dtype must be one of {', '.join(HIDDEN_DTYPES)}, got {self.hidden_dtype}"
+            )
+
+    @property
+    def hidden_rows(self) -> int:
+        """Rows the hidden area holds (none without a width)."""
+        return self.max_step_rows if self.hidden_width else 0
+
+    def header_values(self) -> dict[str, int]:
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return values | {"hidden_dtype": _DTYPE_CODES[self.hidden_dtype]}
+
+    @classmethod
+    def from_header(cls, header: np.ndarray) -> ChannelCapacity:
+        values = {field.name: int(header[_FIELD[field.name]]) for field in dataclasses.fields(cls)}
+        return cls(**values | {"hidden_dtype": list(HIDDEN_DTYPES)[values["hidden_dtype"]]})
 
 
 @dataclasses.dataclass(frozen=True)
 class ChannelRequest:
-    """One sequence in a step: keep `keep` mirrored tokens, append `new_tokens`, draft `num_drafts`."""
+    """One sequence in a step: keep `keep` mirrored tokens, append `new_tokens`, draft `num_drafts`;
+    `hidden` ([num_rows, hidden_width]) are new rows of the target's hidden states, for DFlash."""
 
     key: int
     keep: int
     new_tokens: Sequence[int]
     num_drafts: int
+    hidden: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.hidden is None else self.hidden.shape[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +151,16 @@ class _Layout:
         self.keep = take(np.int64, capacity.max_requests)
         self.num_new = take(np.int64, capacity.max_requests)
         self.num_drafts = take(np.int64, capacity.max_requests)
+        self.num_rows = take(np.int64, capacity.max_requests)
         self.forget_keys = take(np.int64, capacity.max_forgets)
         self.draft_lengths = take(np.int64, capacity.max_requests)
+        self.hidden: torch.Tensor | None = None  # [hidden_rows, hidden_width]
+        if capacity.hidden_rows:
+            dtype = HIDDEN_DTYPES[capacity.hidden_dtype]
+            count = capacity.hidden_rows * capacity.hidden_width
+            self.hidden = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+            self.hidden = self.hidden.view(capacity.hidden_rows, capacity.hidden_width)
+            offset += count * dtype.itemsize
         self.new_tokens = take(np.int32, capacity.max_step_tokens)
         self.drafts = take(np.int32, (capacity.max_requests, capacity.max_drafts))
         self.error = take(np.uint8, ERROR_BYTES)
@@ -122,9 +168,10 @@ class _Layout:
 
     @classmethod
     def size(cls, capacity: ChannelCapacity) -> int:
-        int64s = len(HEADER) + 5 * capacity.max_requests + capacity.max_forgets
+        int64s = len(HEADER) + 6 * capacity.max_requests + capacity.max_forgets
         int32s = capacity.max_step_tokens + capacity.max_requests * capacity.max_drafts
-        return 8 * int64s + 4 * int32s + ERROR_BYTES
+        row_bytes = capacity.hidden_width * HIDDEN_DTYPES[capacity.hidden_dtype].itemsize
+        return 8 * int64s + capacity.hidden_rows * row_bytes + 4 * int32s + ERROR_BYTES
 
     def get(self, field: str) -> int:
         return int(self.header[_FIELD[field]])
@@ -144,8 +191,8 @@ class ChannelClient:
         self.name = self._shm.name
         self._layout = _Layout(self._shm.buf, self.capacity)
         self._layout.header[:] = 0
-        for field in ("max_requests", "max_step_tokens", "max_drafts", "max_forgets"):
-            self._layout.set(field, getattr(self.capacity, field))
+        for field, value in self.capacity.header_values().items():
+            self._layout.set(field, value)
         self._layout.set("magic", MAGIC)  # last: a server that sees it sees the capacities too
         self._seq = 0
 
@@ -159,17 +206,22 @@ class ChannelClient:
         layout = self._layout
         if layout.get("closed"):
             raise ChannelClosedError(f"channel {self.name} is closed")
-        offset = 0
+        offset = row_offset = 0
         for index, request in enumerate(requests):
             layout.keys[index] = request.key
             layout.keep[index] = request.keep
             layout.num_new[index] = len(request.new_tokens)
             layout.num_drafts[index] = request.num_drafts
+            layout.num_rows[index] = request.num_rows
             layout.new_tokens[offset : offset + len(request.new_tokens)] = request.new_tokens
             offset += len(request.new_tokens)
+            if request.num_rows:  # converted to the channel's dtype as they are copied in
+                layout.hidden[row_offset : row_offset + request.num_rows] = request.hidden
+                row_offset += request.num_rows
         layout.forget_keys[: len(forget_keys)] = forget_keys
         layout.set("num_requests", len(requests))
         layout.set("num_new_tokens", offset)
+        layout.set("num_step_rows", row_offset)
         layout.set("num_forgets", len(forget_keys))
         layout.set("status", STATUS_OK)
         self._seq += 1
@@ -192,11 +244,18 @@ class ChannelClient:
         capacity = self.capacity
         num_new_tokens = sum(len(request.new_tokens) for request in requests)
         most_drafts = max((request.num_drafts for request in requests), default=0)
+        for request in requests:
+            if request.num_rows and tuple(request.hidden.shape[1:]) != (capacity.hidden_width,):
+                raise ChannelCapacityError(
+                    f"hidden rows of shape {list(request.hidden.shape)}; the channel's rows have "
+                    f"{capacity.hidden_width} values"
+                )
         for what, value, limit in (
             ("sequences", len(requests), capacity.max_requests),
             ("new tokens", num_new_tokens, capacity.max_step_tokens),
             ("drafts per sequence", most_drafts, capacity.max_drafts),
             ("forgotten sequences", len(forget_keys), capacity.max_forgets),
+            ("hidden rows", sum(request.num_rows for request in requests), capacity.hidden_rows),
         ):
             if value > limit:
                 raise ChannelCapacityError(f"this step has {value} {what}; the channel holds at most {limit}")
@@ -224,12 +283,12 @@ class ChannelServer:
             self._mmap = mmap.mmap(file.fileno(), 0)
         header = np.ndarray(len(HEADER), dtype=np.int64, buffer=self._mmap)
         magic = int(header[_FIELD["magic"]])
-        capacity = [int(header[_FIELD[field.name]]) for field in dataclasses.fields(ChannelCapacity)]
+        capacity = ChannelCapacity.from_header(header) if magic == MAGIC else None
         del header
-        if magic != MAGIC:
+        if capacity is None:
             self._mmap.close()
             raise ValueError(f"shared memory {name!r} is not a TileInfer proposer channel")
-        self.capacity = ChannelCapacity(*capacity)
+        self.capacity = capacity
         self._layout = _Layout(self._mmap, self.capacity)
         self._seq = self._layout.get("response_seq")
         self._last_step_time = time.monotonic()
@@ -244,15 +303,20 @@ class ChannelServer:
             return None
         self._seq = layout.get("request_seq")
         self._last_step_time = time.monotonic()
-        requests, offset = [], 0
+        requests, offset, row_offset = [], 0, 0
         for index in range(layout.get("num_requests")):
-            num_new = int(layout.num_new[index])
+            num_new, num_rows = int(layout.num_new[index]), int(layout.num_rows[index])
+            hidden = None
+            if num_rows:
+                hidden = layout.hidden[row_offset : row_offset + num_rows].clone()
+                row_offset += num_rows
             requests.append(
                 ChannelRequest(
                     key=int(layout.keys[index]),
                     keep=int(layout.keep[index]),
                     new_tokens=layout.new_tokens[offset : offset + num_new].tolist(),
                     num_drafts=int(layout.num_drafts[index]),
+                    hidden=hidden,
                 )  # fmt: skip
             )
             offset += num_new

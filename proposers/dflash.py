@@ -371,6 +371,15 @@ class DFlashProposer:
         return cls(DFlashDrafter.from_weights(config, weights, max_positions), embed_weight, lm_head_weight)
 
     @property
+    def hidden_width(self) -> int:
+        """Columns of a target_hidden row: the target layers' outputs side by side."""
+        return self.drafter.fc.in_features
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        return self.drafter.fc.weight.dtype
+
+    @property
     def target_layer_ids(self) -> tuple[int, ...]:
         """The target decoder layers whose outputs (residual stream after the layer) make target_hidden."""
         return self.drafter.config.target_layer_ids

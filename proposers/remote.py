@@ -5,6 +5,13 @@ sends only the new ones. ProposerServer runs in the proposer's process: it mirro
 and asks the real proposer for drafts. The only call across processes outside the channel is `connect`
 (e.g. a Serve handle call asking the proposer actor to attach to a channel), made at start and after a
 failure, never per step.
+
+For DFlash the target's hidden states cross too. Their layout (HiddenLayout: the target layers, the row
+width and dtype) is the proposer's, asked once before the RemoteProposer is made (hidden_layout() on the
+proposer's side); the channel is created with it and the server refuses a channel of another layout.
+RemoteProposer sends each context row exactly once, in position order: rows of a sequence that does not
+fit a step wait on this side (a long prompt crosses over several steps, drafting nothing until it has),
+so the proposer never sees a gap or a row twice.
 """
 
 from __future__ import annotations
@@ -17,12 +24,44 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+import torch
+
+from engine.errors import InvalidRequestError
 from proposers.base import DraftRequest, Proposer, ProposerUnavailableError
-from proposers.channel import ChannelCapacity, ChannelClient, ChannelRequest, ChannelServer
+from proposers.channel import HIDDEN_DTYPES, ChannelCapacity, ChannelClient, ChannelRequest, ChannelServer
 
 logger = logging.getLogger(__name__)
 
 CONNECT_RETRY_S = 1.0  # between attempts to attach while the proposer (re)starts
+DEFAULT_STEP_ROWS = 2048  # hidden rows per step when the capacity names none
+
+
+@dataclasses.dataclass(frozen=True)
+class HiddenLayout:
+    """What a proposer reads of the target's hidden states: none for n-gram and draft models."""
+
+    target_layer_ids: tuple[int, ...] = ()
+    width: int = 0  # values per row: len(target_layer_ids) x the target's hidden size
+    dtype: str = "float32"  # a key of proposers.channel.HIDDEN_DTYPES
+
+
+def hidden_layout(proposer: Proposer) -> HiddenLayout:
+    """The layout of the rows `proposer` reads (a proposer that reads hidden states, DFlash, says which
+    layers, how wide and in what dtype)."""
+    layer_ids = tuple(getattr(proposer, "target_layer_ids", ()))
+    if not layer_ids:
+        return HiddenLayout()
+    dtype = next(name for name, value in HIDDEN_DTYPES.items() if value == proposer.hidden_dtype)
+    return HiddenLayout(layer_ids, proposer.hidden_width, dtype)
+
+
+@dataclasses.dataclass
+class _Rows:
+    """A sequence's context rows: how many the server's proposer holds (positions 0..held - 1, as of the
+    last step that crossed) and the next ones that wait here ([num_waiting, width])."""
+
+    held: int = 0
+    waiting: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -43,6 +82,11 @@ class RemoteProposer:
     new prompt is the proposer's prefill, which takes a draft model a while). After any failure it starts
     over on a new channel, so that a restarted proposer is used again. Sequences that do not fit this
     step's channel capacity get no drafts this step and cross on a later one.
+
+    With a `hidden` layout (DFlash) it exposes target_layer_ids, so that the engine captures those
+    layers, and sends each request's new rows of DraftRequest.target_hidden. A sequence whose rows
+    were on a channel that failed cannot be drafted again (the engine has handed those rows over
+    already): it decodes plainly until it is forgotten; later sequences draft on the new channel.
     """
 
     def __init__(
@@ -52,8 +96,17 @@ class RemoteProposer:
         timeout_s: float = 0.5,
         timeout_per_new_token_s: float = 1e-3,
         connect_timeout_s: float = 60.0,
+        hidden: HiddenLayout | None = None,
     ) -> None:
-        self.capacity = capacity or ChannelCapacity()
+        capacity = capacity or ChannelCapacity()
+        self.target_layer_ids: tuple[int, ...] = ()
+        if hidden is not None and hidden.target_layer_ids:
+            self.target_layer_ids = hidden.target_layer_ids
+            capacity = dataclasses.replace(
+                capacity, hidden_width=hidden.width, hidden_dtype=hidden.dtype,
+                max_step_rows=capacity.max_step_rows or DEFAULT_STEP_ROWS,
+            )  # fmt: skip
+        self.capacity = capacity
         self.timeout_s = timeout_s
         self.timeout_per_new_token_s = timeout_per_new_token_s
         self.connect_timeout_s = connect_timeout_s
@@ -62,6 +115,8 @@ class RemoteProposer:
         self._keys: dict[str, int] = {}  # request id -> its key on the current channel
         self._num_mirrored: dict[str, int] = {}  # request id -> tokens the server holds for it
         self._forget_keys: list[int] = []  # keys to drop, sent with the next step
+        self._rows: dict[str, _Rows] = {}  # request id -> its hidden rows (DFlash)
+        self._lost: set[str] = set()  # request ids whose rows went down with a failed channel
         self._connection: _Connection | None = None
         self._reconnect()
 
@@ -75,16 +130,25 @@ class RemoteProposer:
             if connection is None or connection.given_up.is_set():
                 self._reconnect()
             raise ProposerUnavailableError("the proposer has not attached to the channel yet")
-        items, included = self._pack(requests)
+        # nothing here changes until the step has crossed: after a failure the engine hands the same
+        # rows over again (it keeps what a failed call did not take)
+        rows = {} if not self.target_layer_ids else self._context_rows(requests)
+        items, included, rows_after = self._pack(requests, rows)
         forget_keys = self._forget_keys[: self.capacity.max_forgets]
         try:
-            num_new_tokens = sum(len(item.new_tokens) for item in items)
-            timeout_s = self.timeout_s + num_new_tokens * self.timeout_per_new_token_s
+            num_new = sum(len(item.new_tokens) + item.num_rows for item in items)
+            timeout_s = self.timeout_s + num_new * self.timeout_per_new_token_s
             answers = connection.channel.exchange(items, forget_keys, timeout_s)
         except Exception:
             self._reconnect()  # a fresh channel and fresh mirrors: its state is unknown now
             raise
         del self._forget_keys[: len(forget_keys)]
+        for request_id, state in rows_after.items():
+            if state is None:
+                self.forget(request_id)
+                self._lost.add(request_id)
+            else:
+                self._rows[request_id] = state
         drafts: list[list[int]] = [[] for _ in requests]
         for index, item, answer in zip(included, items, answers, strict=True):
             request_id = requests[index].request_id
@@ -93,32 +157,87 @@ class RemoteProposer:
             drafts[index] = answer
         return drafts
 
-    def _pack(self, requests: Sequence[DraftRequest]) -> tuple[list[ChannelRequest], list[int]]:
-        """The channel requests of this step (what fits) and the index in `requests` of each."""
+    def _context_rows(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[int, torch.Tensor]]:
+        """Per request (not lost): (rows the server holds, [num_rows, width] the rows of the positions
+        after them up to its last token's, waiting ones first); raises InvalidRequestError for a
+        request without the rows it needs."""
+        rows = {}
+        for request in requests:
+            request_id = request.request_id
+            if request_id in self._lost:
+                continue
+            state = self._rows.get(request_id, _Rows())
+            num_context = max(len(request.token_ids) - 1, 0)  # the last token has not run in the target
+            held = min(state.held, num_context)  # a rolled-back sequence: the proposer drops the rest
+            waiting = state.waiting if state.waiting is not None and state.held < num_context else None
+            waiting = waiting[: num_context - state.held] if waiting is not None else None
+            num_needed = num_context - held - (0 if waiting is None else waiting.shape[0])
+            fresh = request.target_hidden
+            width = self.capacity.hidden_width
+            if num_needed and (fresh is None or fresh.dim() != 2 or fresh.shape[1] != width
+                               or fresh.shape[0] < num_needed):  # fmt: skip
+                got = "none" if fresh is None else list(fresh.shape)
+                raise InvalidRequestError(
+                    f"request {request_id}: the proposer needs the target's hidden states of tokens "
+                    f"{num_context - num_needed}..{num_context - 1} ([{num_needed}, {width}]), got {got}"
+                )
+            parts = [
+                part for part in (waiting, fresh[:num_needed] if num_needed else None) if part is not None
+            ]
+            rows[request_id] = (held, torch.cat(parts) if parts else torch.empty(0, width))
+        return rows
+
+    def _pack(
+        self, requests: Sequence[DraftRequest], rows: dict[str, tuple[int, torch.Tensor]]
+    ) -> tuple[list[ChannelRequest], list[int], dict[str, _Rows | None]]:
+        """The channel requests of this step (what fits), the index in `requests` of each, and each
+        request's rows once the step has crossed (None: a request to give up on). A sequence whose rows
+        do not all fit sends those that do, with the tokens they belong to, and asks for no drafts."""
         capacity = self.capacity
         items: list[ChannelRequest] = []
         included: list[int] = []
-        budget = capacity.max_step_tokens
+        rows_after: dict[str, _Rows | None] = {}
+        budget, row_budget = capacity.max_step_tokens, capacity.hidden_rows
         for index, request in enumerate(requests):
-            if len(items) == capacity.max_requests:
-                break
-            # the token ids only grow between calls (the Proposer contract); a shorter list keeps less
-            keep = min(self._num_mirrored.get(request.request_id, 0), len(request.token_ids))
-            num_new = len(request.token_ids) - keep
-            if num_new > budget:
+            request_id, token_ids, num_drafts = request.request_id, request.token_ids, request.num_drafts
+            if request_id in self._lost:
                 continue
-            key = self._keys.get(request.request_id)
+            held, hidden = rows.get(request_id, (0, None))
+            if hidden is not None and hidden.shape[0] > row_budget > 0:
+                hidden, token_ids, num_drafts = hidden[:row_budget], token_ids[: held + row_budget + 1], 0
+            # the token ids only grow between calls (the Proposer contract); a shorter list keeps less
+            keep = min(self._num_mirrored.get(request_id, 0), len(token_ids))
+            num_new = len(token_ids) - keep
+            num_rows = 0 if hidden is None else hidden.shape[0]
+            fits = len(items) < capacity.max_requests and num_new <= budget and num_rows <= row_budget
+            if request_id in rows:
+                all_rows = rows[request_id][1]
+                num_sent = num_rows if fits else 0
+                rows_after[request_id] = _Rows(
+                    held + num_sent, all_rows[num_sent:] if num_sent < len(all_rows) else None
+                )
+                if not fits and held < self._rows.get(request_id, _Rows()).held:
+                    rows_after[request_id] = (
+                        None  # rolled back, unseen by the proposer: later rows would not align
+                    )
+            if not fits:
+                continue
+            key = self._keys.get(request_id)
             if key is None:
                 key = next(self._next_key)
-            new_tokens = request.token_ids[keep:]
-            num_drafts = min(request.num_drafts, capacity.max_drafts)
-            items.append(ChannelRequest(key, keep, new_tokens, num_drafts))
+            num_drafts = min(num_drafts, capacity.max_drafts)
+            items.append(
+                ChannelRequest(key, keep, token_ids[keep:], num_drafts, hidden if num_rows else None)
+            )
             included.append(index)
             budget -= num_new
-        return items, included
+            row_budget -= num_rows
+        return items, included, rows_after
 
     def forget(self, request_id: str) -> None:
         self._num_mirrored.pop(request_id, None)
+        self._rows.pop(request_id, None)
+        self._lost.discard(request_id)
         key = self._keys.pop(request_id, None)
         if key is not None:
             self._forget_keys.append(key)
@@ -130,6 +249,9 @@ class RemoteProposer:
         self._keys.clear()
         self._num_mirrored.clear()
         self._forget_keys.clear()
+        # rows that crossed are gone with the old proposer; rows that only waited here still hold
+        self._lost |= {request_id for request_id, state in self._rows.items() if state.held}
+        self._rows = {request_id: state for request_id, state in self._rows.items() if not state.held}
         connection = _Connection(ChannelClient(self.capacity))
         self._connection = connection
         threading.Thread(
@@ -168,6 +290,15 @@ class ProposerServer:
     def __init__(self, proposer: Proposer, channel_name: str, lock: threading.Lock) -> None:
         self.proposer = proposer
         self.channel = ChannelServer(channel_name)
+        layout, capacity = hidden_layout(proposer), self.channel.capacity
+        if (capacity.hidden_width, capacity.hidden_dtype) != (layout.width, layout.dtype) and (
+            capacity.hidden_width or layout.width
+        ):
+            self.channel.close()
+            raise ValueError(
+                f"channel {channel_name} carries hidden rows of {capacity.hidden_width} "
+                f"{capacity.hidden_dtype} values; this proposer reads {layout.width} {layout.dtype} values"
+            )
         self.lock = lock
         self.stop_event = threading.Event()
         self._mirrors: dict[int, list[int]] = {}  # key -> the request's tokens so far
@@ -210,9 +341,11 @@ class ProposerServer:
                 raise ValueError(
                     f"sequence {request.key}: asked to keep {request.keep} tokens, but {len(mirror)} are held"
                 )
-            if request.keep < len(mirror):  # tokens replaced, not extended: the proposer starts over
-                self.proposer.forget(self._request_id(request.key))
-                del mirror[request.keep :]
+            # fewer kept than held: the engine rolled the sequence back, and the proposer is told so by a
+            # shorter token list, as in process (every proposer copes; DFlash keeps its prefix's context)
+            del mirror[request.keep :]
             mirror.extend(request.new_tokens)
-            draft_requests.append(DraftRequest(self._request_id(request.key), mirror, request.num_drafts))
+            draft_requests.append(
+                DraftRequest(self._request_id(request.key), mirror, request.num_drafts, request.hidden)
+            )
         return self.proposer.propose(draft_requests)

@@ -1,5 +1,6 @@
-"""The shared-memory proposer channel between two real processes: the raw layout, the token mirror
-(keep/new, forget), capacities, and a dead server (timeout, then a new channel to a new server)."""
+"""The shared-memory proposer channel between two real processes: the raw layout, hidden-state rows, the
+token mirror (keep/new, forget), capacities, and a dead server (timeout, then a new channel to a new
+server)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 
 from proposers.base import DraftRequest
 from proposers.channel import (
@@ -52,6 +54,19 @@ def _serve_raw(name: str) -> None:
                 for r in step.requests
             ]
         )
+    server.close()
+
+
+def _echo_rows(name: str) -> None:
+    """Answer each request with its hidden rows' bits (as int32 words, float32 or two 16-bit values per
+    word), so that the client can check every value that crossed exactly."""
+    server = ChannelServer(name)
+    while (step := server.next_step(threading.Event())) is not None:
+        answers = []
+        for request in step.requests:
+            rows = request.hidden if request.hidden is not None else torch.empty(0)
+            answers.append(rows.contiguous().view(torch.int32).flatten().tolist())
+        server.respond(answers)
     server.close()
 
 
@@ -129,6 +144,55 @@ def test_steps_beyond_the_capacity_raise_before_anything_crosses() -> None:
             client.exchange([ChannelRequest(0, 0, [1], 1)], [], timeout_s=0.05)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hidden_rows_cross_exactly_once(dtype: str) -> None:
+    width, max_rows = 6, 5
+    capacity = ChannelCapacity(
+        max_requests=3, max_step_tokens=16, max_drafts=max_rows * width, max_step_rows=max_rows,
+        hidden_width=width, hidden_dtype=dtype,
+    )  # fmt: skip
+    client = ChannelClient(capacity)
+    process = CONTEXT.Process(target=_echo_rows, args=(client.name,))
+    process.start()
+    generator = torch.Generator().manual_seed(3)
+
+    def rows(count: int) -> torch.Tensor:
+        return torch.randn(count, width, generator=generator) * 1e3
+
+    try:
+        steps = [
+            [ChannelRequest(0, 0, [1, 2, 3], 30, rows(2)), ChannelRequest(1, 0, [4], 30, rows(3))],  # full
+            [ChannelRequest(0, 3, [5], 30, rows(1)), ChannelRequest(1, 1, [], 30)],  # one sequence, no rows
+            [ChannelRequest(2, 0, [6, 7], 30, rows(5))],  # the whole area, after smaller steps
+            [ChannelRequest(2, 2, [8], 30, rows(0)), ChannelRequest(0, 4, [9], 30, rows(4))],
+        ]
+        for requests in steps:
+            answers = client.exchange(requests, [], timeout_s=60)
+            for request, answer in zip(requests, answers, strict=True):
+                # what the server read: the rows in the channel's dtype, bit for bit
+                sent = torch.empty(0) if not request.num_rows else request.hidden.to(getattr(torch, dtype))
+                assert answer == sent.contiguous().view(torch.int32).flatten().tolist()
+        with pytest.raises(ChannelCapacityError, match="6 hidden rows"):
+            client.exchange(
+                [ChannelRequest(0, 5, [], 1, rows(3)), ChannelRequest(1, 1, [], 1, rows(3))], [], 60
+            )
+        with pytest.raises(ChannelCapacityError, match="the channel's rows have 6 values"):
+            client.exchange([ChannelRequest(0, 5, [], 1, torch.zeros(1, width + 1))], [], 60)
+        assert client.exchange([ChannelRequest(0, 5, [], 1, torch.zeros(1, width))], [], 60) == [[0]]
+    finally:
+        client.close()
+        process.join(timeout=60)
+    assert process.exitcode == 0
+    with pytest.raises(ValueError, match="max_step_rows"):
+        ChannelCapacity(hidden_width=4)
+    plain = ChannelClient(ChannelCapacity(max_step_tokens=4))  # a channel without a hidden area
+    try:
+        with pytest.raises(ChannelCapacityError, match="rows have 0 values"):
+            plain.exchange([ChannelRequest(0, 0, [1], 1, torch.zeros(1, 4))], [], 0.01)
+    finally:
+        plain.close()
 
 
 @pytest.mark.parametrize("proposer_process", ["report"], indirect=True)

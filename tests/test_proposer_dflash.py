@@ -83,6 +83,11 @@ def write_checkpoint(folder: Path, config: dict | None = None, weights: dict | N
 
 @pytest.fixture(scope="module")
 def target() -> transformers.Qwen3ForCausalLM:
+    return build_target()
+
+
+def build_target() -> transformers.Qwen3ForCausalLM:
+    """A tiny random Qwen3 (transformers), the target the tiny DFlash checkpoint drafts for."""
     config = transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
         num_hidden_layers=TARGET_LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
