@@ -153,42 +153,66 @@ class ModelRunner:
         logits = self.forward_eager(scheduled, num_logits={seq: len(d) + 1 for seq, d in drafts.items()})
         plain_seqs: list[Sequence] = []
         plain_rows: list[int] = []
+        greedy: list[tuple[Sequence, int]] = []  # (sequence, its first logits row)
         verifications: list[Verification] = []
         row = 0
         for item in scheduled:
             seq = item.seq
             if seq.num_computed_tokens + item.num_new_tokens != seq.num_tokens:
                 continue  # a prompt chunk: no logits
-            if seq in drafts:
-                count = len(drafts[seq]) + 1
-                verifications.append(self._verify(seq, logits[row : row + count], drafts[seq]))
-                row += count
-            else:
+            if seq not in drafts:
                 plain_seqs.append(seq)
                 plain_rows.append(row)
                 row += 1
+                continue
+            count = len(drafts[seq]) + 1
+            if seq.params.is_greedy:
+                greedy.append((seq, row))
+            else:
+                verifications.append(self._verify_sampled(seq, logits[row : row + count], drafts[seq]))
+            row += count
+        if greedy:
+            verifications += self._verify_greedy(greedy, logits, drafts)
         results: list[SampledToken] = []
         if plain_seqs:
             plain_logits = logits[torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)]
             results = self._results(plain_seqs, self._sample_eager(plain_logits, plain_seqs), plain_logits)
         return results, verifications
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> Verification:
-        """logits [k + 1, vocab]: the target at the last token and at each draft."""
+    @staticmethod
+    def _verify_greedy(
+        greedy: list[tuple[Sequence, int]], logits: torch.Tensor, drafts: dict[Sequence, list[int]]
+    ) -> list[Verification]:
+        """All greedy sequences at once (one argmax, one read back), drafts padded to the longest."""
+        device = logits.device
+        k_max = max(len(drafts[seq]) for seq, _ in greedy)
+        rows = [[first + min(j, len(drafts[seq])) for j in range(k_max + 1)] for seq, first in greedy]
+        targets = logits.argmax(dim=-1)[torch.tensor(rows, dtype=torch.int64, device=device)]
+        padded = [drafts[seq] + [-1] * (k_max - len(drafts[seq])) for seq, _ in greedy]
+        verified = verify_greedy(
+            targets,
+            torch.tensor(padded, dtype=torch.int64, device=device),
+            torch.tensor([len(drafts[seq]) for seq, _ in greedy], device=device),
+        )
+        emitted, accepted = verified.output_token_ids.tolist(), verified.num_accepted.tolist()
+        return [
+            Verification(seq, tokens[: count + 1], count)
+            for (seq, _), tokens, count in zip(greedy, emitted, accepted, strict=True)
+        ]
+
+    def _verify_sampled(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> Verification:
+        """Rejection sampling; logits [k + 1, vocab]: the target at the last token and at each draft."""
         device = logits.device
         draft_ids = torch.tensor([drafts], dtype=torch.int64, device=device)
         num_drafts = torch.tensor([len(drafts)], device=device)
-        if seq.params.is_greedy:
-            verified = verify_greedy(logits.argmax(dim=-1)[None], draft_ids, num_drafts)
-        else:
-            probs = filtered_probs(logits, [seq.params] * logits.shape[0])[None]
-            generator = seq.generator
-            if generator is None and seq.params.seed is not None:  # device sampling: keyed by seed and step
-                generator = torch.Generator(device=device)
-                generator.manual_seed(hash((self.seed_of(seq), seq.num_tokens)) & (2**63 - 1))
-            accept_uniforms = torch.rand(1, len(drafts), generator=generator, device=device)
-            final_uniforms = torch.rand(1, logits.shape[1], generator=generator, device=device)
-            verified = verify_sampled(probs, None, draft_ids, num_drafts, accept_uniforms, final_uniforms)
+        probs = filtered_probs(logits, [seq.params] * logits.shape[0])[None]
+        generator = seq.generator
+        if generator is None and seq.params.seed is not None:  # device sampling: keyed by seed and step
+            generator = torch.Generator(device=device)
+            generator.manual_seed(hash((self.seed_of(seq), seq.num_tokens)) & (2**63 - 1))
+        accept_uniforms = torch.rand(1, len(drafts), generator=generator, device=device)
+        final_uniforms = torch.rand(1, logits.shape[1], generator=generator, device=device)
+        verified = verify_sampled(probs, None, draft_ids, num_drafts, accept_uniforms, final_uniforms)
         num_accepted = int(verified.num_accepted[0])
         return Verification(seq, verified.output_token_ids[0, : num_accepted + 1].tolist(), num_accepted)
 
