@@ -42,6 +42,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     cuda_graphs: bool = True  # on a GPU, replay decode steps from CUDA graphs
+    # Experimental, not yet checked on a GPU: also replay prefill, mixed and verify steps from graphs.
+    step_graphs: bool = False
     # Launch decode step n+1 before reading step n's tokens (the host works while the GPU runs).
     # None: on a GPU only; on the CPU it only delays each token by a step, but exercises the same path.
     run_ahead: bool | None = None
@@ -111,9 +113,13 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         decoder = Decoder.from_weights(model.spec, model.weights, self.max_model_len, ops_for(self.device))
+        speculating = proposer is not None or config.proposer is not None
         self.runner = ModelRunner(
             decoder, num_blocks, config.block_size, config.torch_dtype(), config.max_num_seqs,
-            self.max_model_len, use_cuda_graphs=config.cuda_graphs,
+            self.max_model_len, use_cuda_graphs=config.cuda_graphs, step_graphs=config.step_graphs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            # a verify step needs the logits of every draft position, plain steps one row a sequence
+            max_logit_rows=config.max_num_seqs * (1 + config.num_draft if speculating else 1),
         )  # fmt: skip
         tokenizer_eos = model.tokenizer.eos_token_ids if model.tokenizer is not None else ()
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)

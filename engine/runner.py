@@ -23,6 +23,7 @@ from engine.sampling import TokenLogprob, filtered_probs, sample
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.speculative import verify_greedy, verify_sampled
+from engine.step_graphs import StepGraphs, StepInputs
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
 from kernels.sampling import (
     SamplingTensors,
@@ -82,7 +83,12 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         use_cuda_graphs: bool = True,
+        step_graphs: bool = False,
+        max_num_batched_tokens: int = 2048,
+        max_logit_rows: int | None = None,
     ) -> None:
+        """step_graphs: also replay prefill, mixed and verify steps from CUDA graphs (StepGraphs) of up to
+        max_num_batched_tokens tokens and max_logit_rows logit rows (default: one per sequence)."""
         spec = decoder.spec
         self.decoder = decoder
         self.spec = spec
@@ -102,6 +108,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and use_cuda_graphs:
             self.graphs = DecodeGraphs(self, max_num_seqs)
+        self.step_graphs: StepGraphs | None = None
+        if self.device.type == "cuda" and use_cuda_graphs and step_graphs:
+            self.step_graphs = StepGraphs(
+                decoder, self.kv_cache, max_num_seqs, max_num_batched_tokens,
+                max_logit_rows or max_num_seqs, self.max_blocks_per_seq, block_size,
+            )  # fmt: skip
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         for copy in copies:
@@ -282,6 +294,13 @@ class ModelRunner:
         if last_token_ids is not None:
             assert is_decode and len(last_token_ids) == len(input_ids)
             input_ids = last_token_ids
+        if self.step_graphs is not None and not self.capture_layers and logit_rows:
+            inputs = StepInputs(
+                input_ids, positions, slot_mapping, query_start_loc, seq_lens,
+                [item.seq.block_table for item in scheduled], logit_rows,
+            )  # fmt: skip
+            if self.step_graphs.fits(inputs):
+                return self.step_graphs.forward(inputs)
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
         block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
         for row, item in enumerate(scheduled):

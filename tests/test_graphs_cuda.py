@@ -46,3 +46,42 @@ def test_graph_decode_step_equals_eager(prompt_lens: list[int]) -> None:
     print(f"max |eager - graph| = {difference:.3e} (logits up to {scale:.3e})")
     assert difference <= 1e-4 * scale
     assert torch.equal(eager.argmax(-1), graph.argmax(-1))
+
+
+@pytest.mark.parametrize("prompt_lens", [[37], [5, 300, 64]], ids=["one", "three"])
+def test_step_graph_equals_eager(prompt_lens: list[int]) -> None:
+    """A prefill step (and a verify-shaped one: several logit rows per sequence) replayed from a
+    StepGraphs bucket gives the eager step's logits; then whole greedy runs agree."""
+    spec = dataclasses.replace(SMOLLM2_135M, num_layers=4)
+    weights = random_weights(spec, torch.float32, "cuda")
+    model = LoadedModel(name="random", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+
+    def engine(step_graphs: bool) -> Engine:
+        config = EngineConfig(device="cuda", dtype="float32", max_model_len=1024, kv_cache_tokens=4096,
+                              max_num_seqs=8, step_graphs=step_graphs, num_draft=3)  # fmt: skip
+        return Engine(model, config)
+
+    graphed = engine(step_graphs=True)
+    runner = graphed.runner
+    assert runner.step_graphs is not None
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, spec.vocab_size, (n,), generator=generator).tolist() for n in prompt_lens]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for prompt in prompts:
+        graphed.add_request(prompt, params)
+    batch = graphed.scheduler.schedule()
+    runner.copy_blocks(batch.block_copies)
+    seqs = [item.seq for item in batch.scheduled]
+    for num_logits in (None, {seq: 3 for seq in seqs}):
+        from_graph = runner.forward_eager(batch.scheduled, num_logits=num_logits).clone()
+        step_graphs, runner.step_graphs = runner.step_graphs, None
+        eager = runner.forward_eager(batch.scheduled, num_logits=num_logits)
+        runner.step_graphs = step_graphs
+        difference = (eager - from_graph).abs().max().item()
+        print(f"max |eager - step graph| = {difference:.3e}")
+        assert difference <= 1e-4 * eager.abs().max().item()
+    for seq in seqs:
+        graphed.abort(seq.request_id)
+    plain = engine(step_graphs=False)
+    for prompt in prompts:
+        assert graphed.generate(prompt, params)[0] == plain.generate(prompt, params)[0]

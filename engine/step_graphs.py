@@ -1,0 +1,152 @@
+"""CUDA graphs of a forward pass over a packed batch of new tokens (prefill chunks, mixed steps,
+speculative verification), one graph per token-count bucket.
+
+Launched eagerly, such a step costs the host ~10 Triton launches per layer from Python, far more than the
+GPU's own time for a few hundred tokens. A graph replays them all at once. Its shapes are fixed at
+capture: T tokens (the bucket), up to max_num_seqs sequences, and a fixed number of logit rows. A step
+with fewer tokens is padded. The padding tokens belong to one extra sequence whose block table row points
+at block 0 and whose KV writes are skipped (slot -1), so they read finite stale values and change nothing.
+Sequence slots beyond that get no tokens and no keys. The logits of the chosen rows land in a static
+buffer, valid until the next replay.
+
+Experimental: off by default (EngineConfig.step_graphs) until it has been checked on a GPU
+(tests/test_graphs_cuda.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.model import Decoder
+from kernels.attention import AttentionMetadata
+from kernels.prefill_attention import allocate_prefill_workspace, prefill_num_splits
+
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """One step's packed inputs, as host lists (engine/runner.py builds them)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    logit_rows: list[int]  # rows of the packed tokens whose logits the step needs
+
+
+class StepGraphs:
+    def __init__(
+        self,
+        decoder: Decoder,
+        kv_cache: torch.Tensor,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_logit_rows: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+    ) -> None:
+        spec = decoder.spec
+        device = kv_cache.device
+        self.decoder, self.kv_cache, self.block_size = decoder, kv_cache, block_size
+        max_context = max_blocks_per_seq * block_size
+        # the padding sequence's keys must fit one block-table row
+        max_num_tokens = min(max_num_tokens, max_context)
+        self.buckets = sorted({size for size in TOKEN_BUCKETS if size < max_num_tokens} | {max_num_tokens})
+        self.max_tokens = self.buckets[-1]
+        self.max_seqs = max_num_seqs + 1  # one more sequence owns the padding tokens
+        self.max_logit_rows = max_logit_rows
+        self.ints = torch.zeros(3, self.max_tokens, dtype=torch.int64, device=device)  # ids, positions, slots
+        self.int32s = torch.zeros(2 * self.max_seqs + 1, dtype=torch.int32, device=device)  # starts, lengths
+        self.block_tables = torch.zeros(self.max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.logit_rows = torch.zeros(max_logit_rows, dtype=torch.int64, device=device)
+        self.logits = torch.zeros(max_logit_rows, spec.vocab_size, dtype=torch.float32, device=device)
+        # The step waits for its logits before the next one is prepared, so one pinned set suffices.
+        buffers = (self.ints, self.int32s, self.block_tables, self.logit_rows)
+        self.staging = [torch.empty_like(buffer, device="cpu").pin_memory() for buffer in buffers]
+        self.splits = {
+            size: prefill_num_splits(
+                size, self.max_seqs, size, spec.num_heads, spec.num_kv_heads, spec.head_dim, max_context
+            )  # fmt: skip
+            for size in self.buckets
+        }
+        self.workspace = allocate_prefill_workspace(
+            self.max_tokens, self.max_seqs, 1, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            max(self.splits.values()), device,
+        )  # fmt: skip
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        for size in reversed(self.buckets):  # largest first, so the smaller ones reuse its pool
+            self._capture(size)
+
+    def fits(self, inputs: StepInputs) -> bool:
+        return (
+            len(inputs.input_ids) <= self.max_tokens
+            and len(inputs.seq_lens) < self.max_seqs
+            and 0 < len(inputs.logit_rows) <= self.max_logit_rows
+            and max(len(row) for row in inputs.block_tables) <= self.block_tables.shape[1]
+        )
+
+    def _step(self, size: int) -> None:
+        ids, positions, slots = self.ints[0], self.ints[1], self.ints[2]
+        metadata = AttentionMetadata(
+            slot_mapping=slots[:size],
+            query_start_loc=self.int32s[: self.max_seqs + 1],
+            seq_lens=self.int32s[self.max_seqs + 1 :],
+            block_tables=self.block_tables,
+            max_query_len=size,
+            prefill_num_splits=self.splits[size],
+            prefill_workspace=self.workspace,
+        )
+        hidden, residual = self.decoder(ids[:size], positions[:size], self.kv_cache, metadata)
+        rows = self.logit_rows
+        self.decoder.compute_logits(hidden[rows], residual[rows], out=self.logits)
+
+    def _capture(self, size: int) -> None:
+        self.int32s.zero_()
+        self.int32s[1 : self.max_seqs + 1] = size  # every token in sequence 0 while capturing
+        self.int32s[self.max_seqs + 1] = size
+        self.ints[2].fill_(-1)  # capture writes no KV
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._step(size)  # compiles the kernels and warms the allocator
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._step(size)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[size] = graph
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The float32 logits of inputs.logit_rows (a view of a static buffer, valid until the next
+        replay)."""
+        num_tokens, num_seqs = len(inputs.input_ids), len(inputs.seq_lens)
+        size = next(bucket for bucket in self.buckets if bucket >= num_tokens)
+        padding = size - num_tokens
+        ints_host, int32s_host, tables_host, rows_host = self.staging
+        ints_host[:, :size] = torch.tensor(
+            [inputs.input_ids + [0] * padding,
+             inputs.positions + list(range(padding)),
+             inputs.slot_mapping + [-1] * padding]
+        )  # fmt: skip
+        # starts: the real sequences, the padding sequence (it ends at `size`), then empty ones
+        starts = inputs.query_start_loc + [size] * (self.max_seqs - num_seqs)
+        lengths = inputs.seq_lens + [padding] + [0] * (self.max_seqs - num_seqs - 1)
+        int32s_host[:] = torch.tensor(starts + lengths, dtype=torch.int32)
+        tables_host.zero_()
+        for row, table in enumerate(inputs.block_tables):
+            tables_host[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        num_rows = len(inputs.logit_rows)
+        rows_host[:] = torch.tensor(inputs.logit_rows + [0] * (self.max_logit_rows - num_rows))
+        self.ints[:, :size].copy_(ints_host[:, :size], non_blocking=True)
+        self.int32s.copy_(int32s_host, non_blocking=True)
+        self.block_tables.copy_(tables_host, non_blocking=True)
+        self.logit_rows.copy_(rows_host, non_blocking=True)
+        self.graphs[size].replay()
+        return self.logits[:num_rows]
