@@ -64,6 +64,7 @@ class Settings:
     peer_compile_prefill: bool
     compile_backend: str
     budget_s: float  # past this (since start), remaining heavy parts are skipped
+    step_graphs: bool = False  # EngineConfig.step_graphs: prefill steps replayed from CUDA graphs
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def over_budget(self) -> bool:
@@ -131,6 +132,7 @@ def build_engine(name: str, spec: ModelSpec, weights: dict[str, torch.Tensor], s
         kv_cache_tokens=max(8192, max_model_len),
         max_num_seqs=8,
         max_num_batched_tokens=max(2048, *settings.prefill_lens),  # a whole prompt in one step
+        step_graphs=settings.step_graphs,
     )
 
     # tokenizer=None: no detokenization in the timed steps
@@ -478,6 +480,7 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
     )
     parser.add_argument("--compile-backend", default="inductor", help="inductor = reduce-overhead mode")
     parser.add_argument("--budget-s", type=float, default=540.0, help="skip parts that start after this")
+    parser.add_argument("--step-graphs", action="store_true", help="replay prefill steps from CUDA graphs")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for the JSON")
     args = parser.parse_args()
     if args.tiny:
@@ -509,6 +512,7 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
         peer_compile_prefill=args.peer_compile_prefill,
         compile_backend=args.compile_backend,
         budget_s=args.budget_s,
+        step_graphs=args.step_graphs,
     )
     return settings, model_names, Path(args.out)
 

@@ -100,9 +100,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-draft", type=int, default=6)
+    parser.add_argument("--step-graphs", action="store_true", help="replay verify steps from CUDA graphs")
     args = parser.parse_args()
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     base = EngineConfig(device=args.device, dtype=dtype, max_model_len=4096, kv_cache_tokens=16384)
+    base.step_graphs = args.step_graphs
     model: LoadedModel = load_model(str(default_model_path()), dtype=base.torch_dtype(), device=args.device)
     tokenizer = model.tokenizer
     sets = {
