@@ -39,6 +39,9 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
+REFERENCE_QUERY_BLOCK = 256  # queries per score matrix in the reference: [heads, 256, keys] at most
+
+
 def paged_attention_reference(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -65,16 +68,25 @@ def paged_attention_reference(
         values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float()
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
-        q = query[start:end].float()  # [num_queries, num_heads, head_dim]
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-        query_positions = torch.arange(seq_len - (end - start), seq_len, device=query.device).unsqueeze(1)
-        key_positions = torch.arange(seq_len, device=query.device).unsqueeze(0)
-        visible = key_positions <= query_positions
-        if sliding_window is not None:
-            visible &= key_positions > query_positions - sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        output[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+        first_position = seq_len - (end - start)
+        # queries in blocks, so that the score matrix of a long prompt stays small
+        for block_start in range(start, end, REFERENCE_QUERY_BLOCK):
+            block_end = min(block_start + REFERENCE_QUERY_BLOCK, end)
+            last_key = first_position + block_end - start  # keys past the block's last query are masked
+            q = query[block_start:block_end].float()  # [num_queries, num_heads, head_dim]
+            scores = torch.einsum("qhd,khd->hqk", q, keys[:last_key]) * scale
+            query_positions = torch.arange(
+                first_position + block_start - start, last_key, device=query.device
+            ).unsqueeze(1)
+            key_positions = torch.arange(last_key, device=query.device).unsqueeze(0)
+            visible = key_positions <= query_positions
+            if sliding_window is not None:
+                visible &= key_positions > query_positions - sliding_window
+            scores = scores.masked_fill(~visible, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            output[block_start:block_end] = torch.einsum("hqk,khd->qhd", probs, values[:last_key]).to(
+                query.dtype
+            )
     return output
 
 

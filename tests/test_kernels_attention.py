@@ -324,3 +324,43 @@ def test_decode_attention_cuda_graph_replay() -> None:
         torch.testing.assert_close(out.float(), expected(replay_case, None), **tolerance(torch.bfloat16))
         assert (out[replay_case.seq_lens == 0] == 0).all()
         assert (workspace.counters == 0).all()
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_reference_blocks_long_prompts_into_query_blocks_exactly(window: int | None) -> None:
+    """The reference computes a long prompt REFERENCE_QUERY_BLOCK queries at a time; the result equals
+    one dense masked softmax over contiguous keys (a 600-token chunk after 100 cached positions)."""
+    from kernels.attention import REFERENCE_QUERY_BLOCK, AttentionMetadata, paged_attention_reference
+
+    generator = torch.Generator().manual_seed(7)
+    num_heads, num_kv_heads, head_dim, block_size, cached, new = 4, 2, 16, 16, 100, 600
+    assert new > 2 * REFERENCE_QUERY_BLOCK
+    seq_len = cached + new
+    num_blocks = -(-seq_len // block_size)
+    keys = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+    values = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+    query = torch.randn(new, num_heads, head_dim, generator=generator, dtype=torch.float64)
+    order = torch.randperm(num_blocks, generator=generator)  # blocks scattered over the cache
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float64)
+    padded = num_blocks * block_size - seq_len
+    for cache_part, part in ((kv_cache[0], keys), (kv_cache[1], values)):
+        full = torch.cat([part, part.new_zeros(padded, num_kv_heads, head_dim)])
+        cache_part[order] = full.view(num_blocks, block_size, num_kv_heads, head_dim)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, new], dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        block_tables=order[None].int(),
+    )
+    got = paged_attention_reference(query, kv_cache, metadata, head_dim**-0.5, window)
+
+    query_positions = torch.arange(cached, seq_len)[:, None]
+    key_positions = torch.arange(seq_len)[None, :]
+    visible = key_positions <= query_positions
+    if window is not None:
+        visible &= key_positions > query_positions - window
+    group = num_heads // num_kv_heads
+    scores = torch.einsum("qhd,khd->hqk", query, keys.repeat_interleave(group, 1)) * head_dim**-0.5
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    expected = torch.einsum("hqk,khd->qhd", probs, values.repeat_interleave(group, 1))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)  # the reference works in float32
