@@ -54,7 +54,12 @@ STATUS_OK, STATUS_ERROR = 0, 1
 HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_CODES = {name: code for code, name in enumerate(HIDDEN_DTYPES)}  # as the header records it
 
-SPIN_S = 200e-6  # poll without sleeping this long (after sending; after the last step)
+# Waiting sides poll the counters in a busy loop first: even time.sleep(0) costs ~100 us of wake-up on a
+# loaded host, more than the whole hand-off. How long: SPIN_S; on a host with cores to spare, as long as
+# the last wait took (twice, up to MAX_SPIN_S), so that a steady decode loop is answered at once.
+SPIN_S = 200e-6
+MAX_SPIN_S = 20e-3
+SPARE_CORES = (os.cpu_count() or 1) >= 8
 POLL_SLEEP_S = 50e-6  # then sleep this long between polls
 IDLE_AFTER_S = 1.0  # a server with no step for this long...
 IDLE_SLEEP_S = 1e-3  # ...polls this rarely (the first step after a pause waits up to this much longer)
@@ -134,6 +139,13 @@ class ChannelStep:
     forget_keys: list[int]
 
 
+def spin_window(last_wait_s: float) -> float:
+    """How long the next wait polls without sleeping, given how long the last one took."""
+    if not SPARE_CORES:
+        return SPIN_S
+    return min(max(SPIN_S, 2 * last_wait_s), MAX_SPIN_S)
+
+
 class _Layout:
     """Numpy views of every area of a channel segment."""
 
@@ -195,6 +207,7 @@ class ChannelClient:
             self._layout.set(field, value)
         self._layout.set("magic", MAGIC)  # last: a server that sees it sees the capacities too
         self._seq = 0
+        self._spin_s = SPIN_S
 
     def exchange(
         self, requests: Sequence[ChannelRequest], forget_keys: Sequence[int], timeout_s: float
@@ -233,7 +246,8 @@ class ChannelClient:
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(f"the proposer did not answer within {timeout_s:.3f} s")
-            time.sleep(0 if now < spin_until else POLL_SLEEP_S)
+            if now >= spin_until:
+                time.sleep(POLL_SLEEP_S)
         if layout.get("status") == STATUS_ERROR:
             message = bytes(layout.error).rstrip(b"\0").decode("utf-8", "replace")
             raise RemoteProposerError(f"the proposer failed: {message}")
@@ -292,17 +306,21 @@ class ChannelServer:
         self._layout = _Layout(self._mmap, self.capacity)
         self._seq = self._layout.get("response_seq")
         self._last_step_time = time.monotonic()
+        self._spin_s = SPIN_S
 
     def next_step(self, stop: threading.Event) -> ChannelStep | None:
         """Wait for the next step; None once the client closed the channel or `stop` is set."""
         layout = self._layout
         while layout.get("request_seq") <= self._seq and not layout.get("closed") and not stop.is_set():
             idle_s = time.monotonic() - self._last_step_time
-            time.sleep(0 if idle_s < SPIN_S else POLL_SLEEP_S if idle_s < IDLE_AFTER_S else IDLE_SLEEP_S)
+            if idle_s >= SPIN_S:
+                time.sleep(POLL_SLEEP_S if idle_s < IDLE_AFTER_S else IDLE_SLEEP_S)
         if layout.get("closed") or stop.is_set():
             return None
         self._seq = layout.get("request_seq")
-        self._last_step_time = time.monotonic()
+        now = time.monotonic()
+        self._spin_s = spin_window(now - self._last_step_time)
+        self._last_step_time = now
         requests, offset, row_offset = [], 0, 0
         for index in range(layout.get("num_requests")):
             num_new, num_rows = int(layout.num_new[index]), int(layout.num_rows[index])
