@@ -81,6 +81,9 @@ def serve_application(workdir: Path) -> Iterator[Served]:
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # makes Ray take 127.0.0.1 as this node's address
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
+        # a Ray Client connection starts a server process; on a busy two-core machine (three apps and a
+        # proposer actor) that has taken more than Ray's default 30 s
+        "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "180",
     }
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = http_port
