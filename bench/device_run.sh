@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One GPU-session step on the lent H200, sized to one device call (at most 600 s). Run from the repo root:
+#   bash bench/device_run.sh part0    # carry .assets/<gguf>.part00 (and .whl/gguf-*.whl): keep part 0
+#   bash bench/device_run.sh part1    # carry .assets/<gguf>.part01 and .sha256: join and check the GGUF
+#   bash bench/device_run.sh tests    # the GPU tests, each file under its own time limit
+#   bash bench/device_run.sh engine   # bench_engine with and without --step-graphs
+#   bash bench/device_run.sh extra    # long context, attention, spec (needs the GGUF), hand-off
+# Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
+# `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
+set -u
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+export TILEINFER_CACHE=/tmp/tc PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/tc/models
+for wheel in .whl/gguf-*.whl; do
+    [ -e "$wheel" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target /tmp/site "$wheel" >/dev/null 2>&1
+done
+
+run() {  # run LIMIT_S COMMAND...: one part, cut at its limit, its tail printed
+    local limit=$1; shift
+    echo "== $* (limit ${limit}s)"
+    timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tail -25
+}
+
+case "${1:-}" in
+part0) cp ".assets/$GGUF.part00" /tmp/part00 && echo "part 0 kept" ;;
+part1)
+    cat /tmp/part00 ".assets/$GGUF.part01" > "/tmp/tc/models/$GGUF"
+    (cd /tmp/tc/models && sha256sum "$GGUF" | cut -d' ' -f1) | diff - <(cut -d' ' -f1 ".assets/$GGUF.sha256") \
+        && echo "GGUF joined and checked"
+    ;;
+tests)
+    for file in tests/test_engine_cuda.py tests/test_graphs_cuda.py tests/test_run_ahead.py \
+        tests/test_kernels_attention.py tests/test_kernels_prefill_attention.py tests/test_kernels_norm_linear.py \
+        tests/test_kernels_linear.py tests/test_kernels_sampling.py tests/test_model_families.py \
+        tests/test_proposer_draft_model.py; do
+        run 55 python3 -m pytest -q -x --tb=short -p no:cacheprovider -m gpu "$file"
+    done
+    ;;
+engine)
+    run 280 python3 bench/bench_engine.py --out "$OUT/plain" --budget-s 230
+    run 280 python3 bench/bench_engine.py --out "$OUT/step_graphs" --budget-s 230 --step-graphs
+    ;;
+extra)
+    run 150 python3 bench/bench_long_context.py "$OUT"
+    run 120 python3 bench/bench_attention.py "$OUT"
+    run 200 python3 bench/bench_spec.py "$OUT" --step-graphs
+    run 60 python3 bench/bench_handoff.py "$OUT"
+    ;;
+*) echo "usage: bash bench/device_run.sh part0|part1|tests|engine|extra"; exit 2 ;;
+esac
