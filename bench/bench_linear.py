@@ -182,6 +182,19 @@ class Case:
         return linear.gemm_config(self.m, self.n_out, self.k, self.gate_up)
 
 
+def run_record(bandwidth: float, replays: int) -> dict:
+    """What a results file says about the run: when, on what, with which limit and settings."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "rotate_bytes": ROTATE_BYTES,
+        "replays": replays,
+    }
+
+
 def tuned_rows(sweeps: list[dict]) -> list[dict]:
     """The fastest candidate of each swept shape, in kernels/linear.py's tuned-table format."""
     rows = []
@@ -274,17 +287,7 @@ def main() -> None:
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "rotate_bytes": ROTATE_BYTES,
-        "replays": args.replays,
-        "rows": rows,
-        "sweeps": sweeps,
-    }
+    result = {**run_record(bandwidth, args.replays), "rows": rows, "sweeps": sweeps}
     (out_dir / "bench_linear.json").write_text(json.dumps(result, indent=2))
 
     if args.write_tuned and sweeps:

@@ -26,11 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_linear import DEVICE, DTYPE, MODELS, ROTATE_BYTES, Case, copy_bandwidth, time_in_graph  # noqa: E402
+from bench.bench_linear import DEVICE, DTYPE, MODELS, Case, copy_bandwidth, run_record, time_in_graph  # noqa: E402
 from kernels import norm_linear  # noqa: E402
 from kernels.linear import GEMV_MAX_M, GemvConfig, gate_up_silu_triton, linear_triton  # noqa: E402
 from kernels.rmsnorm import add_rms_norm_triton  # noqa: E402
@@ -161,16 +160,7 @@ def main() -> None:
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "rotate_bytes": ROTATE_BYTES,
-        "replays": args.replays,
-        "rows": rows,
-    }
+    result = {**run_record(bandwidth, args.replays), "rows": rows}
     (out_dir / "bench_norm_linear.json").write_text(json.dumps(result, indent=2))
 
     print(

@@ -23,7 +23,7 @@ from engine.sampling import TokenLogprob, filtered_probs, sample
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.speculative import verify_greedy, verify_sampled
-from engine.step_graphs import StepGraphs, StepInputs
+from engine.step_graphs import StepGraphs, StepInputs, capture_graph
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
 from kernels.sampling import (
     SamplingTensors,
@@ -472,14 +472,7 @@ class DecodeGraphs:
         )  # fmt: skip
 
     def _capture(self, batch_size: int) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._step(batch_size)  # compiles the kernels and warms the allocator
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._step(batch_size)
+        graph = capture_graph(lambda: self._step(batch_size), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[batch_size] = graph

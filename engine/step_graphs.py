@@ -16,6 +16,7 @@ Experimental: off by default (EngineConfig.step_graphs) until it has been checke
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -24,6 +25,20 @@ from kernels.attention import AttentionMetadata
 from kernels.prefill_attention import allocate_prefill_workspace, prefill_num_splits
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def capture_graph(step: Callable[[], None], pool: tuple | None) -> torch.cuda.CUDAGraph:
+    """Run `step` once on a side stream (compiles its kernels, warms the allocator), then capture it into
+    a graph drawing on `pool` (None: a new one; pass graph.pool() on so that later graphs share it)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step()
+    return graph
 
 
 @dataclasses.dataclass
@@ -111,14 +126,7 @@ class StepGraphs:
         self.int32s[1 : self.max_seqs + 1] = size  # every token in sequence 0 while capturing
         self.int32s[self.max_seqs + 1] = size
         self.ints[2].fill_(-1)  # capture writes no KV
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._step(size)  # compiles the kernels and warms the allocator
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._step(size)
+        graph = capture_graph(lambda: self._step(size), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[size] = graph

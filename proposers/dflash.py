@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import model
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.rope import rope_cos_sin_cache
 from engine.safetensors_loader import read_safetensors_file, safetensors_files
@@ -176,11 +177,8 @@ class ContextCache:
         return self.keys[index, : self.num_tokens], self.values[index, : self.num_tokens]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))
-        self.eps = eps
+class RMSNorm(model.RMSNorm):
+    """The decoder's norm (a weight and eps), applied here with the reference op."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_reference(x, self.weight, self.eps)
