@@ -34,6 +34,12 @@ def _context_length(text: str) -> int:
     return int(text)
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {text!r}")
+    return int(text)
+
+
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument(
@@ -57,10 +63,13 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-model", metavar="M", help="the draft model (draft) or DFlash checkpoint folder (dflash)"
     )
     group.add_argument(
-        "--draft-layers", type=int, metavar="N", help="self-draft: run the first N layers (default: 1/4)"
+        "--draft-layers",
+        type=_positive,
+        metavar="N",
+        help="self-draft: the first N layers (default: 1/4)",
     )
     group.add_argument(
-        "--num-draft", type=int, default=4, metavar="K", help="most drafts a step (default: 4)"
+        "--num-draft", type=_positive, default=4, metavar="K", help="most drafts a step (default: 4)"
     )
 
 

@@ -128,6 +128,8 @@ def write_gpt2_folder(folder: Path) -> Path:
         ("unsupported architecture", "LlamaForCausalLM"),
         ("prompt longer than the context", "context"),
         ("cuda without a GPU", "cuda"),
+        ("dflash without a checkpoint", "--draft-model"),
+        ("more draft layers than the model has", "layers"),
     ],
 )
 def test_bad_input_is_one_error_line(
@@ -141,6 +143,15 @@ def test_bad_input_is_one_error_line(
         "unsupported architecture": [str(write_gpt2_folder(tmp_path)), *prompt],
         "prompt longer than the context": [MODEL, "--prompt", "one two three " * 20, "--max-model-len", "16"],
         "cuda without a GPU": [MODEL, *prompt, "--device", "cuda"],
+        "dflash without a checkpoint": [MODEL, *prompt, "--proposer", "dflash"],
+        "more draft layers than the model has": [
+            MODEL,
+            *prompt,
+            "--proposer",
+            "draft",
+            "--draft-layers",
+            "99",
+        ],
     }[case]
     if case == "cuda without a GPU" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -165,6 +176,9 @@ def test_usage_error_exits_2() -> None:
     assert result.returncode == 2
     assert "--prompt" in result.stderr
     assert "Traceback" not in result.stderr
+    result = run_cli("generate", MODEL, "--prompt", "Hi", "--proposer", "ngram", "--num-draft", "0")
+    assert result.returncode == 2
+    assert "--num-draft" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_generate_with_the_ngram_proposer_gives_the_plain_answer(raw_result) -> None:
