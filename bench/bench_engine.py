@@ -64,7 +64,7 @@ class Settings:
     peer_compile_prefill: bool
     compile_backend: str
     budget_s: float  # past this (since start), remaining heavy parts are skipped
-    step_graphs: bool = False  # EngineConfig.step_graphs: prefill steps replayed from CUDA graphs
+    step_graphs: bool = True  # EngineConfig.step_graphs: prefill steps replayed from CUDA graphs
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def over_budget(self) -> bool:
@@ -480,7 +480,9 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
     )
     parser.add_argument("--compile-backend", default="inductor", help="inductor = reduce-overhead mode")
     parser.add_argument("--budget-s", type=float, default=540.0, help="skip parts that start after this")
-    parser.add_argument("--step-graphs", action="store_true", help="replay prefill steps from CUDA graphs")
+    parser.add_argument(
+        "--no-step-graphs", action="store_true", help="run prefill steps eagerly, not from CUDA graphs"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for the JSON")
     args = parser.parse_args()
     if args.tiny:
@@ -512,7 +514,7 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
         peer_compile_prefill=args.peer_compile_prefill,
         compile_backend=args.compile_backend,
         budget_s=args.budget_s,
-        step_graphs=args.step_graphs,
+        step_graphs=not args.no_step_graphs,
     )
     return settings, model_names, Path(args.out)
 

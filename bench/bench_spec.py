@@ -13,6 +13,7 @@ Writes OUT_DIR/bench_spec.json and prints one table.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -80,6 +81,45 @@ CODE_EDIT = [
 ]
 
 
+def first_difference(got: list[list[int]], expected: list[list[int]]) -> list[int] | None:
+    """[prompt index, token index] of the first token where two sets of outputs part, or None."""
+    for prompt, (a, b) in enumerate(zip(got, expected, strict=True)):
+        for index, (x, y) in enumerate(zip(a, b, strict=False)):
+            if x != y:
+                return [prompt, index]
+        if len(a) != len(b):
+            return [prompt, min(len(a), len(b))]
+    return None
+
+
+class CallTimer:
+    """Wall time spent in chosen methods of an engine's parts (host work plus any wait for the GPU
+    inside them), to split a speculative step into drafting, verifying and the rest."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: dict[str, int] = collections.defaultdict(int)
+
+    def wrap(self, owner: object, name: str) -> None:
+        method = getattr(owner, name)
+
+        def timed(*args: object, **kwargs: object) -> object:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+                self.calls[name] += 1
+
+        setattr(owner, name, timed)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {
+            name: {"calls": self.calls[name], "ms_per_call": 1e3 * seconds / self.calls[name]}
+            for name, seconds in self.seconds.items()
+        }
+
+
 def run_set(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     outputs, tokens, steps = [], 0, 0
@@ -100,11 +140,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-draft", type=int, default=6)
-    parser.add_argument("--step-graphs", action="store_true", help="replay verify steps from CUDA graphs")
+    parser.add_argument(
+        "--no-step-graphs", action="store_true", help="run verify steps eagerly, not from CUDA graphs"
+    )
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     args = parser.parse_args()
-    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     base = EngineConfig(device=args.device, dtype=dtype, max_model_len=4096, kv_cache_tokens=16384)
-    base.step_graphs = args.step_graphs
+    base.step_graphs = not args.no_step_graphs
     model: LoadedModel = load_model(str(default_model_path()), dtype=base.torch_dtype(), device=args.device)
     tokenizer = model.tokenizer
     sets = {
@@ -114,8 +157,8 @@ def main() -> None:
     plain_engine = Engine(model, base)
     proposers = {
         "ngram": {"proposer": "ngram"},
-        "self-draft (8 of 30 layers)": {"proposer": "draft", "draft_layers": 8},
         "self-draft (15 of 30 layers)": {"proposer": "draft", "draft_layers": 15},
+        "self-draft (24 of 30 layers)": {"proposer": "draft", "draft_layers": 24},
     }
     rows = []
     for set_name, prompts in sets.items():
@@ -125,6 +168,10 @@ def main() -> None:
             config = EngineConfig(**{**base.__dict__, **settings, "num_draft": args.num_draft})
             engine = Engine(model, config)
             run_set(engine, prompts[:1], 16)
+            timer = CallTimer()
+            timer.wrap(engine.speculator, "plan")
+            for method in ("execute_speculative", "execute", "launch_decode"):
+                timer.wrap(engine.runner, method)
             spec = run_set(engine, prompts, args.max_tokens)
             stats = engine.speculator.stats
             row = {
@@ -136,6 +183,9 @@ def main() -> None:
                 "spec_tok_s": spec["tokens"] / spec["seconds"],
                 "acceptance": stats.drafts_accepted / max(stats.drafts_proposed, 1),
                 "same_output": spec["outputs"] == plain["outputs"],
+                "first_difference": first_difference(spec["outputs"], plain["outputs"]),
+                "engine_steps": spec["steps"],
+                "time_in": timer.summary(),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -143,7 +193,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_spec.json").write_text(json.dumps({"device": args.device, "rows": rows}, indent=2))
-    print(f"\nspeculative decoding, SmolLM2-135M, {args.device}, greedy, {args.max_tokens} tokens a prompt")
+    setting = f"{args.device}, {dtype}, greedy, {args.max_tokens} tokens each"
+    print(f"\nspeculative decoding, SmolLM2-135M, {setting}")
     columns = ["prompts", "proposer", "tau", "acceptance", "plain tok/s", "spec tok/s", "speedup", "same"]
     print("| " + " | ".join(columns) + " |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -151,7 +202,7 @@ def main() -> None:
         cells = [
             row["prompts"], row["proposer"], f"{row['tau']:.2f}", f"{100 * row['acceptance']:.0f} %",
             f"{row['plain_tok_s']:.0f}", f"{row['spec_tok_s']:.0f}", f"{row['speedup']:.2f}x",
-            str(row["same_output"]),
+            "yes" if row["same_output"] else f"no: from {row['first_difference']}",
         ]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
 

@@ -3,8 +3,10 @@
 #   bash bench/device_run.sh part0    # carry .assets/<gguf>.part00 (and .whl/gguf-*.whl): keep part 0
 #   bash bench/device_run.sh part1    # carry .assets/<gguf>.part01 and .sha256: join and check the GGUF
 #   bash bench/device_run.sh tests    # the GPU tests, each file under its own time limit
-#   bash bench/device_run.sh engine   # bench_engine with and without --step-graphs
-#   bash bench/device_run.sh extra    # long context, attention, spec (needs the GGUF), hand-off
+#   bash bench/device_run.sh engine   # bench_engine (prefill steps from CUDA graphs, as the engine runs)
+#   bash bench/device_run.sh spec     # bench_spec (needs the GGUF) and the hand-off
+#   bash bench/device_run.sh extra    # long context and attention
+#   bash bench/device_run.sh grid     # the attention kernels' whole test grid, compiled
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
 set -u
@@ -38,15 +40,18 @@ tests)
         run 55 python3 -m pytest -q -x --tb=short -p no:cacheprovider -m gpu "$file"
     done
     ;;
-engine)
-    run 280 python3 bench/bench_engine.py --out "$OUT/plain" --budget-s 230
-    run 280 python3 bench/bench_engine.py --out "$OUT/step_graphs" --budget-s 230 --step-graphs
+engine) run 330 python3 bench/bench_engine.py --out "$OUT" --budget-s 290 ;;
+spec)
+    run 200 python3 bench/bench_spec.py "$OUT"
+    run 60 python3 bench/bench_handoff.py "$OUT"
     ;;
 extra)
     run 150 python3 bench/bench_long_context.py "$OUT"
     run 120 python3 bench/bench_attention.py "$OUT"
-    run 200 python3 bench/bench_spec.py "$OUT" --step-graphs
-    run 60 python3 bench/bench_handoff.py "$OUT"
     ;;
-*) echo "usage: bash bench/device_run.sh part0|part1|tests|engine|extra"; exit 2 ;;
+grid)
+    timeout 300 python3 -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_kernels_attention.py \
+        tests/test_kernels_prefill_attention.py 2>&1 | grep -v -i warn | tail -25
+    ;;
+*) echo "usage: bash bench/device_run.sh part0|part1|tests|engine|spec|extra|grid"; exit 2 ;;
 esac

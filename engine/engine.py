@@ -42,8 +42,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     cuda_graphs: bool = True  # on a GPU, replay decode steps from CUDA graphs
-    # Experimental, not yet checked on a GPU: also replay prefill, mixed and verify steps from graphs.
-    step_graphs: bool = False
+    # On a GPU, also replay prefill, mixed and verify steps from CUDA graphs (one per token-count bucket).
+    step_graphs: bool = True
     # Launch decode step n+1 before reading step n's tokens (the host works while the GPU runs).
     # None: on a GPU only; on the CPU it only delays each token by a step, but exercises the same path.
     run_ahead: bool | None = None

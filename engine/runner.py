@@ -83,7 +83,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         use_cuda_graphs: bool = True,
-        step_graphs: bool = False,
+        step_graphs: bool = True,
         max_num_batched_tokens: int = 2048,
         max_logit_rows: int | None = None,
     ) -> None:
@@ -459,6 +459,11 @@ class DecodeGraphs:
 
     def _step(self, batch_size: int) -> None:
         decoder = self.runner.decoder
+        # Run-ahead: a row whose source row is >= 0 takes the previous replay's sample as its input
+        # (self.token_ids still holds it: this replay's sampling overwrites it last).
+        rows = self.source_rows[:batch_size]
+        fed_back = self.token_ids[rows.clamp(min=0)]
+        self.input_ids[:batch_size].copy_(torch.where(rows >= 0, fed_back, self.input_ids[:batch_size]))
         hidden, residual = decoder(
             self.input_ids[:batch_size],
             self.positions[:batch_size],

@@ -9,8 +9,8 @@ at block 0 and whose KV writes are skipped (slot -1), so they read finite stale 
 Sequence slots beyond that get no tokens and no keys. The logits of the chosen rows land in a static
 buffer, valid until the next replay.
 
-Experimental: off by default (EngineConfig.step_graphs) until it has been checked on a GPU
-(tests/test_graphs_cuda.py).
+On by default on a GPU (EngineConfig.step_graphs); tests/test_graphs_cuda.py checks a replay against the
+eager step.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from engine.model import Decoder
 from kernels.attention import AttentionMetadata
 from kernels.prefill_attention import allocate_prefill_workspace, prefill_num_splits
 
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Up to 8 tokens the linear layers run as GEMVs, which cost about what a decode step's do: a verify
+# step of a few drafts for one sequence then costs about one decode step.
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def capture_graph(step: Callable[[], None], pool: tuple | None) -> torch.cuda.CUDAGraph:
@@ -118,8 +120,12 @@ class StepGraphs:
             prefill_workspace=self.workspace,
         )
         hidden, residual = self.decoder(ids[:size], positions[:size], self.kv_cache, metadata)
-        rows = self.logit_rows
-        self.decoder.compute_logits(hidden[rows], residual[rows], out=self.logits)
+        rows = self.logit_rows[: self._num_logit_rows(size)]
+        self.decoder.compute_logits(hidden[rows], residual[rows], out=self.logits[: len(rows)])
+
+    def _num_logit_rows(self, size: int) -> int:
+        """A bucket of `size` tokens has at most that many logit rows: the LM head runs on no more."""
+        return min(size, self.max_logit_rows)
 
     def _capture(self, size: int) -> None:
         self.int32s.zero_()
@@ -150,7 +156,7 @@ class StepGraphs:
         tables_host.zero_()
         for row, table in enumerate(inputs.block_tables):
             tables_host[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        num_rows = len(inputs.logit_rows)
+        num_rows = len(inputs.logit_rows)  # <= num_tokens <= size
         rows_host[:] = torch.tensor(inputs.logit_rows + [0] * (self.max_logit_rows - num_rows))
         self.ints[:, :size].copy_(ints_host[:, :size], non_blocking=True)
         self.int32s.copy_(int32s_host, non_blocking=True)
