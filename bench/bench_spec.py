@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.divergence import first_difference, top2_gap  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import LoadedModel, load_model  # noqa: E402
@@ -81,17 +82,6 @@ CODE_EDIT = [
 ]
 
 
-def first_difference(got: list[list[int]], expected: list[list[int]]) -> list[int] | None:
-    """[prompt index, token index] of the first token where two sets of outputs part, or None."""
-    for prompt, (a, b) in enumerate(zip(got, expected, strict=True)):
-        for index, (x, y) in enumerate(zip(a, b, strict=False)):
-            if x != y:
-                return [prompt, index]
-        if len(a) != len(b):
-            return [prompt, min(len(a), len(b))]
-    return None
-
-
 class CallTimer:
     """Wall time spent in chosen methods of an engine's parts (host work plus any wait for the GPU
     inside them), to split a speculative step into drafting, verifying and the rest."""
@@ -118,6 +108,26 @@ class CallTimer:
             name: {"calls": self.calls[name], "ms_per_call": 1e3 * seconds / self.calls[name]}
             for name, seconds in self.seconds.items()
         }
+
+
+def divergence(
+    reference: Engine, prompts: list[list[int]], got: list[list[int]], expected: list[list[int]]
+) -> dict[str, object]:
+    """The first prompt and token where the speculative outputs part from plain decoding, with plain
+    decoding's top-2 logprob gap there (near 0: a near-tie that other kernels' rounding may flip)."""
+    for prompt_index, (a, b) in enumerate(zip(got, expected, strict=True)):
+        index = first_difference(a, b)
+        if index is not None:
+            gap = top2_gap(reference, prompts[prompt_index], index) if index < min(len(a), len(b)) else None
+            return {"first_difference": [prompt_index, index], "top2_gap_there": gap}
+    return {"first_difference": None, "top2_gap_there": None}
+
+
+def same_cell(row: dict) -> str:
+    if row["same_output"]:
+        return "yes"
+    gap = row["top2_gap_there"]
+    return f"no: at {row['first_difference']}" + (f", top-2 gap {gap:.2e}" if gap is not None else "")
 
 
 def run_set(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -183,7 +193,7 @@ def main() -> None:
                 "spec_tok_s": spec["tokens"] / spec["seconds"],
                 "acceptance": stats.drafts_accepted / max(stats.drafts_proposed, 1),
                 "same_output": spec["outputs"] == plain["outputs"],
-                "first_difference": first_difference(spec["outputs"], plain["outputs"]),
+                **divergence(plain_engine, prompts, spec["outputs"], plain["outputs"]),
                 "engine_steps": spec["steps"],
                 "time_in": timer.summary(),
             }
@@ -202,7 +212,7 @@ def main() -> None:
         cells = [
             row["prompts"], row["proposer"], f"{row['tau']:.2f}", f"{100 * row['acceptance']:.0f} %",
             f"{row['plain_tok_s']:.0f}", f"{row['spec_tok_s']:.0f}", f"{row['speedup']:.2f}x",
-            "yes" if row["same_output"] else f"no: from {row['first_difference']}",
+            same_cell(row),
         ]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
 

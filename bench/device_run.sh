@@ -2,7 +2,8 @@
 # One GPU-session step on the lent H200, sized to one device call (at most 600 s). Run from the repo root:
 #   bash bench/device_run.sh part0    # carry .assets/<gguf>.part00 (and .whl/gguf-*.whl): keep part 0
 #   bash bench/device_run.sh part1    # carry .assets/<gguf>.part01 and .sha256: join and check the GGUF
-#   bash bench/device_run.sh tests    # the GPU tests, each file under its own time limit
+#   bash bench/device_run.sh tests    # the engine's GPU tests, each file under its own time limit
+#   bash bench/device_run.sh kernels  # the other GPU tests (kernels, model families, draft model)
 #   bash bench/device_run.sh engine   # bench_engine (prefill steps from CUDA graphs, as the engine runs)
 #   bash bench/device_run.sh spec     # bench_spec (needs the GGUF) and the hand-off
 #   bash bench/device_run.sh extra    # long context and attention
@@ -32,12 +33,18 @@ part1)
     (cd /tmp/tc/models && sha256sum "$GGUF" | cut -d' ' -f1) | diff - <(cut -d' ' -f1 ".assets/$GGUF.sha256") \
         && echo "GGUF joined and checked"
     ;;
-tests)
-    for file in tests/test_engine_cuda.py tests/test_graphs_cuda.py tests/test_run_ahead.py \
-        tests/test_kernels_attention.py tests/test_kernels_prefill_attention.py tests/test_kernels_norm_linear.py \
-        tests/test_kernels_linear.py tests/test_kernels_sampling.py tests/test_model_families.py \
-        tests/test_proposer_draft_model.py; do
-        run 55 python3 -m pytest -q -x --tb=short -p no:cacheprovider -m gpu "$file"
+tests)  # the engine's GPU tests (the kernels' are in `grid`); each engine with graphs compiles for ~1 min
+    for file_and_limit in tests/test_engine_cuda.py:240 tests/test_graphs_cuda.py:240 tests/test_run_ahead.py:100; do
+        file=${file_and_limit%:*}
+        timeout "${file_and_limit#*:}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu "$file" \
+            > "$OUT/$(basename "$file" .py).log" 2>&1
+        echo "== $file"; grep -E "^FAILED|^E |passed|failed" "$OUT/$(basename "$file" .py).log" | head -12
+    done
+    ;;
+kernels)  # the other GPU tests
+    for file in tests/test_kernels_norm_linear.py tests/test_kernels_linear.py tests/test_kernels_sampling.py \
+        tests/test_model_families.py tests/test_proposer_draft_model.py; do
+        run 100 python3 -m pytest -q -x --tb=short -p no:cacheprovider -m gpu "$file"
     done
     ;;
 engine) run 330 python3 bench/bench_engine.py --out "$OUT" --budget-s 290 ;;
@@ -49,9 +56,14 @@ extra)
     run 150 python3 bench/bench_long_context.py "$OUT"
     run 120 python3 bench/bench_attention.py "$OUT"
     ;;
-grid)
-    timeout 300 python3 -m pytest -q -rf --tb=line -p no:cacheprovider tests/test_kernels_attention.py \
-        tests/test_kernels_prefill_attention.py 2>&1 | grep -v -i warn | tail -25
+grid)  # the two tests that failed compiled in the fourth run first, with their tracebacks kept
+    timeout 120 python3 -m pytest -q --tb=long -p no:cacheprovider \
+        "tests/test_kernels_attention.py::test_long_sequence_among_short_ones" \
+        tests/test_kernels_attention.py::test_decode_attention_cuda_graph_replay > "$OUT/grid_failures.log" 2>&1
+    grep -E "^E |passed|failed" "$OUT/grid_failures.log" | head -30
+    timeout 400 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_kernels_attention.py \
+        tests/test_kernels_prefill_attention.py > "$OUT/grid.log" 2>&1
+    grep -E "^FAILED|passed|failed" "$OUT/grid.log" | tail -20
     ;;
-*) echo "usage: bash bench/device_run.sh part0|part1|tests|engine|spec|extra|grid"; exit 2 ;;
+*) echo "usage: bash bench/device_run.sh part0|part1|tests|kernels|engine|spec|extra|grid"; exit 2 ;;
 esac

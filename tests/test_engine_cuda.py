@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.divergence import describe
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingParams
 
@@ -21,23 +22,6 @@ CHATS = [
 GREEDY = SamplingParams(max_tokens=32, temperature=0)
 
 
-def _divergence(reference: Engine, prompt: list[int], got: list[int], expected: list[int]) -> str:
-    """Where two greedy outputs part, and how close a call the reference's choice was there (its top-2
-    logprob gap): a gap near 0 is a numerical near-tie, a large one is a bug."""
-    if got == expected:
-        return "equal"
-    index = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
-    if index is None:
-        return f"one is a prefix of the other: lengths {len(got)} and {len(expected)}"
-    params = SamplingParams(max_tokens=index + 1, temperature=0, logprobs=2, ignore_eos=True)
-    outputs = list(reference.stream(prompt, params))
-    (top1, top2) = outputs[index].new_logprobs[0].top[:2]
-    return (
-        f"first difference at token {index}: {got[index]} vs {expected[index]}; the reference's top-2 "
-        f"logprob gap there is {top1[1] - top2[1]:.3e}"
-    )
-
-
 def _engine(path: Path, **config: object) -> Engine:
     defaults = dict(device="cuda", kv_cache_tokens=4096, max_model_len=2048, max_num_seqs=8)
     return Engine.load(str(path), EngineConfig(**{**defaults, **config}))
@@ -49,7 +33,7 @@ def test_cuda_float32_greedy_equals_cpu(smollm2_gguf: Path) -> None:
     for chat in CHATS:
         prompt = cpu.tokenizer.encode_chat(chat)
         got, expected = cuda.generate(prompt, GREEDY)[0], cpu.generate(prompt, GREEDY)[0]
-        assert got == expected, _divergence(cpu, prompt, got, expected)
+        assert got == expected, describe(cpu, prompt, got, expected)
 
 
 def test_cuda_graphs_equal_eager(smollm2_gguf: Path) -> None:
@@ -59,7 +43,7 @@ def test_cuda_graphs_equal_eager(smollm2_gguf: Path) -> None:
     for chat in CHATS:
         prompt = graphs.tokenizer.encode_chat(chat)
         got, expected = graphs.generate(prompt, GREEDY)[0], eager.generate(prompt, GREEDY)[0]
-        assert got == expected, _divergence(eager, prompt, got, expected)
+        assert got == expected, describe(eager, prompt, got, expected)
 
 
 def test_cuda_batch_equals_solo_runs(smollm2_gguf: Path) -> None:
@@ -74,7 +58,7 @@ def test_cuda_batch_equals_solo_runs(smollm2_gguf: Path) -> None:
         for output in engine.step():
             tokens[output.request_id] += output.new_token_ids
     for prompt, request_id, alone in zip(prompts, ids, solo, strict=True):
-        assert tokens[request_id] == alone, _divergence(engine, prompt, tokens[request_id], alone)
+        assert tokens[request_id] == alone, describe(engine, prompt, tokens[request_id], alone)
 
 
 def test_cuda_seeded_sampling_and_logprobs(smollm2_gguf: Path) -> None:

@@ -87,15 +87,15 @@ def test_step_graph_equals_eager(prompt_lens: list[int]) -> None:
         assert graphed.generate(prompt, params)[0] == plain.generate(prompt, params)[0]
 
 
-def test_verify_steps_from_small_buckets_equal_plain_decoding() -> None:
-    """N-gram drafts on a repetitive prompt: each verify step (a few tokens, so a bucket of 1 to 8) is
-    replayed from a step graph, and the greedy output equals plain decoding's."""
+def test_verify_steps_from_step_graphs_equal_plain_decoding() -> None:
+    """N-gram drafts on a repetitive prompt: each verify step (a few tokens, padded to the smallest
+    bucket) is replayed from a step graph, and the greedy output equals plain decoding's."""
     spec = dataclasses.replace(SMOLLM2_135M, num_layers=4)
     weights = random_weights(spec, torch.float32, "cuda")
     model = LoadedModel(name="random", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
     config = dict(device="cuda", dtype="float32", max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=8)
     speculative = Engine(model, EngineConfig(**config, proposer="ngram", num_draft=4))
-    assert speculative.runner.step_graphs is not None and 8 in speculative.runner.step_graphs.buckets
+    assert speculative.runner.step_graphs is not None
     plain = Engine(model, EngineConfig(**config, step_graphs=False))
     prompt = list(range(100, 120)) * 4
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
