@@ -20,14 +20,18 @@ from deployments.proposer import ProposerDeployment
 _CONTROL_CALLS = 32
 
 
+def _cluster_gpus() -> float:
+    """GPUs in the Ray cluster (outside Ray: on this machine)."""
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0))
+    import torch
+
+    return float(torch.cuda.device_count())
+
+
 def resolve_device(requested: str) -> str:
     """auto: cuda when the Ray cluster (or, outside Ray, this machine) has a GPU."""
-    if ray.is_initialized():
-        has_gpu = ray.cluster_resources().get("GPU", 0) >= 1
-    else:
-        import torch
-
-        has_gpu = torch.cuda.is_available()
+    has_gpu = _cluster_gpus() >= 1
     if requested == "auto":
         return "cuda" if has_gpu else "cpu"
     if requested == "cuda" and not has_gpu:
@@ -42,9 +46,14 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     capacity = app_args.max_num_seqs + app_args.max_queue_len
     on_gpu = device == "cuda"
     proposer = None
+    # With 2+ GPUs the proposer takes a GPU of its own; on one GPU both share it. Either way the two
+    # actors' channel is this node's host memory.
+    own_gpu = on_gpu and _cluster_gpus() >= 2
+    proposer_gpus = 0.0
     if app_args.proposer_actor:
-        # on one GPU, the engine and the proposer share it (their channel is on this node's host memory)
-        proposer_gpus = app_args.proposer_num_gpus if app_args.proposer_num_gpus is not None else 0.5
+        proposer_gpus = app_args.proposer_num_gpus
+        if proposer_gpus is None:
+            proposer_gpus = 1 if own_gpu else 0.5
         proposer = ProposerDeployment.options(
             ray_actor_options={
                 "num_cpus": app_args.proposer_num_cpus,
@@ -53,7 +62,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         ).bind(app_args, device, dtype)
     engine_gpus = app_args.engine_num_gpus
     if engine_gpus is None:
-        engine_gpus = 0.5 if proposer is not None else 1
+        engine_gpus = 0.5 if proposer is not None and proposer_gpus < 1 else 1
     engine = EngineDeployment.options(
         ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": engine_gpus if on_gpu else 0},
         max_ongoing_requests=capacity + _CONTROL_CALLS,

@@ -37,8 +37,23 @@ class AppArgs(BaseModel):
     proposer_in_process: bool = False
     proposer_timeout_s: float = Field(0.5, gt=0, description="a step waits this long for drafts, at most")
     proposer_num_cpus: float = Field(1.0, ge=0)
-    proposer_num_gpus: float | None = Field(None, ge=0, le=1, description="default: 0.5 on a GPU")
-    engine_num_gpus: float | None = Field(None, ge=0, le=1, description="default: 1; 0.5 beside a proposer")
+    proposer_num_gpus: float | None = Field(
+        None, ge=0, le=1, description="default: 1 when the cluster has 2+ GPUs (a GPU of its own), else 0.5"
+    )
+    engine_num_gpus: float | None = Field(
+        None, ge=0, le=1, description="default: 1; 0.5 when it shares its GPU with the proposer"
+    )
+    draft_ahead: bool | None = Field(
+        None,
+        description="the proposer drafts the next block while the engine verifies; default: on when "
+        "the proposer has a GPU of its own (draft-model proposer only)",
+    )
+
+    def proposer_draft_ahead(self, device: str, num_gpus: float) -> bool:
+        """Whether the proposer actor drafts ahead: as asked, else when it holds a whole GPU."""
+        if self.draft_ahead is not None:
+            return self.draft_ahead
+        return device == "cuda" and num_gpus >= 1
 
     @property
     def proposer_actor(self) -> bool:

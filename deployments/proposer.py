@@ -21,6 +21,16 @@ from proposers.factory import build_proposer
 from proposers.remote import HiddenLayout, ProposerServer, hidden_layout
 
 
+def _own_gpus() -> float:
+    """The GPUs Ray reserved for this actor (0 outside an actor)."""
+    try:
+        import ray
+
+        return float(ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0))
+    except Exception:  # noqa: BLE001 - not in a Ray actor
+        return 0.0
+
+
 @serve.deployment(name="Proposer", health_check_period_s=5)
 class ProposerDeployment:
     def __init__(self, args: AppArgs, device: str, dtype: str) -> None:
@@ -32,6 +42,7 @@ class ProposerDeployment:
         if args.proposer != "ngram":
             target = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
         self.proposer = build_proposer(config, target)
+        self.draft_ahead = args.proposer_draft_ahead(device, num_gpus=_own_gpus())
         self._lock = threading.Lock()  # one server at a time calls the proposer
         self._server: ProposerServer | None = None
 
@@ -42,7 +53,7 @@ class ProposerDeployment:
     def attach(self, channel_name: str) -> None:
         """Serve the engine's channel `channel_name` from now on, in place of any earlier one."""
         try:
-            server = ProposerServer(self.proposer, channel_name, self._lock)
+            server = ProposerServer(self.proposer, channel_name, self._lock, self.draft_ahead)
         except FileNotFoundError:
             raise RuntimeError(
                 f"no shared-memory channel {channel_name!r} on this node: the proposer replica must run on "

@@ -41,6 +41,10 @@ class Proposer(Protocol):
       unknown request is a no-op.
     Drafts only affect speed: verification makes the output what plain decoding would give, whatever
     a proposer returns.
+
+    Optional: `draft_ahead()` drafts the next block of the last call's sequences, assuming the engine
+    accepts all their drafts (the draft-model proposer has it). A proposer actor on a GPU of its own calls
+    it after answering, so that it drafts while the engine verifies.
     """
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]: ...

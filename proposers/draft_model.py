@@ -4,6 +4,11 @@
 Per request it keeps a Sequence whose tokens are the request's tokens as of the last call plus the drafts
 it proposed then. A call rolls that back to where it agrees with the request's tokens now (rejected drafts
 drop out; their KV slots are simply overwritten later), computes the new tokens, and decodes the drafts.
+
+Drafting ahead (draft_ahead, called by a proposer actor on its own GPU while the engine verifies): each
+sequence of the last call is extended by one more block, as if the engine accepts every draft and its next
+token is the draft model's own guess. If that is what happens, the next call finds those drafts ready;
+otherwise the roll-back drops them like any rejected draft.
 """
 
 from __future__ import annotations
@@ -32,6 +37,15 @@ _GREEDY = SamplingParams(temperature=0.0)
 class _DraftState:
     seq: Sequence  # token_ids: the request's tokens as of the last call, then that call's drafts
     num_request_tokens: int = 0  # how many of seq.token_ids were the request's own at the last call
+    num_drafts: int = 0  # how many drafts the last call returned
+
+
+@dataclasses.dataclass
+class AheadStats:
+    drafts_made: int = 0  # drafts decoded ahead (draft_ahead), while the engine verified
+    # drafts a call returned without decoding them: made ahead, or left from an earlier call's drafts
+    # beyond the ones the engine accepted when its own next token agreed with the next draft
+    drafts_reused: int = 0
 
 
 class DraftModelProposer:
@@ -69,6 +83,8 @@ class DraftModelProposer:
             use_cuda_graphs=config.cuda_graphs,
         )  # fmt: skip
         self._states: dict[str, _DraftState] = {}
+        self._last_call: list[_DraftState] = []  # what draft_ahead extends
+        self.ahead_stats = AheadStats()
 
     @classmethod
     def self_draft(
@@ -94,19 +110,44 @@ class DraftModelProposer:
     def propose(self, requests: TokenIds[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
         wanted = [(row, request) for row, request in enumerate(requests) if request.num_drafts > 0]
+        self._last_call = []
         for start in range(0, len(wanted), self.max_num_seqs):
             group: dict[Sequence, int] = {}  # sequence -> its token count once its drafts are in
             rows: list[tuple[int, _DraftState]] = []
             for row, request in wanted[start : start + self.max_num_seqs]:
                 state = self._catch_up(request)
-                num_drafts = self._reserve(state.seq, request.num_drafts)
+                num_drafts = self._reserve(state.seq, state.num_request_tokens, request.num_drafts)
                 if num_drafts > 0:
-                    group[state.seq] = state.seq.num_tokens + num_drafts
+                    goal = state.num_request_tokens + num_drafts
+                    self._trim(state.seq, goal)  # drafts made ahead beyond this call's
+                    self.ahead_stats.drafts_reused += state.seq.num_tokens - state.num_request_tokens
+                    group[state.seq] = goal
                     rows.append((row, state))
             self._decode(group)
             for row, state in rows:
                 drafts[row] = state.seq.token_ids[state.num_request_tokens :]
+                state.num_drafts = len(drafts[row])
+                self._last_call.append(state)
         return drafts
+
+    def draft_ahead(self) -> None:
+        """Extend each sequence of the last call by one more block (its guess of the engine's next token,
+        then as many drafts as the last call gave), as if the engine accepted all of that call's drafts.
+        Meant for idle time: a proposer actor calls it after answering, while the engine verifies."""
+        group: dict[Sequence, int] = {}
+        for state in self._last_call:
+            seq = state.seq
+            if self._states.get(seq.request_id) is not state or state.num_drafts == 0:
+                continue  # forgotten since, or no drafts to build on
+            extra = self._room(seq, seq.num_tokens, state.num_drafts + 1)
+            if extra > 0:
+                self.block_manager.append_slots(seq, extra - 1)
+                group[seq] = seq.num_tokens + extra
+        self._last_call = []
+        before = {seq: seq.num_tokens for seq in group}
+        self._decode(group)
+        # the first token of each block is the guess of the engine's own token, not a draft
+        self.ahead_stats.drafts_made += sum(goal - before[seq] - 1 for seq, goal in group.items())
 
     def forget(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
@@ -127,6 +168,10 @@ class DraftModelProposer:
         # grow (the Proposer contract): only what came after needs comparing, i.e. about k + 1 tokens.
         known = state.num_request_tokens if len(token_ids) >= state.num_request_tokens else 0
         common = known + common_prefix_length(seq.token_ids[known:], token_ids[known:])
+        if common == len(token_ids) and seq.num_tokens > common:
+            # every request token agrees and drafts made ahead follow them: keep those (and their KV)
+            state.num_request_tokens = len(token_ids)
+            return state
         del seq.token_ids[common:]
         seq.token_ids += token_ids[common:]
         # keep at least the last token to compute: its logits give the first draft
@@ -134,18 +179,30 @@ class DraftModelProposer:
         state.num_request_tokens = len(token_ids)
         return state
 
-    def _reserve(self, seq: Sequence, num_drafts: int) -> int:
-        """How many drafts the sequence can have (at most num_drafts), with KV slots reserved for them;
-        0 frees its blocks for the others. Draft i is computed at position num_tokens + i - 1, so the last
-        (never computed) one needs no slot."""
-        manager = self.block_manager
-        num_slots = (len(seq.block_table) + manager.num_free_blocks) * manager.block_size
-        num_drafts = min(num_drafts, min(num_slots, self.max_model_len) + 1 - seq.num_tokens)
-        if num_drafts <= 0 or seq.num_tokens == 0:
+    def _reserve(self, seq: Sequence, num_request_tokens: int, num_drafts: int) -> int:
+        """How many drafts the sequence can have after its first num_request_tokens tokens (at most
+        num_drafts), with KV slots reserved for them; 0 frees its blocks for the others."""
+        num_drafts = self._room(seq, num_request_tokens, num_drafts)
+        if num_drafts <= 0 or num_request_tokens == 0:
             self._free(seq)
             return 0
-        manager.append_slots(seq, num_drafts - 1)
+        self.block_manager.append_slots(seq, max(num_request_tokens + num_drafts - 1 - seq.num_tokens, 0))
         return num_drafts
+
+    def _room(self, seq: Sequence, num_tokens: int, num_drafts: int) -> int:
+        """How many of num_drafts tokens after the sequence's first num_tokens the cache and
+        max_model_len leave room for. Token i after them is computed at position num_tokens + i - 1, so
+        the last (never computed) one needs no slot."""
+        manager = self.block_manager
+        num_slots = (len(seq.block_table) + manager.num_free_blocks) * manager.block_size
+        return min(num_drafts, min(num_slots, self.max_model_len) + 1 - num_tokens)
+
+    @staticmethod
+    def _trim(seq: Sequence, num_tokens: int) -> None:
+        """Drop tokens (drafts made ahead) beyond the first num_tokens, and their KV with them."""
+        if seq.num_tokens > num_tokens:
+            del seq.token_ids[num_tokens:]
+            seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens - 1)
 
     def _free(self, seq: Sequence) -> None:
         # With no computed tokens, free() registers no partial block in the prefix cache (the draft side
@@ -162,7 +219,7 @@ class DraftModelProposer:
         reads them first."""
         unread: collections.deque[tuple[DecodeLaunch, list[int]]] = collections.deque()  # + token positions
         previous: DecodeLaunch | None = None
-        active = list(goal)
+        active = [seq for seq, num_tokens in goal.items() if seq.num_tokens < num_tokens]
         while active:
             if all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in active):
                 if len(unread) == 2:  # the runner's pinned buffers alternate between two launches

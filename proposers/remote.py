@@ -287,8 +287,13 @@ class ProposerServer:
     calls apart, and a server that stops forgets every request it mirrored.
     """
 
-    def __init__(self, proposer: Proposer, channel_name: str, lock: threading.Lock) -> None:
+    def __init__(
+        self, proposer: Proposer, channel_name: str, lock: threading.Lock, draft_ahead: bool = False
+    ) -> None:
+        """draft_ahead: after each answer, let a proposer that can (draft_ahead()) draft the next block
+        while the engine verifies; worth it when the proposer has a GPU of its own."""
         self.proposer = proposer
+        self.draft_ahead = getattr(proposer, "draft_ahead", None) if draft_ahead else None
         self.channel = ChannelServer(channel_name)
         layout, capacity = hidden_layout(proposer), self.channel.capacity
         if (capacity.hidden_width, capacity.hidden_dtype) != (layout.width, layout.dtype) and (
@@ -320,6 +325,9 @@ class ProposerServer:
                         self.channel.respond_error(f"{type(error).__name__}: {error}")
                         continue
                 self.channel.respond(drafts)
+                if self.draft_ahead is not None:
+                    with self.lock:
+                        self._draft_ahead()
         finally:
             with self.lock:
                 for key in self._mirrors:
@@ -329,6 +337,12 @@ class ProposerServer:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def _draft_ahead(self) -> None:
+        try:
+            self.draft_ahead()
+        except Exception:  # noqa: BLE001 - drafts made ahead only save time; the next step drafts anew
+            logger.exception("drafting ahead failed")
 
     def _draft(self, requests: Sequence[ChannelRequest], forget_keys: Sequence[int]) -> list[list[int]]:
         for key in forget_keys:

@@ -43,6 +43,25 @@ class MirrorReport:
         self.live.discard(request_id)
 
 
+class AheadCounter:
+    """Counts draft_ahead calls; each draft is the count so far. Every second call raises, which must
+    cost nothing but that call."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        return [[self.calls] for _ in requests]
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def draft_ahead(self) -> None:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            raise RuntimeError("drafting ahead failed")
+
+
 def _serve_raw(name: str) -> None:
     """Answer each request with what crossed: [key, keep, number of new tokens, their sum, forgets]."""
     server = ChannelServer(name)
@@ -72,10 +91,11 @@ def _echo_rows(name: str) -> None:
 
 def _serve_proposer(kind: str, channel_names: multiprocessing.Queue, attached: multiprocessing.Queue) -> None:
     """The proposer process: attach to each channel name that arrives and serve it on a thread."""
-    proposer = NgramProposer() if kind == "ngram" else MirrorReport()
+    kinds = {"ngram": NgramProposer, "report": MirrorReport, "ahead": AheadCounter, "ahead-off": AheadCounter}
+    proposer = kinds[kind]()
     lock = threading.Lock()
     while True:
-        server = ProposerServer(proposer, channel_names.get(), lock)
+        server = ProposerServer(proposer, channel_names.get(), lock, draft_ahead=kind == "ahead")
         threading.Thread(target=server.serve, daemon=True).start()
         attached.put(True)
 
@@ -84,6 +104,7 @@ class ProposerProcess:
     """A proposer in a spawned process, and the `connect` that a RemoteProposer calls to attach it."""
 
     def __init__(self, kind: str) -> None:
+        self.kind = kind
         self.channel_names, self.attached = CONTEXT.Queue(), CONTEXT.Queue()
         self.process = CONTEXT.Process(target=_serve_proposer, args=(kind, self.channel_names, self.attached))
         self.process.start()
@@ -217,6 +238,20 @@ def test_the_server_mirrors_new_tokens_and_forgets(proposer_process: ProposerPro
         assert remote.propose([DraftRequest("c", long, 3), DraftRequest("d", [7, 8], 3)]) == [[], [2, 2, 8]]
         # a request whose tokens got shorter (against the contract) is not corrupted: it keeps less
         assert remote.propose([DraftRequest("d", [7], 3)]) == [[1, 2, 7]]
+    finally:
+        remote.close()
+
+
+@pytest.mark.parametrize("proposer_process", ["ahead", "ahead-off"], indirect=True)
+def test_the_server_drafts_ahead_after_each_answer_when_asked(proposer_process: ProposerProcess) -> None:
+    """With draft_ahead, the server calls the proposer's draft_ahead after each answer and before the next
+    step (a failing call is logged and skipped); without it, never."""
+    remote = RemoteProposer(proposer_process.connect, timeout_s=30)
+    try:
+        assert remote.wait_attached(60)
+        got = [remote.propose([DraftRequest("a", list(range(1, 3 + step)), 2)]) for step in range(4)]
+        ahead = proposer_process.kind == "ahead"
+        assert got == [[[step if ahead else 0]] for step in range(4)]
     finally:
         remote.close()
 

@@ -1,9 +1,11 @@
 """The draft-model proposer on the real SmolLM2-135M: drafted with the target itself it proposes exactly
 the target's greedy continuation across calls with accepted, rejected and foreign tokens; the self-draft
-equals transformers running the same first layers; batches, forgetting and a KV cache too small."""
+equals transformers running the same first layers; batches, forgetting and a KV cache too small; drafting
+ahead, alone and behind a channel."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
 from proposers.base import DraftRequest, Proposer
 from proposers.draft_model import DraftModelProposer
+from proposers.remote import ProposerServer, RemoteProposer
 
 CHATS = [
     [{"role": "user", "content": "Write a haiku about the sea."}],
@@ -63,12 +66,18 @@ def agreeing_prefix(drafts: Sequence[int], truth: Sequence[int]) -> int:
 SCENARIO = [(4, 1, "t"), (5, 5, "t"), (3, 0, "f"), (6, 2, "ftt"), (1, 0, "t"), (2, 2, "tfft"), (7, 3, "t")]
 
 
-def run_scenario(engine: Engine, proposer: DraftModelProposer, prompt: list[int]) -> None:
+def run_scenario(
+    engine: Engine, proposer: DraftModelProposer, prompt: list[int], draft_ahead: bool = False
+) -> None:
+    """draft_ahead: the proposer drafts the next block after each call, as a proposer actor does while
+    the engine verifies; what it proposes must not change."""
     token_ids = list(prompt)
     for num_drafts, num_accepted, appended in SCENARIO:
         drafts = propose_one(proposer, token_ids, num_drafts)
         expected = greedy(engine, token_ids, num_drafts)
         assert drafts == expected, f"after {len(token_ids) - len(prompt)} generated tokens"
+        if draft_ahead:
+            proposer.draft_ahead()
         token_ids += drafts[:num_accepted]
         for source in appended:
             next_token = greedy(engine, token_ids, 1)[0]
@@ -83,11 +92,22 @@ def test_is_a_proposer(model: LoadedModel) -> None:
     proposer.forget("never seen")
 
 
-def test_same_model_drafts_the_targets_greedy_continuation(model: LoadedModel, engine: Engine) -> None:
+@pytest.mark.parametrize("draft_ahead", [False, True], ids=["plain", "draft-ahead"])
+def test_same_model_drafts_the_targets_greedy_continuation(
+    model: LoadedModel, engine: Engine, draft_ahead: bool
+) -> None:
     proposer = DraftModelProposer(
         model, model.spec.vocab_size, EngineConfig(kv_cache_tokens=1024, max_model_len=1024, max_num_seqs=4)
     )
-    run_scenario(engine, proposer, engine.tokenizer.encode_chat(CHATS[0]))
+    run_scenario(engine, proposer, engine.tokenizer.encode_chat(CHATS[0]), draft_ahead)
+    stats = proposer.ahead_stats
+    # with the target as its own draft model, the target's next token always agrees with the next draft:
+    # after (4 drafts, 1 accepted, the target's token) the 2 drafts after those were ready
+    reused_without_ahead = 2
+    if draft_ahead:  # and after (5 drafts, all accepted, the target's token) the next 3 were made ahead
+        assert stats.drafts_made > 0 and stats.drafts_reused >= reused_without_ahead + 3
+    else:
+        assert stats.drafts_made == 0 and stats.drafts_reused == reused_without_ahead
 
 
 @pytest.mark.gpu
@@ -226,3 +246,32 @@ def test_a_kv_cache_too_small_gives_fewer_drafts_or_none(model: LoadedModel, eng
 def test_a_draft_model_with_another_vocabulary_is_refused(model: LoadedModel) -> None:
     with pytest.raises(ModelLoadError, match="vocabulary of 49152 tokens but the target's has 32000"):
         DraftModelProposer(model, 32000, EngineConfig(kv_cache_tokens=64))
+
+
+def test_an_engine_with_a_remote_draft_model_drafting_ahead(model: LoadedModel, engine: Engine) -> None:
+    """The draft-model proposer behind a channel, served on a thread that drafts the next block while the
+    engine verifies: the greedy output equals plain decoding's, and blocks made ahead were used (the
+    target as its own draft model always guesses the engine's next token)."""
+    proposer = DraftModelProposer.self_draft(
+        model, model.spec.num_layers, EngineConfig(kv_cache_tokens=2048, max_model_len=1024)
+    )
+    lock = threading.Lock()
+    servers: list[ProposerServer] = []
+
+    def connect(channel_name: str) -> None:
+        servers.append(ProposerServer(proposer, channel_name, lock, draft_ahead=True))
+        threading.Thread(target=servers[-1].serve, daemon=True).start()
+
+    remote = RemoteProposer(connect, timeout_s=30)
+    try:
+        assert remote.wait_attached(60)
+        speculative = Engine(model, EngineConfig(kv_cache_tokens=2048, max_model_len=1024), proposer=remote)
+        prompt = engine.tokenizer.encode_chat(CHATS[1])
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        assert speculative.generate(prompt, params)[0] == engine.generate(prompt, params)[0]
+        assert speculative.speculator.stats.drafts_accepted > 0
+        assert proposer.ahead_stats.drafts_made > 0 and proposer.ahead_stats.drafts_reused > 0
+    finally:
+        remote.close()
+        for server in servers:
+            server.stop()

@@ -1,0 +1,171 @@
+"""Where the draft-model proposer runs (issue 6): in a process of its own on the engine's GPU, or on a
+second GPU, and with or without drafting ahead, each beside plain decoding in the same run.
+
+    python bench/bench_placement.py [OUT_DIR] [--draft-layers 15,30] [--max-tokens 256] [--device cpu]
+
+The engine runs in this process on GPU 0 (SmolLM2-135M-Instruct, greedy, bf16). The proposer, a
+self-draft of the target's first N layers, runs in a spawned process that attaches to the engine's
+shared-memory channel (as the proposer actor does under Serve) on GPU 0 ("one GPU") or GPU 1 ("two
+GPUs"); with draft-ahead it drafts the next block while the engine verifies. Uses bench_spec's prompt
+sets. Needs two GPUs for the two-GPU rows (they are skipped on one); --device cpu runs the proposer in its
+own process on the CPU (a smoke run). Writes OUT_DIR/bench_placement.json and prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.bench_spec import CODE_EDIT, OPEN_CHAT, run_set  # noqa: E402
+from engine.default_model import default_model_path  # noqa: E402
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from proposers.remote import ProposerServer, RemoteProposer  # noqa: E402
+
+CONTEXT = multiprocessing.get_context("spawn")
+NUM_DRAFT = 6
+
+
+def _serve(
+    config: EngineConfig,
+    draft_ahead: bool,
+    channel_names: multiprocessing.Queue,
+    attached: multiprocessing.Queue,
+    stats: multiprocessing.Queue,
+) -> None:
+    """The proposer process: a self-draft on this process's GPU, serving each channel that arrives."""
+    from proposers.factory import build_proposer
+
+    target = load_model(str(default_model_path()), dtype=config.torch_dtype(), device=config.torch_device())
+    proposer = build_proposer(config, target)
+    lock = threading.Lock()
+    while (name := channel_names.get()) is not None:
+        server = ProposerServer(proposer, name, lock, draft_ahead=draft_ahead)
+        threading.Thread(target=server.serve, daemon=True).start()
+        attached.put(True)
+    stats.put(vars(proposer.ahead_stats))
+
+
+@contextlib.contextmanager
+def remote_proposer(
+    config: EngineConfig, gpu: int | None, draft_ahead: bool
+) -> Iterator[tuple[RemoteProposer, dict]]:
+    """A proposer process on GPU `gpu` (None: as this process's device) and the RemoteProposer attached
+    to it; on exit, the dict holds the proposer's drafting-ahead counts."""
+    channel_names, attached, stats = CONTEXT.Queue(), CONTEXT.Queue(), CONTEXT.Queue()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # the child sees one GPU, as a Ray actor does
+    try:
+        process = CONTEXT.Process(target=_serve, args=(config, draft_ahead, channel_names, attached, stats))
+        process.start()
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+    def connect(name: str) -> None:
+        channel_names.put(name)
+        attached.get(timeout=300)
+
+    remote = RemoteProposer(connect, timeout_s=5.0, connect_timeout_s=300)
+    counts: dict = {}
+    try:
+        if not remote.wait_attached(300):
+            raise RuntimeError("the proposer process did not attach")
+        yield remote, counts
+    finally:
+        remote.close()
+        channel_names.put(None)
+        with contextlib.suppress(Exception):
+            counts.update(stats.get(timeout=30))
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", nargs="?", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--draft-layers", default="15,30", help="self-drafts: the target's first N layers")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    base = EngineConfig(device=args.device, dtype=dtype, max_model_len=4096, kv_cache_tokens=16384)
+    model = load_model(str(default_model_path()), dtype=base.torch_dtype(), device=args.device)
+    tokenizer = model.tokenizer
+    sets = {
+        "open chat": [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in OPEN_CHAT],
+        "code edit": [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CODE_EDIT],
+    }
+    plain_engine = Engine(model, base)
+    placements: list[tuple[str, int | None, bool]] = [
+        ("one GPU", 0, False), ("one GPU, draft ahead", 0, True),
+        ("two GPUs", 1, False), ("two GPUs, draft ahead", 1, True),
+    ]  # fmt: skip
+    if args.device == "cpu":
+        placements = [("own process", None, False), ("own process, draft ahead", None, True)]
+    rows = []
+    for layers in [int(n) for n in args.draft_layers.split(",")]:
+        proposer_config = EngineConfig(**{**vars(base), "proposer": "draft", "draft_layers": layers})
+        for placement, gpu, draft_ahead in placements:
+            if gpu is not None and gpu >= num_gpus:
+                print(f"skipped: {placement} needs {gpu + 1} GPUs, this machine has {num_gpus}")
+                continue
+            with remote_proposer(proposer_config, gpu, draft_ahead) as (remote, ahead):
+                config = EngineConfig(**{**vars(base), "num_draft": NUM_DRAFT})
+                engine = Engine(model, config, proposer=remote)
+                for set_name, prompts in sets.items():
+                    run_set(plain_engine, prompts[:1], 16)  # warm-up (compiles, captures)
+                    run_set(engine, prompts[:1], 16)
+                    plain = run_set(plain_engine, prompts, args.max_tokens)
+                    spec = run_set(engine, prompts, args.max_tokens)
+                    rows.append({
+                        "prompts": set_name, "draft_layers": layers, "placement": placement,
+                        "tau": spec["tokens"] / spec["steps"],
+                        "plain_tok_s": plain["tokens"] / plain["seconds"],
+                        "spec_tok_s": spec["tokens"] / spec["seconds"],
+                        "speedup": plain["seconds"] / spec["seconds"],
+                        "same_output": spec["outputs"] == plain["outputs"],
+                    })  # fmt: skip
+                    print(json.dumps(rows[-1]), flush=True)
+                del engine
+            for row in rows:
+                if row["placement"] == placement and row["draft_layers"] == layers:
+                    row["ahead"] = ahead  # drafts made ahead and reused, over both prompt sets
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_placement.json").write_text(json.dumps({"gpus": num_gpus, "rows": rows}, indent=2))
+    print(f"\nproposer placement, SmolLM2-135M self-draft, greedy, {args.max_tokens} tokens a prompt")
+    print("(drafts made ahead / reused: over both prompt sets of that placement)")
+    print(
+        "| prompts | self-draft layers | placement | tau | plain tok/s | spec tok/s | speedup | same "
+        "| drafts made ahead / reused |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |")
+    for row in rows:
+        ahead = row.get("ahead", {})
+        print(
+            f"| {row['prompts']} | {row['draft_layers']} | {row['placement']} | {row['tau']:.2f} | "
+            f"{row['plain_tok_s']:.0f} | {row['spec_tok_s']:.0f} | {row['speedup']:.2f}x | "
+            f"{'yes' if row['same_output'] else 'no'} | "
+            f"{ahead.get('drafts_made', '-')} / {ahead.get('drafts_reused', '-')} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
