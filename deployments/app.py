@@ -29,6 +29,23 @@ def _cluster_gpus() -> float:
     return float(torch.cuda.device_count())
 
 
+def gpu_shares(app_args: AppArgs, cluster_gpus: float) -> tuple[float, float]:
+    """The GPUs the engine and the proposer actors reserve (0 without GPUs or without a proposer actor).
+    With 2+ GPUs the proposer takes a GPU of its own; on one both share it, half each. Either way their
+    channel is this node's host memory."""
+    if cluster_gpus < 1:
+        return 0.0, 0.0
+    if not app_args.proposer_actor:
+        return app_args.engine_num_gpus if app_args.engine_num_gpus is not None else 1.0, 0.0
+    proposer_gpus = app_args.proposer_num_gpus
+    if proposer_gpus is None:
+        proposer_gpus = 1.0 if cluster_gpus >= 2 else 0.5
+    engine_gpus = app_args.engine_num_gpus
+    if engine_gpus is None:
+        engine_gpus = 1.0 if proposer_gpus >= 1 else 0.5
+    return engine_gpus, proposer_gpus
+
+
 def resolve_device(requested: str) -> str:
     """auto: cuda when the Ray cluster (or, outside Ray, this machine) has a GPU."""
     has_gpu = _cluster_gpus() >= 1
@@ -46,25 +63,13 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     capacity = app_args.max_num_seqs + app_args.max_queue_len
     on_gpu = device == "cuda"
     proposer = None
-    # With 2+ GPUs the proposer takes a GPU of its own; on one GPU both share it. Either way the two
-    # actors' channel is this node's host memory.
-    own_gpu = on_gpu and _cluster_gpus() >= 2
-    proposer_gpus = 0.0
+    engine_gpus, proposer_gpus = gpu_shares(app_args, _cluster_gpus() if on_gpu else 0)
     if app_args.proposer_actor:
-        proposer_gpus = app_args.proposer_num_gpus
-        if proposer_gpus is None:
-            proposer_gpus = 1 if own_gpu else 0.5
         proposer = ProposerDeployment.options(
-            ray_actor_options={
-                "num_cpus": app_args.proposer_num_cpus,
-                "num_gpus": proposer_gpus if on_gpu else 0,
-            }
+            ray_actor_options={"num_cpus": app_args.proposer_num_cpus, "num_gpus": proposer_gpus}
         ).bind(app_args, device, dtype)
-    engine_gpus = app_args.engine_num_gpus
-    if engine_gpus is None:
-        engine_gpus = 0.5 if proposer is not None and proposer_gpus < 1 else 1
     engine = EngineDeployment.options(
-        ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": engine_gpus if on_gpu else 0},
+        ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": engine_gpus},
         max_ongoing_requests=capacity + _CONTROL_CALLS,
     ).bind(app_args, device, dtype, proposer)
     return OpenAIIngress.options(

@@ -1,0 +1,70 @@
+"""The application's args (deployments/config.py) and where they place the actors (deployments/app.py):
+GPU shares for the engine and the proposer on one GPU, on two, and on none; drafting ahead; bad args."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.app import gpu_shares
+from deployments.config import AppArgs, parse_app_args
+
+
+@pytest.mark.parametrize(
+    ("args", "cluster_gpus", "shares"),
+    [
+        ({}, 0, (0.0, 0.0)),  # the CPU: no GPU reserved
+        ({"proposer": "ngram"}, 0, (0.0, 0.0)),
+        ({}, 1, (1.0, 0.0)),  # no proposer actor: the engine takes its GPU
+        ({"proposer": "draft", "proposer_in_process": True}, 2, (1.0, 0.0)),
+        ({"proposer": "draft"}, 1, (0.5, 0.5)),  # one GPU: shared
+        ({"proposer": "draft"}, 2, (1.0, 1.0)),  # two: the proposer gets its own
+        ({"proposer": "draft"}, 8, (1.0, 1.0)),
+        ({"proposer": "draft", "proposer_num_gpus": 0.5}, 2, (0.5, 0.5)),  # asked for: shared anyway
+        ({"proposer": "ngram", "proposer_num_gpus": 0, "engine_num_gpus": 1}, 1, (1.0, 0.0)),
+    ],
+)
+def test_gpu_shares(args: dict, cluster_gpus: float, shares: tuple[float, float]) -> None:
+    assert gpu_shares(parse_app_args(args), cluster_gpus) == shares
+
+
+def test_drafting_ahead_defaults_to_a_proposer_with_a_gpu_of_its_own() -> None:
+    default = parse_app_args({"proposer": "draft"})
+    assert default.proposer_draft_ahead("cuda", num_gpus=1.0)
+    assert not default.proposer_draft_ahead("cuda", num_gpus=0.5)
+    assert not default.proposer_draft_ahead("cpu", num_gpus=0.0)
+    forced = parse_app_args({"proposer": "draft", "draft_ahead": True})
+    assert forced.proposer_draft_ahead("cpu", num_gpus=0.0)
+    assert not parse_app_args({"draft_ahead": False}).proposer_draft_ahead("cuda", num_gpus=1.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        ({"proposer": "medusa"}, "proposer"),
+        ({"proposer_num_gpus": 2}, "proposer_num_gpus"),
+        ({"num_draft": 0}, "num_draft"),
+        ({"draft_ahaed": True}, "draft_ahaed"),  # a misspelt arg is refused, not ignored
+    ],
+)
+def test_bad_args_are_named(args: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=f"invalid TileInfer application args: {named}"):
+        parse_app_args(args)
+
+
+def test_every_arg_in_serve_config_is_an_app_arg() -> None:
+    """serve_config.yaml's args, and the ones it shows commented out, are all AppArgs fields."""
+    text = (Path(__file__).parents[1] / "serve_config.yaml").read_text()
+    config = yaml.safe_load(text)
+    (application,) = config["applications"]
+    names = set(application.get("args", {}))
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("# ") and ":" in stripped and " " not in stripped[2:].split(":")[0]:
+            key = stripped[2:].split(":")[0]
+            if key.isidentifier() and line.startswith("      #"):
+                names.add(key)
+    assert {"proposer", "draft_ahead", "proposer_num_gpus"} <= names
+    assert names <= set(AppArgs.model_fields)
