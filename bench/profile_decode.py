@@ -1,7 +1,8 @@
 """Where a decode step's time goes: host wall time of Engine.step() beside the GPU time of the CUDA graph
-replay alone, and the per-kernel GPU time of one step (torch.profiler), for the bench model shapes.
+replay alone, and the per-kernel GPU time of one step (torch.profiler), for the bench model shapes; the
+same for a 512-token prefill step and for a speculative verify step (the last token and 6 drafts).
 
-    python bench/profile_decode.py [OUT_DIR] [--models qwen3-0.6b,qwen3-4b]
+    python bench/profile_decode.py [OUT_DIR] [--models qwen3-0.6b,qwen3-4b,smollm2-135m]
 
 Random weights, bf16, batch 1, after a 1,024-token prompt. Writes OUT_DIR/profile_decode.json.
 """
@@ -25,6 +26,7 @@ from bench.model_shapes import MODELS, random_weights  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import LoadedModel  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.scheduler import ScheduledSequence  # noqa: E402
 
 PROMPT_LEN = 1024
 STEPS = 200
@@ -70,15 +72,7 @@ def profile(name: str) -> dict:
         for _ in range(10):
             graph.replay()
         torch.cuda.synchronize()
-    kernels: dict[str, list[float]] = collections.defaultdict(list)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[event.name].append(event.device_time_total)
-    table = sorted(
-        ({"kernel": k[:80], "calls_per_step": len(v) / 10, "us_per_step": sum(v) / 10, "us_per_call":
-          statistics.median(v)} for k, v in kernels.items()),
-        key=lambda row: -row["us_per_step"],
-    )  # fmt: skip
+    table = kernel_table(prof, 10)
     kernel_sum = sum(row["us_per_step"] for row in table)
     launches = sum(row["calls_per_step"] for row in table)
     result = {
@@ -101,6 +95,7 @@ def profile(name: str) -> dict:
         print(f"  {row['us_per_step']:8.1f} us/step {per_call}  {row['kernel']}")
     engine.abort(request_id)
     result["prefill"] = profile_prefill(engine, spec.vocab_size)
+    result["verify"] = profile_verify(engine, spec.vocab_size)
     del engine, weights
     torch.cuda.empty_cache()
     return result
@@ -143,10 +138,82 @@ def profile_prefill(engine: Engine, vocab_size: int, length: int = 512) -> dict:
     return {"wall_ms": wall * 1e3, "kernel_sum_ms": gpu_ms, "kernels": table}
 
 
+def kernel_table(prof: torch.profiler.profile, steps: int) -> list[dict]:
+    kernels: dict[str, list[float]] = collections.defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name].append(event.device_time_total)
+    return sorted(
+        ({"kernel": k[:80], "calls_per_step": len(v) / steps, "us_per_step": sum(v) / steps, "us_per_call":
+          statistics.median(v)} for k, v in kernels.items()),
+        key=lambda row: -row["us_per_step"],
+    )  # fmt: skip
+
+
+def profile_verify(engine: Engine, vocab_size: int, num_drafts: int = 6) -> dict:
+    """A verify step of one sequence after 1,024 tokens: its last token and num_drafts drafts, scored
+    from the step graph of their bucket and verified greedily. Wall time of the runner's call (host work,
+    replay, verification, the read back) beside the replay's GPU time, and the replay's kernels."""
+    runner = engine.runner
+    assert runner.step_graphs is not None, "verify steps replay from step graphs"
+    engine.run_ahead = False  # every token on the host, as when speculating
+    prompt = torch.randint(0, vocab_size, (PROMPT_LEN,)).tolist()
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0))
+    for _ in range(3):
+        engine.step()
+    (seq,) = engine.scheduler.running
+    drafts = torch.randint(0, vocab_size, (num_drafts,)).tolist()
+    seq.token_ids.extend(drafts)
+    engine.block_manager.append_slots(seq, 0)
+    scheduled = [ScheduledSequence(seq, num_drafts + 1)]
+    for _ in range(3):
+        runner.execute_speculative(scheduled, {seq: drafts})
+    torch.cuda.synchronize()
+    wall = []
+    for _ in range(STEPS):
+        started = time.perf_counter()
+        runner.execute_speculative(scheduled, {seq: drafts})  # ends with the verified tokens on the host
+        wall.append(time.perf_counter() - started)
+    bucket = next(size for size in runner.step_graphs.buckets if size >= num_drafts + 1)
+    graph = runner.step_graphs.graphs[bucket]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(STEPS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    replay_ms = start.elapsed_time(end) / STEPS
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    table = kernel_table(prof, 10)
+    del seq.token_ids[-num_drafts:]
+    engine.abort(request_id)
+    result = {
+        "num_drafts": num_drafts,
+        "bucket": bucket,
+        "execute_speculative_ms": statistics.median(wall) * 1e3,
+        "back_to_back_replay_ms": replay_ms,
+        "kernel_sum_ms": sum(row["us_per_step"] for row in table) / 1e3,
+        "launches_per_step": sum(row["calls_per_step"] for row in table),
+        "kernels": table,
+    }
+    print(
+        f"  verify ({num_drafts} drafts, bucket {bucket}): execute_speculative "
+        f"{result['execute_speculative_ms']:.3f} ms, back-to-back replay {replay_ms:.3f} ms, kernel time "
+        f"sum {result['kernel_sum_ms']:.3f} ms over {result['launches_per_step']:.0f} launches"
+    )
+    for row in table[:12]:
+        per_call = f"{row['calls_per_step']:6.1f} x {row['us_per_call']:6.2f} us"
+        print(f"    {row['us_per_step']:8.1f} us/step {per_call}  {row['kernel']}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", nargs="?", default=os.environ.get("OUT", "bench_out"))
-    parser.add_argument("--models", default="qwen3-0.6b,qwen3-4b")
+    parser.add_argument("--models", default="qwen3-0.6b,qwen3-4b,smollm2-135m")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
