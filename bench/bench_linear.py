@@ -3,7 +3,8 @@
     python bench/bench_linear.py [OUT_DIR] [--models qwen3-0.6b,...] [--sweep] [--replays N]
 
 For Qwen3-0.6B, Qwen3-4B and SmolLM2-135M shapes (fused qkv, o, fused gate_up, down, lm_head) at M = 1
-(decode) and M = 512 (prefill), times linear_triton / gate_up_silu_triton against
+(decode) and M = 512 (prefill) (--m adds others: 16 is a speculative verify step's bucket), times
+linear_triton / gate_up_silu_triton against
 torch.nn.functional.linear (cuBLAS; for gate_up: F.linear on [2I, H], then silu(gate) * up). Each side is
 captured in one CUDA graph that calls it once per copy of the weight, the copies together exceeding
 256 MB so that no weight is served from the 50 MB L2; the figure is the median replay time divided by the
@@ -174,6 +175,13 @@ class Case:
                 candidate = config._replace(block_m=min(config.block_m, cap), num_stages=num_stages)
                 if candidate not in configs:
                     configs.append(candidate)
+        if self.m <= 64:  # a verify step's few rows: narrow tiles and long K steps, for more programs
+            for block_n in (16, 32, 64):
+                for block_k in (64, 128, 256):
+                    for num_warps in (2, 4):
+                        candidate = linear.GemmConfig(cap, block_n, block_k, num_warps, 3)
+                        if candidate not in configs and block_k <= max(64, triton.next_power_of_2(self.k)):
+                            configs.append(candidate)
         return configs
 
     def heuristic(self) -> linear.GemvConfig | linear.GemmConfig:

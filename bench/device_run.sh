@@ -8,6 +8,7 @@
 #   bash bench/device_run.sh spec     # bench_spec (needs the GGUF) and the hand-off
 #   bash bench/device_run.sh extra    # long context and attention
 #   bash bench/device_run.sh profile  # decode, prefill and verify steps split into host and kernel time
+#   bash bench/device_run.sh linear   # sweep the linear tiles at M = 1, 16 (verify) and 512; new tuned table
 #   bash bench/device_run.sh grid     # the attention kernels' whole test grid, compiled
 #   bash bench/device_run.sh placement  # proposer on the engine's GPU or a second one (kind nvidia-h200-x2)
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
@@ -54,6 +55,8 @@ spec)
     run 200 python3 bench/bench_spec.py "$OUT"
     run 60 python3 bench/bench_handoff.py "$OUT"
     ;;
+linear) run 560 python3 bench/bench_linear.py "$OUT" --m 1,16,512 --sweep --replays 20 \
+    --write-tuned "$OUT/NVIDIA_H200.json" ;;
 profile) run 400 python3 bench/profile_decode.py "$OUT" --models smollm2-135m,qwen3-0.6b,qwen3-4b ;;
 placement) run 560 python3 bench/bench_placement.py "$OUT" ;;
 extra)
@@ -69,5 +72,5 @@ grid)  # the two tests that failed compiled in the fourth run first, with their 
         tests/test_kernels_prefill_attention.py > "$OUT/grid.log" 2>&1
     grep -E "^FAILED|passed|failed" "$OUT/grid.log" | tail -20
     ;;
-*) echo "usage: bash bench/device_run.sh part0|part1|tests|kernels|engine|spec|profile|placement|extra|grid"; exit 2 ;;
+*) echo "usage: bash bench/device_run.sh part0|part1|tests|kernels|engine|spec|profile|linear|placement|extra|grid"; exit 2 ;;
 esac
