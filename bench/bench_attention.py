@@ -1,7 +1,7 @@
 """Paged attention kernels on Qwen3 heads (4B: 32 query / 8 KV heads of 128; 0.6B: 16 / 8), bf16, pages of
 16 tokens.
 
-    python3 bench/bench_attention.py [OUT_DIR]
+    python3 bench/bench_attention.py [OUT_DIR] [--sweep-decode]
 
 prefill: paged_prefill_attention_triton on a causal prompt of 4k and 16k tokens read through a
          shuffled block table, against torch SDPA's flash backend (is_causal) on contiguous K/V; the
@@ -14,6 +14,9 @@ decode:  paged_decode_attention_triton at batch 1 after 1k, 4k and 32k cached po
          bytes read.
 verify:  paged_prefill_attention_triton with 4 and 16 query tokens after 4k cached positions (4B heads),
          timed like decode.
+--sweep-decode: instead, the decode kernel on Qwen3-4B heads at 1k, 4k and 32k positions for every
+         launch shape (keys per tile, fewest tiles a split, warps, stages) and most splits tried, the
+         fastest first (to tune kernels/attention.py's decode_tile and decode_num_splits).
 Copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) is measured in the same run.
 The last thing printed is the table; the full results go to OUT_DIR/bench_attention.json (OUT_DIR:
 the argument, else $OUT, else ./bench_out).
@@ -21,6 +24,8 @@ the argument, else $OUT, else ./bench_out).
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import os
 import statistics
@@ -36,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_linear import time_in_graph  # noqa: E402
 from bench.limits import copy_bandwidth, time_each  # noqa: E402
 from kernels.attention import (  # noqa: E402
+    MAX_DECODE_SPLITS,
     AttentionMetadata,
+    DecodeTile,
     DecodeWorkspace,
     decode_num_splits,
     decode_splits_used,
@@ -140,11 +147,20 @@ def cache_copies(seq_len: int, generator: torch.Generator) -> tuple[list, int]:
     return [paged_cache(seq_len, generator) for _ in range(copies)], kv_bytes
 
 
-def bench_decode(model: str, context: int, bandwidth: float, generator: torch.Generator) -> dict:
-    """One query token after `context` cached positions, batch 1."""
+def bench_decode(
+    model: str,
+    context: int,
+    bandwidth: float,
+    generator: torch.Generator,
+    tile: DecodeTile | None = None,
+    num_splits: int | None = None,
+    caches: tuple[list, int] | None = None,
+) -> dict:
+    """One query token after `context` cached positions, batch 1. tile and num_splits: the kernel's
+    defaults unless given; caches: cache_copies(context + 1) made already."""
     num_heads = DECODE_HEADS[model]
     seq_len = context + 1
-    caches, kv_bytes = cache_copies(seq_len, generator)
+    caches, kv_bytes = caches or cache_copies(seq_len, generator)
     max_blocks = -(-MAX_MODEL_LEN // BLOCK_SIZE)
     tables = []
     for _, block_table in caches:  # padded with block 0 to the captured width; never read past seq_len
@@ -154,8 +170,13 @@ def bench_decode(model: str, context: int, bandwidth: float, generator: torch.Ge
     query = torch.randn(1, num_heads, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=generator)
     out = torch.empty_like(query)
     max_context = max_blocks * BLOCK_SIZE
-    num_splits = decode_num_splits(1, NUM_KV_HEADS, max_context, HEAD_DIM)
-    workspace = DecodeWorkspace.allocate(1, num_heads, NUM_KV_HEADS, HEAD_DIM, max_context, DEVICE)
+    num_splits = num_splits or decode_num_splits(1, NUM_KV_HEADS, max_context, HEAD_DIM)
+    workspace = DecodeWorkspace(
+        partials=torch.empty(
+            DecodeWorkspace.partials_numel(1, num_heads, HEAD_DIM, MAX_DECODE_SPLITS), device=DEVICE
+        ),
+        counters=torch.zeros(NUM_KV_HEADS, dtype=torch.int32, device=DEVICE),
+    )
     seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
 
     def call(i: int) -> None:
@@ -168,13 +189,15 @@ def bench_decode(model: str, context: int, bandwidth: float, generator: torch.Ge
             num_splits=num_splits,
             out=out,
             workspace=workspace,
+            tile=tile,
         )
 
     seconds = time_in_graph(call, len(caches), replays=20)
     return {
         "workload": f"decode {context // 1024}k, {model} heads",
+        "tile": tile._asdict() if tile else None,
         "ours_us": seconds * 1e6,
-        "num_splits": f"{decode_splits_used(seq_len, num_splits, HEAD_DIM)} of {num_splits}",
+        "num_splits": f"{decode_splits_used(seq_len, num_splits, HEAD_DIM, tile=tile)} of {num_splits}",
         "kv_bytes": kv_bytes,
         "pct_copy_bw": 100 * kv_bytes / seconds / bandwidth,
     }
@@ -209,11 +232,52 @@ def bench_verify(query_len: int, context: int, bandwidth: float, generator: torc
     }
 
 
+def sweep_decode(bandwidth: float, generator: torch.Generator, out_dir: Path) -> None:
+    """Every decode launch shape and split count at 1k, 4k and 32k positions (Qwen3-4B heads), fastest
+    first per context."""
+    shapes = itertools.product((32, 64, 128), (1, 2), (4, 8), (2, 3, 4))  # block_n, min tiles, warps, stages
+    tiles = [DecodeTile(*shape) for shape in shapes]
+    results = {}
+    for context in (1024, 4096, 32768):
+        caches = cache_copies(context + 1, generator)
+        rows = []
+        for tile, num_splits in itertools.product(tiles, (None, 64, MAX_DECODE_SPLITS)):
+            try:
+                row = bench_decode("Qwen3-4B", context, bandwidth, generator, tile, num_splits, caches)
+            except Exception as error:  # noqa: BLE001 - a shape that does not compile (shared memory)
+                print(f"  {tile} x {num_splits}: {type(error).__name__}")
+                continue
+            row["max_splits"] = num_splits or "default"
+            rows.append(row)
+        rows.sort(key=lambda row: row["ours_us"])
+        results[context] = rows
+        del caches
+        torch.cuda.empty_cache()
+        print(f"\ndecode {context} positions, Qwen3-4B heads: fastest of {len(rows)} launch shapes")
+        print("| block_n | min tiles | warps | stages | most splits | splits used | us | % of copy bw |")
+        print("| ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |")
+        for row in rows[:8]:
+            tile = row["tile"]
+            print(
+                f"| {tile['block_n']} | {tile['min_tiles']} | {tile['num_warps']} | {tile['num_stages']} | "
+                f"{row['max_splits']} | {row['num_splits']} | {row['ours_us']:.1f} | "
+                f"{row['pct_copy_bw']:.0f} % |"
+            )
+    (out_dir / "bench_attention_sweep.json").write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
-    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "bench_out"))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", nargs="?", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--sweep-decode", action="store_true", help="sweep the decode kernel's launch shape")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     bandwidth = copy_bandwidth(DEVICE)
+    if args.sweep_decode:
+        sweep_decode(bandwidth, generator, out_dir)
+        return
     rows = [bench_prefill(4096, generator), bench_prefill(16384, generator)]
     for model in DECODE_HEADS:
         for context in (1024, 4096, 32768):

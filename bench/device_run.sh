@@ -9,6 +9,7 @@
 #   bash bench/device_run.sh extra    # long context and attention
 #   bash bench/device_run.sh profile  # decode, prefill and verify steps split into host and kernel time
 #   bash bench/device_run.sh linear   # sweep the linear tiles at M = 1, 16 (verify) and 512; new tuned table
+#   bash bench/device_run.sh sweep    # sweep the decode attention kernel's launch shape at 1k, 4k, 32k
 #   bash bench/device_run.sh grid     # the attention kernels' whole test grid, compiled
 #   bash bench/device_run.sh placement  # proposer on the engine's GPU or a second one (kind nvidia-h200-x2)
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
@@ -57,6 +58,7 @@ spec)
     ;;
 linear) run 560 python3 bench/bench_linear.py "$OUT" --m 1,16,512 --sweep --replays 20 \
     --write-tuned "$OUT/NVIDIA_H200.json" ;;
+sweep) run 500 python3 bench/bench_attention.py "$OUT" --sweep-decode ;;
 profile) run 400 python3 bench/profile_decode.py "$OUT" --models smollm2-135m,qwen3-0.6b,qwen3-4b ;;
 placement) run 560 python3 bench/bench_placement.py "$OUT" ;;
 extra)
@@ -72,5 +74,5 @@ grid)  # the two tests that failed compiled in the fourth run first, with their 
         tests/test_kernels_prefill_attention.py > "$OUT/grid.log" 2>&1
     grep -E "^FAILED|passed|failed" "$OUT/grid.log" | tail -20
     ;;
-*) echo "usage: bash bench/device_run.sh part0|part1|tests|kernels|engine|spec|profile|linear|placement|extra|grid"; exit 2 ;;
+*) echo "usage: bash bench/device_run.sh part0|part1|tests|kernels|engine|spec|profile|linear|sweep|placement|extra|grid"; exit 2 ;;
 esac

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -161,6 +162,22 @@ def decode_min_keys_per_split(head_dim: int) -> int:
     return (DECODE_STAGES - 1) * decode_block_n(head_dim)
 
 
+class DecodeTile(NamedTuple):
+    """The decode kernel's launch shape: keys per tile, the fewest tiles a used split takes, warps and
+    pipeline stages. decode_tile() gives the default; bench/bench_attention.py --sweep-decode tries
+    others."""
+
+    block_n: int
+    min_tiles: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_tile(head_dim: int) -> DecodeTile:
+    block_n = decode_block_n(head_dim)
+    return DecodeTile(block_n, decode_min_keys_per_split(head_dim) // block_n, 4, DECODE_STAGES)
+
+
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int) -> int:
     """The most KV splits a (sequence, KV head) may use, from shapes only (CUDA graphs fix the grid).
 
@@ -181,15 +198,19 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, head_d
 
 
 def decode_splits_used(
-    seq_len: int, num_splits: int, head_dim: int, sliding_window: int | None = None
+    seq_len: int,
+    num_splits: int,
+    head_dim: int,
+    sliding_window: int | None = None,
+    tile: DecodeTile | None = None,
 ) -> int:
     """How many of its num_splits a sequence of seq_len keys uses in the kernel (0 for an empty one):
-    the kernel's own rule, mirrored on the host for tests and benchmarks. Whole tiles of
-    decode_block_n keys, at least decode_min_keys_per_split keys a split, dealt evenly."""
-    block_n = decode_block_n(head_dim)
+    the kernel's own rule, mirrored on the host for tests and benchmarks. Whole tiles of block_n keys,
+    at least min_tiles tiles a split, dealt evenly (tile: default decode_tile(head_dim))."""
+    block_n, min_tiles, _, _ = tile or decode_tile(head_dim)
     first_tile = max(seq_len - sliding_window, 0) // block_n if sliding_window else 0
     num_tiles = -(-seq_len // block_n) - first_tile
-    wanted = min(max(-(-num_tiles // (decode_min_keys_per_split(head_dim) // block_n)), 1), num_splits)
+    wanted = min(max(-(-num_tiles // min_tiles), 1), num_splits)
     tiles_per_split = max(-(-num_tiles // wanted), 1)
     return -(-num_tiles // tiles_per_split)
 
@@ -470,9 +491,10 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    tile: DecodeTile | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention_reference on the GPU, in one launch: split-KV over the pages, merged by
-    the last split to finish.
+    the last split to finish. tile: the launch shape (default decode_tile(head_dim)).
 
     Grid (num_seqs, num_kv_heads, num_splits). A program reads its KV head's keys and values once for
     all the query heads that share them (the GQA group is the M of tl.dot), over its share of the
@@ -515,7 +537,7 @@ def paged_decode_attention_triton(
         partial_acc = partial_max = partial_sum = out
         counters = seq_lens
 
-    block_n = decode_block_n(head_dim)
+    block_n, min_tiles, num_warps, num_stages = tile or decode_tile(head_dim)
     block_d = triton.next_power_of_2(head_dim)
     merge_rows = triton.next_power_of_2(group)
     split_chunk = min(triton.next_power_of_2(num_splits), max(1, MERGE_ELEMENTS // (merge_rows * block_d)))
@@ -548,10 +570,10 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        MIN_TILES=decode_min_keys_per_split(head_dim) // block_n,
+        MIN_TILES=min_tiles,
         MERGE_ROWS=merge_rows,
         SPLIT_CHUNK=split_chunk,
-        num_warps=4,
-        num_stages=DECODE_STAGES,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernels.attention import (
+    DecodeTile,
     DecodeWorkspace,
     decode_min_keys_per_split,
     decode_num_splits,
@@ -101,7 +102,7 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
 
 
 def run_triton(
-    case: DecodeCase, sliding_window: int | None, num_splits: int | None, **kwargs: torch.Tensor
+    case: DecodeCase, sliding_window: int | None, num_splits: int | None, **kwargs: object
 ) -> torch.Tensor:
     out = kwargs.pop("out", None)
     if out is None:
@@ -157,18 +158,23 @@ def test_split_counts_agree(window: int | None) -> None:
         torch.testing.assert_close(run_triton(case, window, num_splits), one_split, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("window", [None, 300])
-def test_splits_follow_each_sequence_length(window: int | None) -> None:
+@pytest.mark.parametrize(
+    ("window", "tile"),
+    [(None, None), (300, None), (None, DecodeTile(32, 1, 4, 2))],
+    ids=["default", "window", "tile-32x1"],
+)
+def test_splits_follow_each_sequence_length(window: int | None, tile: DecodeTile | None) -> None:
     """In one batch under one grid, each sequence uses only the splits its own length needs: exactly
     those write partials (the rest of the NaN-poisoned workspace stays NaN, so the merge cannot have
-    read it), a sequence that needs one split writes none, and the answer matches the reference."""
+    read it), a sequence that needs one split writes none, and the answer matches the reference; also
+    with another launch shape (decode_splits_used mirrors it)."""
     # tiles of 64 keys, two per split at least: 0, 1, 2, 2, 2, 3, 4 (3 tiles each), 3 (9 tiles), 4
     seq_lens = [0, 1, 128, 129, 256, 257, 640, 576, 1000]
     num_heads, num_kv_heads, head_dim, num_splits = 4, 2, 128, 4
     case = make_case(seq_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32, 14, window)
     workspace = DecodeWorkspace.allocate(len(seq_lens), num_heads, num_kv_heads, head_dim, 1, DEVICE, 4)
     workspace.partials.fill_(float("nan"))
-    got = run_triton(case, window, num_splits, workspace=workspace)
+    got = run_triton(case, window, num_splits, workspace=workspace, tile=tile)
     torch.testing.assert_close(got, expected(case, window), **tolerance(torch.float32))
     assert (workspace.counters == 0).all()
 
@@ -176,9 +182,11 @@ def test_splits_follow_each_sequence_length(window: int | None) -> None:
     num_stats = len(seq_lens) * num_heads * num_splits
     partial_max = workspace.partials[num_stats * head_dim : num_stats * (head_dim + 1)]
     written = partial_max.view(len(seq_lens), num_kv_heads, num_splits, group).isfinite()
-    used = [decode_splits_used(seq_len, num_splits, head_dim, window) for seq_len in seq_lens]
-    if window is None:
+    used = [decode_splits_used(seq_len, num_splits, head_dim, window, tile) for seq_len in seq_lens]
+    if window is None and tile is None:
         assert used == [0, 1, 1, 2, 2, 3, 4, 3, 4]
+    if tile is not None:  # tiles of 32 keys, one a split at least, dealt evenly over at most 4 splits
+        assert used == [0, 1, 4, 3, 4, 3, 4, 4, 4]
     for seq, used_here in enumerate(used):
         want = torch.arange(num_splits, device=DEVICE) < (used_here if used_here > 1 else 0)
         assert (written[seq] == want[None, :, None]).all(), (seq_lens[seq], used_here)
