@@ -399,7 +399,7 @@ class Engine:
         self.scheduler.remove(seq)
         self.runner.forget(seq.request_id)
         if self.speculator is not None:
-            self.speculator.forget(seq.request_id)
+            self.speculator.finish(seq)
         del self.requests[seq.request_id]
 
     # --- conveniences ---------------------------------------------------------------------------

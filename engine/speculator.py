@@ -47,24 +47,29 @@ class Speculator:
         # A proposer that reads the target's hidden states (DFlash) names the layers; the engine hands
         # over the rows of each request's newly kept tokens, sent with its next DraftRequest.
         self.target_layer_ids: tuple[int, ...] = tuple(getattr(proposer, "target_layer_ids", ()))
-        self._unsent_hidden: dict[str, list[torch.Tensor]] = {}
-        self._has_all_hidden: dict[str, bool] = {}  # rows from token 0 on (not after a prefix-cache hit)
+        # per request: the position of its first unsent row, and the unsent rows (contiguous chunks)
+        self._unsent_hidden: dict[str, tuple[int, list[torch.Tensor]]] = {}
 
     def add_hidden(self, request_id: str, rows: torch.Tensor, first_position: int) -> None:
         """The target's captured hidden states of tokens this step kept, in token order, the first at
-        first_position. A sequence computed from position 0 again (preempted) starts over."""
-        if first_position == 0:
-            self.forget(request_id)
-            self._has_all_hidden[request_id] = True
-        elif request_id not in self._has_all_hidden:
-            self._has_all_hidden[request_id] = False  # its cached prefix was never through this engine
-        self._unsent_hidden.setdefault(request_id, []).append(rows)
+        first_position. A sequence computed again from an earlier position (preempted) replaces its
+        unsent rows from there on; the proposer skips rows it holds already (DraftRequest.hidden_start).
+        """
+        start, chunks = self._unsent_hidden.get(request_id, (first_position, []))
+        end = start + sum(chunk.shape[0] for chunk in chunks)
+        if not start <= first_position <= end:  # recomputed from before the unsent rows (or a gap)
+            start, chunks = first_position, []
+        elif first_position < end:  # recomputed from inside them: keep the rows before
+            kept = torch.cat(chunks)[: first_position - start]
+            chunks = [kept] if kept.shape[0] else []
+        self._unsent_hidden[request_id] = (start, [*chunks, rows])
 
-    def _target_hidden(self, request_id: str) -> torch.Tensor | None:
-        rows = self._unsent_hidden.get(request_id)
-        if not self.target_layer_ids or not rows:
-            return None
-        return torch.cat(rows) if len(rows) > 1 else rows[0]
+    def _target_hidden(self, request_id: str) -> tuple[torch.Tensor | None, int | None]:
+        """A request's unsent rows, concatenated, and the position of the first (None, None: none)."""
+        start, chunks = self._unsent_hidden.get(request_id, (None, []))
+        if not self.target_layer_ids or not chunks:
+            return None, None
+        return (torch.cat(chunks) if len(chunks) > 1 else chunks[0]), start
 
     def plan(
         self,
@@ -86,8 +91,6 @@ class Speculator:
                 continue
             if seq.params.logprobs is not None:
                 continue
-            if self.target_layer_ids and not self._has_all_hidden.get(seq.request_id, False):
-                continue
             controller = self.controllers.setdefault(seq.request_id, DraftLengthController(self.max_drafts))
             limit = min(
                 controller.next_num_drafts(),
@@ -107,10 +110,10 @@ class Speculator:
                 budget -= limit
         if not wanted:
             return {}
-        requests = [
-            DraftRequest(seq.request_id, seq.token_ids, k, target_hidden=self._target_hidden(seq.request_id))
-            for seq, k in wanted.items()
-        ]
+        requests = []
+        for seq, k in wanted.items():
+            hidden, hidden_start = self._target_hidden(seq.request_id)
+            requests.append(DraftRequest(seq.request_id, seq.token_ids, k, hidden, hidden_start))
         try:
             proposals = self.proposer.propose(requests)
         except ProposerUnavailableError:
@@ -139,10 +142,21 @@ class Speculator:
         if controller is not None:
             controller.record(num_proposed, num_accepted)
 
+    def finish(self, seq: Sequence) -> None:
+        """A request ended: hand the proposer the hidden rows it has not had yet (no drafts asked), so
+        that the context it keeps of this request covers every token the target ran; then forget it.
+        A later request with the same prefix (a chat's next turn) can take that context over."""
+        hidden, hidden_start = self._target_hidden(seq.request_id)
+        if hidden is not None and time.monotonic() >= self._paused_until:
+            try:
+                self.proposer.propose([DraftRequest(seq.request_id, seq.token_ids, 0, hidden, hidden_start)])
+            except Exception:  # noqa: BLE001 - only a later request's speed depends on it
+                logger.debug("handing the last hidden rows of %s over failed", seq.request_id, exc_info=True)
+        self.forget(seq.request_id)
+
     def forget(self, request_id: str) -> None:
         self.controllers.pop(request_id, None)
         self._unsent_hidden.pop(request_id, None)
-        self._has_all_hidden.pop(request_id, None)
         try:
             self.proposer.forget(request_id)
         except Exception:  # noqa: BLE001 - a dead proposer has nothing left to forget

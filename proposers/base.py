@@ -25,6 +25,10 @@ class DraftRequest:
     # ([num_rows, len(target_layer_ids) * hidden_size]), for the tokens the proposer has not seen yet that
     # the target has run (every token but the last); extra trailing rows (rejected drafts) are ignored
     target_hidden: torch.Tensor | None = None
+    # the position of target_hidden's first row; None: right after the rows the proposer has seen. A
+    # request whose prompt hit the target's prefix cache starts past 0: the proposer drafts for it only
+    # if it still holds that prefix's context (from an earlier request), else it returns no drafts
+    hidden_start: int | None = None
 
 
 class Proposer(Protocol):

@@ -7,7 +7,7 @@ derives the same layout:
 
     header     int64[len(HEADER)]                  counters, sizes of the current step, capacities
     request    keys, keep, num_new, num_drafts,    int64[max_requests] each
-               num_rows
+               num_rows, row_starts
                forget_keys                         int64[max_forgets]
                hidden                              hidden_dtype[max_step_rows, hidden_width]
                new_tokens                          int32[max_step_tokens]  (each request's, in order)
@@ -41,7 +41,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-MAGIC = 0x54494C4543484E31  # "TILECHN1": the segment is a channel of this layout
+MAGIC = 0x54494C4543484E32  # "TILECHN2": the segment is a channel of this layout
 HEADER = (
     "magic", "request_seq", "response_seq", "closed", "num_requests", "num_new_tokens", "num_forgets",
     "status", "num_step_rows", "max_requests", "max_step_tokens", "max_drafts", "max_forgets",
@@ -118,13 +118,15 @@ class ChannelCapacity:
 @dataclasses.dataclass(frozen=True)
 class ChannelRequest:
     """One sequence in a step: keep `keep` mirrored tokens, append `new_tokens`, draft `num_drafts`;
-    `hidden` ([num_rows, hidden_width]) are new rows of the target's hidden states, for DFlash."""
+    `hidden` ([num_rows, hidden_width]) are new rows of the target's hidden states, for DFlash, the
+    first of them at position `row_start`."""
 
     key: int
     keep: int
     new_tokens: Sequence[int]
     num_drafts: int
     hidden: torch.Tensor | None = None
+    row_start: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -164,6 +166,7 @@ class _Layout:
         self.num_new = take(np.int64, capacity.max_requests)
         self.num_drafts = take(np.int64, capacity.max_requests)
         self.num_rows = take(np.int64, capacity.max_requests)
+        self.row_starts = take(np.int64, capacity.max_requests)
         self.forget_keys = take(np.int64, capacity.max_forgets)
         self.draft_lengths = take(np.int64, capacity.max_requests)
         self.hidden: torch.Tensor | None = None  # [hidden_rows, hidden_width]
@@ -180,7 +183,7 @@ class _Layout:
 
     @classmethod
     def size(cls, capacity: ChannelCapacity) -> int:
-        int64s = len(HEADER) + 6 * capacity.max_requests + capacity.max_forgets
+        int64s = len(HEADER) + 7 * capacity.max_requests + capacity.max_forgets  # 7 per-request arrays
         int32s = capacity.max_step_tokens + capacity.max_requests * capacity.max_drafts
         row_bytes = capacity.hidden_width * HIDDEN_DTYPES[capacity.hidden_dtype].itemsize
         return 8 * int64s + capacity.hidden_rows * row_bytes + 4 * int32s + ERROR_BYTES
@@ -226,6 +229,7 @@ class ChannelClient:
             layout.num_new[index] = len(request.new_tokens)
             layout.num_drafts[index] = request.num_drafts
             layout.num_rows[index] = request.num_rows
+            layout.row_starts[index] = request.row_start
             layout.new_tokens[offset : offset + len(request.new_tokens)] = request.new_tokens
             offset += len(request.new_tokens)
             if request.num_rows:  # converted to the channel's dtype as they are copied in
@@ -335,6 +339,7 @@ class ChannelServer:
                     new_tokens=layout.new_tokens[offset : offset + num_new].tolist(),
                     num_drafts=int(layout.num_drafts[index]),
                     hidden=hidden,
+                    row_start=int(layout.row_starts[index]),
                 )  # fmt: skip
             )
             offset += num_new

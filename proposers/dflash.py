@@ -18,6 +18,7 @@ hidden_norm.weight, norm.weight and layers.{i}.* (Qwen3 layer names), without em
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import model
+from engine.block_manager import common_prefix_length
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.rope import rope_cos_sin_cache
 from engine.safetensors_loader import read_safetensors_file, safetensors_files
@@ -334,10 +336,18 @@ class DFlashDrafter(nn.Module):
 
 class DFlashProposer:
     """proposers.base.Proposer for DFlash: each request's DraftRequest.target_hidden carries the target's
-    hidden states (at target_layer_ids) of the tokens run since the last call; drafts are greedy."""
+    hidden states (at target_layer_ids) of the tokens run since the last call; drafts are greedy.
+
+    A forgotten request's context (the draft layers' keys and values of its tokens) is kept a while, up to
+    retired_tokens tokens in all: a new request whose tokens start with the same ones (the next turn of
+    a chat, which the target serves from its prefix cache and so never runs again) takes it over."""
 
     def __init__(
-        self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor
+        self,
+        drafter: DFlashDrafter,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        retired_tokens: int = 65536,
     ) -> None:
         config = drafter.config
         vocab_size, hidden_size = embed_weight.shape
@@ -355,6 +365,13 @@ class DFlashProposer:
         self.embed_weight = embed_weight
         self.lm_head_weight = lm_head_weight
         self._caches: dict[str, ContextCache] = {}
+        self._token_ids: dict[str, Sequence[int]] = {}  # each request's token list, as of its last call
+        # forgotten requests' contexts, least recently retired first: (the tokens they cover, context)
+        self._retired: collections.OrderedDict[str, tuple[list[int], ContextCache]] = (
+            collections.OrderedDict()
+        )
+        self.retired_tokens = retired_tokens
+        self.contexts_reused = 0  # requests that took over a retired context
 
     @classmethod
     def from_checkpoint(
@@ -387,16 +404,43 @@ class DFlashProposer:
             return [self._propose_one(request) for request in requests]
 
     def forget(self, request_id: str) -> None:
-        self._caches.pop(request_id, None)
+        cache = self._caches.pop(request_id, None)
+        token_ids = self._token_ids.pop(request_id, None)
+        if cache is None or token_ids is None or cache.num_tokens == 0:
+            return
+        self._retired[request_id] = (list(token_ids[: cache.num_tokens]), cache)
+        while sum(len(tokens) for tokens, _ in self._retired.values()) > self.retired_tokens:
+            self._retired.popitem(last=False)
+
+    def _take_over(self, token_ids: Sequence[int], num_context: int, hidden_start: int) -> ContextCache:
+        """A context for a new request: the retired one that shares the longest prefix with its tokens,
+        if that covers the positions before its first hidden row; else an empty one."""
+        best, best_length = None, 0
+        for request_id, (tokens, _) in self._retired.items():
+            length = common_prefix_length(tokens, token_ids[: min(len(tokens), num_context)])
+            if length > best_length:
+                best, best_length = request_id, length
+        if best is not None and best_length >= hidden_start:
+            _, cache = self._retired.pop(best)
+            cache.truncate(best_length)
+            self.contexts_reused += 1
+            return cache
+        return self.drafter.new_cache()
 
     def _propose_one(self, request: DraftRequest) -> list[int]:
         drafter, config = self.drafter, self.drafter.config
+        num_context = len(request.token_ids) - 1  # the last token has not been through the target yet
         cache = self._caches.get(request.request_id)
         if cache is None:
-            cache = self._caches[request.request_id] = drafter.new_cache()
-        num_context = len(request.token_ids) - 1  # the last token has not been through the target yet
+            cache = self._caches[request.request_id] = self._take_over(
+                request.token_ids, num_context, request.hidden_start or 0
+            )
+        self._token_ids[request.request_id] = request.token_ids
         cache.truncate(num_context)  # the engine rolled the sequence back: its prefix's context still holds
-        new_hidden = self._new_hidden(request, cache.num_tokens, num_context)
+        hidden_start = cache.num_tokens if request.hidden_start is None else request.hidden_start
+        if hidden_start > cache.num_tokens:
+            return []  # rows start past this context (a prefix-cache hit on a prefix it never saw)
+        new_hidden = self._new_hidden(request, cache.num_tokens, num_context, hidden_start)
         device = drafter.fc.weight.device
         context_positions = torch.arange(cache.num_tokens, num_context, device=device)
         if request.num_drafts <= 0:  # still take the context, so that the next call needs only its new rows
@@ -414,8 +458,11 @@ class DFlashProposer:
         )  # fmt: skip
         return logits[: request.num_drafts].argmax(dim=-1).tolist()
 
-    def _new_hidden(self, request: DraftRequest, num_cached: int, num_context: int) -> torch.Tensor:
-        """The rows of request.target_hidden for context tokens num_cached..num_context - 1, validated."""
+    def _new_hidden(
+        self, request: DraftRequest, num_cached: int, num_context: int, hidden_start: int
+    ) -> torch.Tensor:
+        """The rows of request.target_hidden (its first at hidden_start <= num_cached) for context tokens
+        num_cached..num_context - 1, validated."""
         config = self.drafter.config
         width = len(config.target_layer_ids) * config.spec.hidden_size
         hidden = request.target_hidden
@@ -428,6 +475,7 @@ class DFlashProposer:
                 f"({len(config.target_layer_ids)} layers x {config.spec.hidden_size}), "
                 f"got {list(hidden.shape)}"
             )
+        hidden = hidden[num_cached - hidden_start :]  # rows this context holds already
         if hidden.shape[0] < num_needed:
             raise InvalidRequestError(
                 f"request {request.request_id}: DFlash needs the target's hidden states of tokens "

@@ -166,7 +166,8 @@ class RemoteProposer:
             request_id = request.request_id
             if request_id in self._lost:
                 continue
-            state = self._rows.get(request_id, _Rows())
+            # a new sequence's rows start where the target's prefix cache left off (0 without a hit)
+            state = self._rows.get(request_id) or _Rows(held=request.hidden_start or 0)
             num_context = max(len(request.token_ids) - 1, 0)  # the last token has not run in the target
             held = min(state.held, num_context)  # a rolled-back sequence: the proposer drops the rest
             waiting = state.waiting if state.waiting is not None and state.held < num_context else None
@@ -227,7 +228,7 @@ class RemoteProposer:
                 key = next(self._next_key)
             num_drafts = min(num_drafts, capacity.max_drafts)
             items.append(
-                ChannelRequest(key, keep, token_ids[keep:], num_drafts, hidden if num_rows else None)
+                ChannelRequest(key, keep, token_ids[keep:], num_drafts, hidden if num_rows else None, held)
             )
             included.append(index)
             budget -= num_new
@@ -305,6 +306,7 @@ class ProposerServer:
                 f"{capacity.hidden_dtype} values; this proposer reads {layout.width} {layout.dtype} values"
             )
         self.lock = lock
+        self._reads_hidden = bool(layout.width)
         self.stop_event = threading.Event()
         self._mirrors: dict[int, list[int]] = {}  # key -> the request's tokens so far
         # the proposer's request ids are this server's own: a re-attached engine reuses keys
@@ -360,6 +362,12 @@ class ProposerServer:
             del mirror[request.keep :]
             mirror.extend(request.new_tokens)
             draft_requests.append(
-                DraftRequest(self._request_id(request.key), mirror, request.num_drafts, request.hidden)
+                DraftRequest(
+                    self._request_id(request.key),
+                    mirror,
+                    request.num_drafts,
+                    request.hidden,
+                    hidden_start=request.row_start if self._reads_hidden else None,
+                )  # fmt: skip
             )
         return self.proposer.propose(draft_requests)

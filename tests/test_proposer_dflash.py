@@ -293,12 +293,18 @@ def test_proposer_contract(
     assert all(0 <= token < VOCAB for draft in drafts for token in draft)
     # num_drafts 0 still took the context: the next call needs only the new rows
     assert len(proposer.propose([DraftRequest("r0", token_ids[:10], 2, features[8:9])])[0]) == 2
-    # forget drops the context; then the request must bring it all again
+    # forget retires the context: a new request whose tokens start the same way takes it over (a chat's
+    # next turn, its prefix served from the target's cache), so its rows start after the shared prefix
     proposer.forget("r0")
     proposer.forget("never seen")
+    turn = DraftRequest("turn2", token_ids[:11], 2, features[9:10], hidden_start=9)
+    assert len(proposer.propose([turn])[0]) == 2 and proposer.contexts_reused == 1
+    # a request that shares no retired prefix must bring every row...
+    other = [(token + 1) % VOCAB for token in token_ids]
     with pytest.raises(InvalidRequestError, match="needs the target's hidden states"):
-        proposer.propose([DraftRequest("r0", token_ids[:11], 2, features[9:10])])
-    assert len(proposer.propose([DraftRequest("r0", token_ids[:11], 2, features[:10])])[0]) == 2
+        proposer.propose([DraftRequest("fresh", other[:11], 2, features[9:10])])
+    # ...and one whose rows start past any context it holds (a prefix-cache hit) gets no drafts
+    assert proposer.propose([DraftRequest("hit", other[:11], 2, features[5:10], hidden_start=5)]) == [[]]
     with pytest.raises(InvalidRequestError, match="needs the target's hidden states"):
         proposer.propose([DraftRequest("x", token_ids[:5], 2)])
     with pytest.raises(InvalidRequestError, match="must be"):
@@ -416,3 +422,34 @@ def test_the_engine_hands_dflash_the_target_hidden_states(
     stats = speculative.speculator.stats
     assert proposer.calls > 1 and stats.drafts_proposed > 0
     assert stats.proposer_failures == 0  # the speculator would swallow a failed check in propose
+
+
+def test_a_chats_next_turn_drafts_from_the_last_turns_context(
+    checkpoint: Path, target: transformers.Qwen3ForCausalLM
+) -> None:
+    """The second turn's prompt (the first turn, its reply and a new message) is served from the
+    target's prefix cache, so the target never runs its prefix again; DFlash takes over the first turn's
+    retired context and drafts for the second turn too. The output stays plain decoding's."""
+    from engine.engine import Engine, EngineConfig
+    from engine.loader import LoadedModel
+    from engine.sampling import SamplingParams
+    from engine.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(target.config.to_dict())
+    weights = {name: tensor.detach() for name, tensor in target.state_dict().items()}
+    model = LoadedModel(name="tiny-qwen3", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+    config = EngineConfig(max_model_len=MAX_POSITIONS, block_size=4, max_num_batched_tokens=8)
+    proposer = make_proposer(checkpoint, target)
+    speculative, plain = Engine(model, config, proposer=proposer), Engine(model, config)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(7)
+    first = torch.randint(0, 150, (13,), generator=generator).tolist()
+    reply = speculative.generate(first, params)[0]
+    assert reply == plain.generate(first, params)[0]
+    second = first + reply + torch.randint(0, 150, (5,), generator=generator).tolist()
+    drafted_before = speculative.speculator.stats.drafts_proposed
+    outputs = list(speculative.stream(second, params))
+    assert outputs[0].num_cached_tokens > len(first)  # the prefix came from the target's cache
+    assert [t for output in outputs for t in output.new_token_ids] == plain.generate(second, params)[0]
+    assert proposer.contexts_reused == 1
+    assert speculative.speculator.stats.drafts_proposed > drafted_before

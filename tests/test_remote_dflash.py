@@ -201,3 +201,36 @@ def test_an_engine_drafts_with_a_remote_dflash_proposer(
         assert stats.proposer_failures == 0 and stats.drafts_proposed > 0
     finally:
         remote.close()
+
+
+def test_a_chats_next_turn_drafts_with_a_remote_dflash_proposer(
+    dflash_process: DFlashProcess, target: transformers.Qwen3ForCausalLM
+) -> None:
+    """Across the channel too, a second turn served from the target's prefix cache drafts: its rows
+    cross with the position of the first (past the cached prefix), and the proposer takes over the first
+    turn's context."""
+    from engine.engine import Engine, EngineConfig
+    from engine.loader import LoadedModel
+    from engine.sampling import SamplingParams
+    from engine.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(target.config.to_dict())
+    weights = {name: tensor.detach() for name, tensor in target.state_dict().items()}
+    model = LoadedModel(name="tiny-qwen3", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+    config = EngineConfig(max_model_len=MAX_POSITIONS, block_size=4, max_num_batched_tokens=8)
+    remote = dflash_process.remote()
+    try:
+        speculative, plain = Engine(model, config, proposer=remote), Engine(model, config)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        generator = torch.Generator().manual_seed(8)
+        first = torch.randint(0, 150, (11,), generator=generator).tolist()
+        reply = speculative.generate(first, params)[0]
+        second = first + reply + torch.randint(0, 150, (4,), generator=generator).tolist()
+        drafted_before = speculative.speculator.stats.drafts_proposed
+        outputs = list(speculative.stream(second, params))
+        assert outputs[0].num_cached_tokens > len(first)
+        assert [t for output in outputs for t in output.new_token_ids] == plain.generate(second, params)[0]
+        stats = speculative.speculator.stats
+        assert stats.proposer_failures == 0 and stats.drafts_proposed > drafted_before
+    finally:
+        remote.close()
