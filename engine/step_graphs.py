@@ -3,7 +3,7 @@ speculative verification), one graph per token-count bucket.
 
 Launched eagerly, such a step costs the host ~10 Triton launches per layer from Python, far more than the
 GPU's own time for a few hundred tokens. A graph replays them all at once. Its shapes are fixed at
-capture: T tokens (the bucket), up to max_num_seqs sequences, and a fixed number of logit rows. A step
+capture: T tokens (the bucket), up to min(T, max_num_seqs) sequences, and at most T logit rows. A step
 with fewer tokens is padded. The padding tokens belong to one extra sequence whose block table row points
 at block 0 and whose KV writes are skipped (slot -1), so they read finite stale values and change nothing.
 Sequence slots beyond that get no tokens and no keys. The logits of the chosen rows land in a static
@@ -85,9 +85,12 @@ class StepGraphs:
         # The step waits for its logits before the next one is prepared, so one pinned set suffices.
         buffers = (self.ints, self.int32s, self.block_tables, self.logit_rows)
         self.staging = [torch.empty_like(buffer, device="cpu").pin_memory() for buffer in buffers]
+        # A bucket of T tokens holds at most T sequences and the padding one: its attention grid covers
+        # that many sequence slots, not max_seqs (a verify step's 16-token bucket: 17, not 65).
+        self.slots = {size: min(self.max_seqs, size + 1) for size in self.buckets}
         self.splits = {
             size: prefill_num_splits(
-                size, self.max_seqs, size, spec.num_heads, spec.num_kv_heads, spec.head_dim, max_context
+                size, self.slots[size], size, spec.num_heads, spec.num_kv_heads, spec.head_dim, max_context
             )  # fmt: skip
             for size in self.buckets
         }
@@ -110,11 +113,12 @@ class StepGraphs:
 
     def _step(self, size: int) -> None:
         ids, positions, slots = self.ints[0], self.ints[1], self.ints[2]
+        num_slots = self.slots[size]
         metadata = AttentionMetadata(
             slot_mapping=slots[:size],
-            query_start_loc=self.int32s[: self.max_seqs + 1],
-            seq_lens=self.int32s[self.max_seqs + 1 :],
-            block_tables=self.block_tables,
+            query_start_loc=self.int32s[: num_slots + 1],
+            seq_lens=self.int32s[self.max_seqs + 1 : self.max_seqs + 1 + num_slots],
+            block_tables=self.block_tables[:num_slots],
             max_query_len=size,
             prefill_num_splits=self.splits[size],
             prefill_workspace=self.workspace,
