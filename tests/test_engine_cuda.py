@@ -23,7 +23,9 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0)
 
 
 def _engine(path: Path, **config: object) -> Engine:
-    defaults = dict(device="cuda", kv_cache_tokens=4096, max_model_len=2048, max_num_seqs=8)
+    # step-graph buckets up to 256 tokens (the chat prompts are shorter): fewer graphs to capture
+    defaults = dict(device="cuda", kv_cache_tokens=4096, max_model_len=2048, max_num_seqs=8,
+                    max_num_batched_tokens=256)  # fmt: skip
     return Engine.load(str(path), EngineConfig(**{**defaults, **config}))
 
 

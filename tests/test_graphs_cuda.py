@@ -58,7 +58,8 @@ def test_step_graph_equals_eager(prompt_lens: list[int]) -> None:
 
     def engine(step_graphs: bool) -> Engine:
         config = EngineConfig(device="cuda", dtype="float32", max_model_len=1024, kv_cache_tokens=4096,
-                              max_num_seqs=8, step_graphs=step_graphs, num_draft=3)  # fmt: skip
+                              max_num_seqs=8, step_graphs=step_graphs, num_draft=3,
+                              max_num_batched_tokens=512)  # fmt: skip
         return Engine(model, config)
 
     graphed = engine(step_graphs=True)
@@ -93,7 +94,8 @@ def test_verify_steps_from_step_graphs_equal_plain_decoding() -> None:
     spec = dataclasses.replace(SMOLLM2_135M, num_layers=4)
     weights = random_weights(spec, torch.float32, "cuda")
     model = LoadedModel(name="random", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
-    config = dict(device="cuda", dtype="float32", max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=8)
+    config = dict(device="cuda", dtype="float32", max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=8,
+                  max_num_batched_tokens=64)  # fmt: skip
     speculative = Engine(model, EngineConfig(**config, proposer="ngram", num_draft=4))
     assert speculative.runner.step_graphs is not None
     plain = Engine(model, EngineConfig(**config, step_graphs=False))

@@ -63,7 +63,7 @@ def test_run_ahead_equals_step_by_step(device: str, request: pytest.FixtureReque
     model: LoadedModel = request.getfixturevalue("model" if device == "cpu" else "cuda_model")
 
     def engine(run_ahead: bool) -> Engine:
-        return Engine(model, EngineConfig(device=device, run_ahead=run_ahead))
+        return Engine(model, EngineConfig(device=device, run_ahead=run_ahead, max_num_batched_tokens=256))
 
     tokenizer = model.tokenizer
     chat = tokenizer.encode_chat([{"role": "user", "content": "Name three rivers in Europe."}])
