@@ -38,7 +38,8 @@ part1)
         && echo "GGUF joined and checked"
     ;;
 tests)  # the engine's GPU tests (the kernels' are in `grid`); each engine with graphs compiles for ~1 min
-    for file_and_limit in tests/test_engine_cuda.py:240 tests/test_graphs_cuda.py:240 tests/test_run_ahead.py:100; do
+    for file_and_limit in tests/test_engine_cuda.py:240 tests/test_graphs_cuda.py:240 tests/test_run_ahead.py:100 \
+        tests/test_channel.py:60; do
         file=${file_and_limit%:*}
         timeout "${file_and_limit#*:}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu "$file" \
             > "$OUT/$(basename "$file" .py).log" 2>&1

@@ -69,7 +69,9 @@ class EngineDeployment:
                 max_requests=args.max_num_seqs, max_drafts=args.num_draft,
                 max_step_rows=args.max_num_batched_tokens,
             )  # fmt: skip
-            self.proposer = RemoteProposer(attach, capacity, timeout_s=args.proposer_timeout_s, hidden=hidden)
+            self.proposer = RemoteProposer(
+                attach, capacity, args.proposer_timeout_s, hidden=hidden, device=config.torch_device()
+            )
         model = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
         self.engine = Engine(model, config, proposer=self.proposer)
         if self.proposer is not None and not self.proposer.wait_attached(ATTACH_AT_START_S):

@@ -14,12 +14,15 @@ derives the same layout:
     response   draft_lengths                       int64[max_requests]
                drafts                              int32[max_requests, max_drafts]
                error                               uint8[ERROR_BYTES]      (utf-8, when status is 1)
+    device     description                         uint8[DESCRIPTOR_BYTES] (with hidden rows only)
 
 A request names a sequence by a small integer key and says how many of the tokens the server mirrors to
 KEEP and which NEW tokens follow, so only the tokens accepted since the last step cross. For DFlash a
 request also carries NUM_ROWS new rows of the target's hidden states (rows, like tokens, cross once); a
-channel without a hidden width has no hidden area. The token, row and draft arrays are plain host arrays
-here; a device-buffer variant (CUDA IPC) can replace exactly those while the header keeps the signalling.
+channel without a hidden width has no hidden area. A client on a GPU also offers the rows in GPU memory
+(proposers/device_rows.py: CUDA IPC, described in the device area); a server that can map it sets
+device_attached, and from then on the rows cross there, while the header keeps the signalling. Tokens and
+drafts are made and used on the host on both sides, so they stay in host memory.
 
 Signalling: the client writes a request, then bumps request_seq; the server polls request_seq (spinning
 briefly, then sleeping a little), answers, then sets response_seq to it; the client waits for that with a
@@ -41,11 +44,13 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
+from proposers.device_rows import DESCRIPTOR_BYTES, DeviceRowsExport, DeviceRowsImport
+
 MAGIC = 0x54494C4543484E32  # "TILECHN2": the segment is a channel of this layout
 HEADER = (
     "magic", "request_seq", "response_seq", "closed", "num_requests", "num_new_tokens", "num_forgets",
     "status", "num_step_rows", "max_requests", "max_step_tokens", "max_drafts", "max_forgets",
-    "max_step_rows", "hidden_width", "hidden_dtype",
+    "max_step_rows", "hidden_width", "hidden_dtype", "device_rows", "device_attached",
 )  # fmt: skip
 _FIELD = {name: index for index, name in enumerate(HEADER)}
 ERROR_BYTES = 1024
@@ -170,6 +175,7 @@ class _Layout:
         self.forget_keys = take(np.int64, capacity.max_forgets)
         self.draft_lengths = take(np.int64, capacity.max_requests)
         self.hidden: torch.Tensor | None = None  # [hidden_rows, hidden_width]
+        self.description = take(np.uint8, DESCRIPTOR_BYTES if capacity.hidden_rows else 0)
         if capacity.hidden_rows:
             dtype = HIDDEN_DTYPES[capacity.hidden_dtype]
             count = capacity.hidden_rows * capacity.hidden_width
@@ -186,7 +192,8 @@ class _Layout:
         int64s = len(HEADER) + 7 * capacity.max_requests + capacity.max_forgets  # 7 per-request arrays
         int32s = capacity.max_step_tokens + capacity.max_requests * capacity.max_drafts
         row_bytes = capacity.hidden_width * HIDDEN_DTYPES[capacity.hidden_dtype].itemsize
-        return 8 * int64s + capacity.hidden_rows * row_bytes + 4 * int32s + ERROR_BYTES
+        description = DESCRIPTOR_BYTES if capacity.hidden_rows else 0
+        return 8 * int64s + description + capacity.hidden_rows * row_bytes + 4 * int32s + ERROR_BYTES
 
     def get(self, field: str) -> int:
         return int(self.header[_FIELD[field]])
@@ -198,7 +205,8 @@ class _Layout:
 class ChannelClient:
     """The engine's end: creates the segment, writes steps and waits for their drafts."""
 
-    def __init__(self, capacity: ChannelCapacity | None = None) -> None:
+    def __init__(self, capacity: ChannelCapacity | None = None, device: torch.device | None = None) -> None:
+        """device: where the hidden rows are (a GPU: they are offered in GPU memory too)."""
         self.capacity = capacity or ChannelCapacity()
         self._shm = shared_memory.SharedMemory(
             name=f"tileinfer-{uuid.uuid4().hex[:16]}", create=True, size=_Layout.size(self.capacity)
@@ -208,9 +216,23 @@ class ChannelClient:
         self._layout.header[:] = 0
         for field, value in self.capacity.header_values().items():
             self._layout.set(field, value)
+        self._device_rows: DeviceRowsExport | None = None
+        if device is not None and device.type == "cuda" and self.capacity.hidden_rows:
+            self._device_rows = DeviceRowsExport(
+                self.capacity.hidden_rows, self.capacity.hidden_width,
+                HIDDEN_DTYPES[self.capacity.hidden_dtype], device,
+            )  # fmt: skip
+            description = self._device_rows.descriptor()
+            self._layout.description[: len(description)] = np.frombuffer(description, dtype=np.uint8)
+            self._layout.set("device_rows", 1)
         self._layout.set("magic", MAGIC)  # last: a server that sees it sees the capacities too
         self._seq = 0
         self._spin_s = SPIN_S
+
+    @property
+    def rows_in_gpu_memory(self) -> bool:
+        """Whether hidden rows cross in GPU memory: offered here, and mapped by the server."""
+        return self._device_rows is not None and bool(self._layout.get("device_attached"))
 
     def exchange(
         self, requests: Sequence[ChannelRequest], forget_keys: Sequence[int], timeout_s: float
@@ -223,6 +245,7 @@ class ChannelClient:
         if layout.get("closed"):
             raise ChannelClosedError(f"channel {self.name} is closed")
         offset = row_offset = 0
+        device_rows = self._device_rows if layout.get("device_attached") else None
         for index, request in enumerate(requests):
             layout.keys[index] = request.key
             layout.keep[index] = request.keep
@@ -233,8 +256,13 @@ class ChannelClient:
             layout.new_tokens[offset : offset + len(request.new_tokens)] = request.new_tokens
             offset += len(request.new_tokens)
             if request.num_rows:  # converted to the channel's dtype as they are copied in
-                layout.hidden[row_offset : row_offset + request.num_rows] = request.hidden
+                if device_rows is not None:
+                    device_rows.write(row_offset, request.hidden)
+                else:
+                    layout.hidden[row_offset : row_offset + request.num_rows] = request.hidden
                 row_offset += request.num_rows
+        if device_rows is not None and row_offset:
+            device_rows.publish()
         layout.forget_keys[: len(forget_keys)] = forget_keys
         layout.set("num_requests", len(requests))
         layout.set("num_new_tokens", offset)
@@ -308,6 +336,10 @@ class ChannelServer:
             raise ValueError(f"shared memory {name!r} is not a TileInfer proposer channel")
         self.capacity = capacity
         self._layout = _Layout(self._mmap, self.capacity)
+        self._device_rows: DeviceRowsImport | None = None
+        if self._layout.get("device_rows"):
+            self._device_rows = DeviceRowsImport.open(bytes(self._layout.description).rstrip(b"\0"))
+            self._layout.set("device_attached", int(self._device_rows is not None))
         self._seq = self._layout.get("response_seq")
         self._last_step_time = time.monotonic()
         self._spin_s = SPIN_S
@@ -330,7 +362,10 @@ class ChannelServer:
             num_new, num_rows = int(layout.num_new[index]), int(layout.num_rows[index])
             hidden = None
             if num_rows:
-                hidden = layout.hidden[row_offset : row_offset + num_rows].clone()
+                if self._device_rows is not None:
+                    hidden = self._device_rows.read(row_offset, num_rows)
+                else:
+                    hidden = layout.hidden[row_offset : row_offset + num_rows].clone()
                 row_offset += num_rows
             requests.append(
                 ChannelRequest(

@@ -84,7 +84,8 @@ class RemoteProposer:
     step's channel capacity get no drafts this step and cross on a later one.
 
     With a `hidden` layout (DFlash) it exposes target_layer_ids, so that the engine captures those
-    layers, and sends each request's new rows of DraftRequest.target_hidden. A sequence whose rows
+    layers, and sends each request's new rows of DraftRequest.target_hidden (from a GPU `device`, in GPU
+    memory when the proposer's process can map it: proposers/device_rows.py). A sequence whose rows
     were on a channel that failed cannot be drafted again (the engine has handed those rows over
     already): it decodes plainly until it is forgotten; later sequences draft on the new channel.
     """
@@ -97,6 +98,7 @@ class RemoteProposer:
         timeout_per_new_token_s: float = 1e-3,
         connect_timeout_s: float = 60.0,
         hidden: HiddenLayout | None = None,
+        device: torch.device | None = None,
     ) -> None:
         capacity = capacity or ChannelCapacity()
         self.target_layer_ids: tuple[int, ...] = ()
@@ -110,6 +112,7 @@ class RemoteProposer:
         self.timeout_s = timeout_s
         self.timeout_per_new_token_s = timeout_per_new_token_s
         self.connect_timeout_s = connect_timeout_s
+        self.device = device  # where the engine's hidden rows are: on a GPU they cross in GPU memory
         self._connect = connect
         self._next_key = itertools.count()
         self._keys: dict[str, int] = {}  # request id -> its key on the current channel
@@ -119,6 +122,12 @@ class RemoteProposer:
         self._lost: set[str] = set()  # request ids whose rows went down with a failed channel
         self._connection: _Connection | None = None
         self._reconnect()
+
+    @property
+    def rows_in_gpu_memory(self) -> bool:
+        """Whether hidden rows cross in GPU memory on the current channel (proposers/device_rows.py)."""
+        connection = self._connection
+        return connection is not None and connection.channel.rows_in_gpu_memory
 
     def wait_attached(self, timeout_s: float) -> bool:
         """Block until the current channel is attached (True) or timeout_s passed (False)."""
@@ -253,7 +262,7 @@ class RemoteProposer:
         # rows that crossed are gone with the old proposer; rows that only waited here still hold
         self._lost |= {request_id for request_id, state in self._rows.items() if state.held}
         self._rows = {request_id: state for request_id, state in self._rows.items() if not state.held}
-        connection = _Connection(ChannelClient(self.capacity))
+        connection = _Connection(ChannelClient(self.capacity, self.device))
         self._connection = connection
         threading.Thread(
             target=self._attach, args=(connection,), name="tileinfer-attach", daemon=True

@@ -167,20 +167,22 @@ def test_steps_beyond_the_capacity_raise_before_anything_crosses() -> None:
         client.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_hidden_rows_cross_exactly_once(dtype: str) -> None:
+def test_hidden_rows_cross_exactly_once(dtype: str, device: str) -> None:
+    """On a GPU the rows cross in GPU memory (CUDA IPC) when the server's process maps it."""
     width, max_rows = 6, 5
     capacity = ChannelCapacity(
         max_requests=3, max_step_tokens=16, max_drafts=max_rows * width, max_step_rows=max_rows,
         hidden_width=width, hidden_dtype=dtype,
     )  # fmt: skip
-    client = ChannelClient(capacity)
+    client = ChannelClient(capacity, torch.device(device))
     process = CONTEXT.Process(target=_echo_rows, args=(client.name,))
     process.start()
     generator = torch.Generator().manual_seed(3)
 
     def rows(count: int) -> torch.Tensor:
-        return torch.randn(count, width, generator=generator) * 1e3
+        return (torch.randn(count, width, generator=generator) * 1e3).to(device)
 
     try:
         steps = [
@@ -194,14 +196,16 @@ def test_hidden_rows_cross_exactly_once(dtype: str) -> None:
             for request, answer in zip(requests, answers, strict=True):
                 # what the server read: the rows in the channel's dtype, bit for bit
                 sent = torch.empty(0) if not request.num_rows else request.hidden.to(getattr(torch, dtype))
-                assert answer == sent.contiguous().view(torch.int32).flatten().tolist()
+                assert answer == sent.cpu().contiguous().view(torch.int32).flatten().tolist()
+        assert client.rows_in_gpu_memory == (device == "cuda")
         with pytest.raises(ChannelCapacityError, match="6 hidden rows"):
             client.exchange(
                 [ChannelRequest(0, 5, [], 1, rows(3)), ChannelRequest(1, 1, [], 1, rows(3))], [], 60
             )
         with pytest.raises(ChannelCapacityError, match="the channel's rows have 6 values"):
             client.exchange([ChannelRequest(0, 5, [], 1, torch.zeros(1, width + 1))], [], 60)
-        assert client.exchange([ChannelRequest(0, 5, [], 1, torch.zeros(1, width))], [], 60) == [[0]]
+        zeros = torch.zeros(1, width, device=device)
+        assert client.exchange([ChannelRequest(0, 5, [], 1, zeros)], [], 60) == [[0]]
     finally:
         client.close()
         process.join(timeout=60)
