@@ -90,9 +90,7 @@ def profile(name: str) -> dict:
         f" back-to-back {result['back_to_back_replay_ms']:.3f} ms,"
         f" kernel time sum {kernel_sum / 1e3:.3f} ms over {launches:.0f} launches"
     )
-    for row in table[:14]:
-        per_call = f"{row['calls_per_step']:6.1f} x {row['us_per_call']:6.2f} us"
-        print(f"  {row['us_per_step']:8.1f} us/step {per_call}  {row['kernel']}")
+    print_kernels(table[:14], "  ")
     engine.abort(request_id)
     result["prefill"] = profile_prefill(engine, spec.vocab_size)
     result["verify"] = profile_verify(engine, spec.vocab_size)
@@ -150,6 +148,12 @@ def kernel_table(prof: torch.profiler.profile, steps: int) -> list[dict]:
     )  # fmt: skip
 
 
+def print_kernels(rows: list[dict], indent: str) -> None:
+    for row in rows:
+        per_call = f"{row['calls_per_step']:6.1f} x {row['us_per_call']:6.2f} us"
+        print(f"{indent}{row['us_per_step']:8.1f} us/step {per_call}  {row['kernel']}")
+
+
 def profile_verify(engine: Engine, vocab_size: int, num_drafts: int = 6) -> dict:
     """A verify step of one sequence after 1,024 tokens: its last token and num_drafts drafts, scored
     from the step graph of their bucket and verified greedily. Wall time of the runner's call (host work,
@@ -204,9 +208,7 @@ def profile_verify(engine: Engine, vocab_size: int, num_drafts: int = 6) -> dict
         f"{result['execute_speculative_ms']:.3f} ms, back-to-back replay {replay_ms:.3f} ms, kernel time "
         f"sum {result['kernel_sum_ms']:.3f} ms over {result['launches_per_step']:.0f} launches"
     )
-    for row in table[:12]:
-        per_call = f"{row['calls_per_step']:6.1f} x {row['us_per_call']:6.2f} us"
-        print(f"    {row['us_per_step']:8.1f} us/step {per_call}  {row['kernel']}")
+    print_kernels(table[:12], "    ")
     return result
 
 
