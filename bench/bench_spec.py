@@ -165,8 +165,9 @@ def main() -> None:
         "code edit": [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CODE_EDIT],
     }
     plain_engine = Engine(model, base)
-    proposers = {
+    proposers = {  # name: settings, at most num_draft drafts a step unless they say
         "ngram": {"proposer": "ngram"},
+        "ngram, up to 15 drafts": {"proposer": "ngram", "num_draft": 15},  # all of a 16-token verify bucket
         "self-draft (15 of 30 layers)": {"proposer": "draft", "draft_layers": 15},
         "self-draft (24 of 30 layers)": {"proposer": "draft", "draft_layers": 24},
     }
@@ -175,7 +176,7 @@ def main() -> None:
         run_set(plain_engine, prompts[:1], 16)  # warm-up (compiles, captures)
         plain = run_set(plain_engine, prompts, args.max_tokens)
         for proposer_name, settings in proposers.items():
-            config = EngineConfig(**{**base.__dict__, **settings, "num_draft": args.num_draft})
+            config = EngineConfig(**{**base.__dict__, "num_draft": args.num_draft, **settings})
             engine = Engine(model, config)
             run_set(engine, prompts[:1], 16)
             timer = CallTimer()

@@ -56,7 +56,6 @@ class EngineDeployment:
         config = args.engine_config(device, dtype)
         self.proposer: RemoteProposer | None = None
         if proposer_handle is not None:
-            config = dataclasses.replace(config, proposer=None)  # not in process: drafts come from the actor
 
             def attach(channel_name: str) -> None:  # on the RemoteProposer's own thread, never per step
                 proposer_handle.attach.remote(channel_name).result(timeout_s=ATTACH_CALL_TIMEOUT_S)

@@ -129,7 +129,12 @@ class Engine:
             from proposers.factory import build_proposer  # proposers import the engine
 
             proposer = build_proposer(config, model)
-        self.speculator = Speculator(proposer, config.num_draft) if proposer is not None else None
+        self.speculator = None
+        if proposer is not None:
+            from proposers.factory import draft_cost
+
+            cost = draft_cost(config, model.spec.num_layers)
+            self.speculator = Speculator(proposer, config.num_draft, cost)
         if self.speculator is not None:
             self.runner.capture_layers = self.speculator.target_layer_ids
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"

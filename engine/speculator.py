@@ -38,9 +38,11 @@ class SpeculationStats:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, max_drafts: int) -> None:
+    def __init__(self, proposer: Proposer, max_drafts: int, draft_cost: float = 0.1) -> None:
+        """draft_cost: one more draft, as a share of a plain decode step (DraftLengthController)."""
         self.proposer = proposer
         self.max_drafts = max_drafts
+        self.draft_cost = draft_cost
         self.controllers: dict[str, DraftLengthController] = {}
         self.stats = SpeculationStats()
         self._paused_until = 0.0
@@ -91,7 +93,9 @@ class Speculator:
                 continue
             if seq.params.logprobs is not None:
                 continue
-            controller = self.controllers.setdefault(seq.request_id, DraftLengthController(self.max_drafts))
+            controller = self.controllers.setdefault(
+                seq.request_id, DraftLengthController(self.max_drafts, self.draft_cost)
+            )
             limit = min(
                 controller.next_num_drafts(),
                 seq.params.max_tokens - seq.num_output_tokens - 1,  # the last token is the target's

@@ -8,6 +8,20 @@ from engine.loader import LoadedModel, load_model
 from proposers.base import Proposer
 
 PROPOSERS = ("ngram", "draft", "dflash")
+# One more draft in a verify step that runs anyway: a token more in a graph bucket that holds it already.
+VERIFY_COST_PER_DRAFT = 0.02
+DEFAULT_DRAFT_COST = 0.1  # a separate draft model, whose size against the target is not known here
+
+
+def draft_cost(config: EngineConfig, target_num_layers: int) -> float:
+    """What one more draft costs, as a share of a plain decode step (DraftLengthController.draft_cost):
+    n-gram and DFlash propose a block for about nothing, a self-draft runs its layers once a draft."""
+    if config.proposer in ("ngram", "dflash"):
+        return VERIFY_COST_PER_DRAFT
+    if config.proposer == "draft" and config.draft_model is None:
+        layers = config.draft_layers or max(1, target_num_layers // 4)
+        return layers / target_num_layers + VERIFY_COST_PER_DRAFT
+    return DEFAULT_DRAFT_COST
 
 
 def build_proposer(config: EngineConfig, target: LoadedModel) -> Proposer:
@@ -28,7 +42,7 @@ def build_proposer(config: EngineConfig, target: LoadedModel) -> Proposer:
     if name == "draft":
         from proposers.draft_model import DraftModelProposer
 
-        if config.draft_model is None:
+        if config.draft_model is None:  # the same default as draft_cost's
             layers = config.draft_layers or max(1, target.spec.num_layers // 4)
             return DraftModelProposer.self_draft(target, layers, draft_config)
         draft = load_model(config.draft_model, dtype=config.torch_dtype(), device=config.torch_device())

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.engine import EngineConfig
 from engine.sampling import exponential_race
 from engine.speculative import PAD_TOKEN_ID, DraftLengthController, Verified, verify_greedy, verify_sampled
+from proposers.factory import draft_cost
 
 # --- greedy --------------------------------------------------------------------------------------------
 
@@ -244,6 +246,19 @@ def test_drafts_from_the_target_itself_are_all_accepted() -> None:
 def test_controller_picks_the_k_with_most_tokens_per_cost(acceptance: float, expected_drafts: int) -> None:
     controller = DraftLengthController(max_drafts=8, draft_cost=0.1, initial_acceptance=acceptance)
     assert controller.next_num_drafts() == expected_drafts
+
+
+def test_draft_costs_follow_the_proposer() -> None:
+    """n-gram (and DFlash) drafts cost only their share of a verify step, so at the code edit's 92 %
+    acceptance every allowed draft pays; a self-draft pays for its layers, and wants fewer."""
+    assert draft_cost(EngineConfig(proposer="ngram"), 30) == pytest.approx(0.02)
+    assert draft_cost(EngineConfig(proposer="dflash", draft_model="x"), 30) == pytest.approx(0.02)
+    assert draft_cost(EngineConfig(proposer="draft", draft_layers=15), 30) == pytest.approx(0.52)
+    assert draft_cost(EngineConfig(proposer="draft"), 32) == pytest.approx(8 / 32 + 0.02)  # the default
+    assert draft_cost(EngineConfig(proposer="draft", draft_model="small"), 30) == pytest.approx(0.1)
+    cheap = DraftLengthController(max_drafts=15, draft_cost=0.02, initial_acceptance=0.92)
+    layers = DraftLengthController(max_drafts=15, draft_cost=0.52, initial_acceptance=0.92)
+    assert cheap.next_num_drafts() == 15 and 0 < layers.next_num_drafts() < 15
 
 
 def test_controller_estimates_the_acceptance_from_truncated_steps() -> None:
