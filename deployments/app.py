@@ -64,14 +64,15 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     on_gpu = device == "cuda"
     proposer = None
     engine_gpus, proposer_gpus = gpu_shares(app_args, _cluster_gpus() if on_gpu else 0)
+    draft_ahead = app_args.proposer_actor and app_args.proposer_draft_ahead(device, proposer_gpus)
     if app_args.proposer_actor:
         proposer = ProposerDeployment.options(
             ray_actor_options={"num_cpus": app_args.proposer_num_cpus, "num_gpus": proposer_gpus}
-        ).bind(app_args, device, dtype)
+        ).bind(app_args, device, dtype, draft_ahead)
     engine = EngineDeployment.options(
         ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": engine_gpus},
         max_ongoing_requests=capacity + _CONTROL_CALLS,
-    ).bind(app_args, device, dtype, proposer)
+    ).bind(app_args, device, dtype, proposer, draft_ahead)
     return OpenAIIngress.options(
         num_replicas=app_args.num_ingress_replicas,
         ray_actor_options={"num_cpus": app_args.ingress_num_cpus},

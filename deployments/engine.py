@@ -18,6 +18,7 @@ from engine.engine import Engine, RequestOutput
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from proposers.channel import ChannelCapacity
+from proposers.factory import VERIFY_COST_PER_DRAFT
 from proposers.remote import RemoteProposer
 
 logger = logging.getLogger(__name__)
@@ -48,12 +49,20 @@ class EngineInfo:
 @serve.deployment(name="Engine", health_check_period_s=10)
 class EngineDeployment:
     def __init__(
-        self, args: AppArgs, device: str, dtype: str, proposer_handle: DeploymentHandle | None = None
+        self,
+        args: AppArgs,
+        device: str,
+        dtype: str,
+        proposer_handle: DeploymentHandle | None = None,
+        draft_ahead: bool = False,
     ) -> None:
-        """proposer_handle: the proposer deployment (deployments/proposer.py), when one runs beside."""
+        """proposer_handle: the proposer deployment (deployments/proposer.py), when one runs beside;
+        draft_ahead: it drafts while this engine verifies, so its drafts cost about nothing here."""
         if device == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)  # Ray sets one thread per reserved CPU
         config = args.engine_config(device, dtype)
+        if draft_ahead:
+            config = dataclasses.replace(config, draft_cost=VERIFY_COST_PER_DRAFT)
         self.proposer: RemoteProposer | None = None
         if proposer_handle is not None:
 

@@ -21,19 +21,10 @@ from proposers.factory import build_proposer
 from proposers.remote import HiddenLayout, ProposerServer, hidden_layout
 
 
-def _own_gpus() -> float:
-    """The GPUs Ray reserved for this actor (0 outside an actor)."""
-    try:
-        import ray
-
-        return float(ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0))
-    except Exception:  # noqa: BLE001 - not in a Ray actor
-        return 0.0
-
-
 @serve.deployment(name="Proposer", health_check_period_s=5)
 class ProposerDeployment:
-    def __init__(self, args: AppArgs, device: str, dtype: str) -> None:
+    def __init__(self, args: AppArgs, device: str, dtype: str, draft_ahead: bool = False) -> None:
+        """draft_ahead: draft the next block after each answer (build_app decides: a GPU of its own)."""
         if device == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)  # Ray sets one thread per reserved CPU
         config = args.engine_config(device, dtype)
@@ -42,7 +33,7 @@ class ProposerDeployment:
         if args.proposer != "ngram":
             target = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
         self.proposer = build_proposer(config, target)
-        self.draft_ahead = args.proposer_draft_ahead(device, num_gpus=_own_gpus())
+        self.draft_ahead = draft_ahead
         self._lock = threading.Lock()  # one server at a time calls the proposer
         self._server: ProposerServer | None = None
 

@@ -53,6 +53,9 @@ class EngineConfig:
     draft_model: str | None = None
     draft_layers: int | None = None
     num_draft: int = 4
+    # One more draft as a share of a plain decode step, for choosing how many to ask for; None: from the
+    # proposer (proposers.factory.draft_cost). A proposer that drafts ahead on its own GPU costs ~0.
+    draft_cost: float | None = None
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype not in DTYPES:
@@ -133,7 +136,9 @@ class Engine:
         if proposer is not None:
             from proposers.factory import draft_cost
 
-            cost = draft_cost(config, model.spec.num_layers)
+            cost = config.draft_cost
+            if cost is None:
+                cost = draft_cost(config, model.spec.num_layers)
             self.speculator = Speculator(proposer, config.num_draft, cost)
         if self.speculator is not None:
             self.runner.capture_layers = self.speculator.target_layer_ids
