@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -143,7 +144,9 @@ class Engine:
         if self.speculator is not None:
             self.runner.capture_layers = self.speculator.target_layer_ids
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
-        self.run_ahead = run_ahead and self.speculator is None  # drafting needs the tokens on the host
+        # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's
+        # hidden states come from eager steps only, so it never runs ahead.
+        self.run_ahead = run_ahead and (self.speculator is None or not self.speculator.target_layer_ids)
         self.in_flight: DecodeLaunch | None = None  # the launched decode step whose tokens are unread
 
     @classmethod
@@ -210,21 +213,28 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step. With run-ahead, a decode step is launched and the previous one's tokens are
         returned, so each token comes back one step after the step that sampled it."""
+        started = time.perf_counter()
         outputs: list[RequestOutput] = []
         if self.in_flight is not None and not self._can_run_ahead():
             outputs += self._resolve_in_flight()
         drafts: dict[Sequence, list[int]] = {}
         if self.speculator is not None:
+
+            def read_launched() -> None:  # the proposer must see every token
+                outputs.extend(self._resolve_in_flight())
+
             drafts = self.speculator.plan(
                 self.scheduler.running, self.block_manager, self.config.max_num_batched_tokens,
-                self.max_model_len,
+                self.max_model_len, read_launched,
             )  # fmt: skip
         batch = self.scheduler.schedule()
         if not batch:
             return outputs + self._resolve_in_flight()
         if drafts:
             self.runner.copy_blocks(batch.block_copies)
-            return outputs + self._speculative_step(batch.scheduled, drafts)
+            outputs += self._speculative_step(batch.scheduled, drafts)
+            self.speculator.record_step(time.perf_counter() - started, verified_drafts=True)
+            return outputs
         self.runner.copy_blocks(batch.block_copies)
         seqs = [item.seq for item in batch.scheduled]
         is_decode = all(
@@ -238,14 +248,17 @@ class Engine:
             outputs += self._resolve_in_flight()
             self._commit(batch.scheduled)
             self.in_flight = launch
-            return outputs
-        assert self.in_flight is None, "a step that needs the host's tokens ran with a launch unread"
-        sampled = self.runner.execute(batch.scheduled)
-        self._keep_hidden(batch.scheduled, {})
-        self._commit(batch.scheduled)
-        for result in sampled:
-            result.seq.token_ids.append(result.token_id)
-        return outputs + [self._emit(result.seq, result.logprob) for result in sampled]
+        else:
+            assert self.in_flight is None, "a step that needs the host's tokens ran with a launch unread"
+            sampled = self.runner.execute(batch.scheduled)
+            self._keep_hidden(batch.scheduled, {})
+            self._commit(batch.scheduled)
+            for result in sampled:
+                result.seq.token_ids.append(result.token_id)
+            outputs += [self._emit(result.seq, result.logprob) for result in sampled]
+        if is_decode and self.speculator is not None:
+            self.speculator.record_step(time.perf_counter() - started, verified_drafts=False)
+        return outputs
 
     def _speculative_step(
         self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]

@@ -135,6 +135,8 @@ class DraftLengthController:
     drafts then emits E(k) = 1 + a + ... + a^k tokens at a cost of 1 + draft_cost * k plain decode steps,
     and the controller picks the k in [0, max_drafts] with the most tokens per cost (Leviathan et al.,
     eq. for the walltime improvement), the smallest k on ties; k = 0 means plain decoding pays better.
+    A step with drafts costs at least the measured step_cost (Speculator.step_cost: a verify step's
+    time over a plain step's, which on a GPU includes the overhead that drafts add whatever their number).
     So that a sequence at k = 0 can recover, every probe_interval-th step at k = 0 tries k = 1.
     Acceptance differs between requests (code edits vs open chat), so the engine keeps one per sequence.
     """
@@ -169,13 +171,14 @@ class DraftLengthController:
         self._accepted_average = keep * self._accepted_average + self.smoothing * num_accepted
         self._examined_average = keep * self._examined_average + self.smoothing * num_examined
 
-    def next_num_drafts(self) -> int:
-        """k for the next step (call once per step)."""
+    def next_num_drafts(self, step_cost: float = 1.0) -> int:
+        """k for the next step (call once per step). step_cost: what a step with drafts costs at least,
+        in plain decode steps, as measured (a verify step's fixed overhead); each draft adds draft_cost."""
         acceptance = self.acceptance
         best_drafts, best_rate, expected_tokens = 0, 1.0, 1.0
         for num_drafts in range(1, self.max_drafts + 1):
             expected_tokens += acceptance**num_drafts
-            rate = expected_tokens / (1.0 + self.draft_cost * num_drafts)
+            rate = expected_tokens / max(step_cost, 1.0 + self.draft_cost * num_drafts)
             if rate > best_rate:
                 best_drafts, best_rate = num_drafts, rate
         if best_drafts > 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -27,6 +28,7 @@ from proposers.base import DraftRequest, Proposer, ProposerUnavailableError
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5.0  # after a proposer failure, plain decoding for this long
+STEP_TIME_SMOOTHING = 0.1  # weight of the newest step in the step-time averages
 
 
 @dataclasses.dataclass
@@ -43,6 +45,8 @@ class Speculator:
         self.proposer = proposer
         self.max_drafts = max_drafts
         self.draft_cost = draft_cost
+        # moving averages of step wall times: steps that verified drafts, and plain decode steps
+        self._step_seconds: dict[bool, float | None] = {True: None, False: None}
         self.controllers: dict[str, DraftLengthController] = {}
         self.stats = SpeculationStats()
         self._paused_until = 0.0
@@ -73,18 +77,36 @@ class Speculator:
             return None, None
         return (torch.cat(chunks) if len(chunks) > 1 else chunks[0]), start
 
+    def record_step(self, seconds: float, verified_drafts: bool) -> None:
+        """The wall time of an engine step: one that verified drafts, or a plain decode step."""
+        last = self._step_seconds[verified_drafts]
+        average = seconds if last is None else last + STEP_TIME_SMOOTHING * (seconds - last)
+        self._step_seconds[verified_drafts] = average
+
+    @property
+    def step_cost(self) -> float:
+        """A step with drafts over a plain decode step, as measured (1 until both have run)."""
+        speculative, plain = self._step_seconds[True], self._step_seconds[False]
+        if speculative is None or not plain:
+            return 1.0
+        return speculative / plain
+
     def plan(
         self,
         running: Seq[Sequence],
         block_manager: BlockManager,
         token_budget: int,
         max_model_len: int,
+        before_proposing: Callable[[], None] | None = None,
     ) -> dict[Sequence, list[int]]:
         """Ask for drafts for the sequences ready to decode and append them to their tokens. Returns the
         drafts per sequence (only non-empty ones). Never asks for more than the cache, the token budget
-        and each sequence's limits can take, so that the step needs no preemption."""
+        and each sequence's limits can take, so that the step needs no preemption.
+        before_proposing: called once some sequence wants drafts, before the proposer sees any tokens
+        (the engine reads a launched step's tokens there); sequences that finished meanwhile get none."""
         if time.monotonic() < self._paused_until:
             return {}
+        step_cost = self.step_cost
         wanted: dict[Sequence, int] = {}
         free_blocks = block_manager.num_free_blocks
         budget = token_budget - len(running)  # each running sequence computes at least one token
@@ -97,7 +119,7 @@ class Speculator:
                 seq.request_id, DraftLengthController(self.max_drafts, self.draft_cost)
             )
             limit = min(
-                controller.next_num_drafts(),
+                controller.next_num_drafts(step_cost),
                 seq.params.max_tokens - seq.num_output_tokens - 1,  # the last token is the target's
                 max_model_len - seq.num_tokens - 1,
                 budget,
@@ -112,6 +134,9 @@ class Speculator:
             if limit > 0:
                 wanted[seq] = limit
                 budget -= limit
+        if before_proposing is not None and wanted:
+            before_proposing()
+            wanted = {seq: k for seq, k in wanted.items() if not seq.is_finished}
         if not wanted:
             return {}
         requests = []

@@ -441,6 +441,7 @@ def test_a_chats_next_turn_drafts_from_the_last_turns_context(
     config = EngineConfig(max_model_len=MAX_POSITIONS, block_size=4, max_num_batched_tokens=8)
     proposer = make_proposer(checkpoint, target)
     speculative, plain = Engine(model, config, proposer=proposer), Engine(model, config)
+    speculative.speculator.record_step = lambda seconds, verified_drafts: None  # drafts every step
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     generator = torch.Generator().manual_seed(7)
     first = torch.randint(0, 150, (13,), generator=generator).tolist()

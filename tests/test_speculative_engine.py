@@ -113,3 +113,39 @@ def test_a_failing_proposer_only_costs_speed(
     engine = Engine(model, EngineConfig(), proposer=proposer)
     assert engine.generate(prompts[0], GREEDY)[0] == plain[0]
     assert proposer.calls == 1 and engine.speculator.stats.proposer_failures == 1  # then paused
+
+
+def _batch_counting_launches(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """_batch, also counting the steps that left a decode step launched and unread (run-ahead)."""
+    ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    launched = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+        launched += engine.in_flight is not None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [tokens[request_id] for request_id in ids], launched
+
+
+@pytest.mark.parametrize("verify_cost", [None, 3.0], ids=["measured", "verify-costs-3-steps"])
+def test_speculation_with_run_ahead_equals_plain_decoding(
+    model: LoadedModel, prompts: list[list[int]], plain: list[list[int]], verify_cost: float | None
+) -> None:
+    """With run-ahead on (the GPU's default), a step that drafts first reads the launched step's tokens,
+    and a step without drafts launches ahead; the output stays plain decoding's. When a verify step costs
+    3 plain steps (held there), drafting pays only now and then, and most steps run ahead."""
+    engine = Engine(model, EngineConfig(proposer="ngram", num_draft=4, run_ahead=True))
+    speculator = engine.speculator
+    assert speculator is not None and engine.run_ahead
+    if verify_cost is not None:
+        speculator.record_step(verify_cost, verified_drafts=True)
+        speculator.record_step(1.0, verified_drafts=False)
+        speculator.record_step = lambda seconds, verified_drafts: None  # hold the costs
+        assert speculator.step_cost == pytest.approx(verify_cost)
+    tokens, launched = _batch_counting_launches(engine, prompts)
+    assert tokens == plain
+    if verify_cost is None:
+        assert speculator.stats.drafts_accepted > 0 and launched > 0
+    else:
+        assert launched > 0.5 * sum(len(t) for t in plain) / len(plain)
