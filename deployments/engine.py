@@ -125,8 +125,11 @@ class EngineDeployment:
 
     def metrics(self) -> str:
         speculator = self.engine.speculator
-        stats = speculator.stats if speculator is not None else None
-        return self.loop.render_metrics(self.info_value.model_name) + render_speculation(stats)
+        if speculator is None:
+            return self.loop.render_metrics(self.info_value.model_name) + render_speculation(None)
+        return self.loop.render_metrics(self.info_value.model_name) + render_speculation(
+            speculator.stats, speculator.step_cost
+        )
 
     def check_health(self) -> None:
         if not self.loop.is_alive():

@@ -86,9 +86,10 @@ class ServingMetrics:
         return "\n".join(lines) + "\n"
 
 
-def render_speculation(stats: SpeculationStats | None) -> str:
-    """Speculative decoding's counters; present (all 0) without a proposer, so that dashboards and
-    alerts need not know whether this server speculates. Acceptance = accepted / proposed."""
+def render_speculation(stats: SpeculationStats | None, step_cost: float = 1.0) -> str:
+    """Speculative decoding's counters and the measured cost of a step with drafts; present (0, and a
+    cost of 1) without a proposer, so that dashboards and alerts need not know whether this server
+    speculates. Acceptance = accepted / proposed."""
     counters = {
         "spec_steps_total": (stats.steps if stats else 0, "Sequence steps that verified drafts."),
         "spec_drafts_proposed_total": (stats.drafts_proposed if stats else 0, "Draft tokens verified."),
@@ -101,4 +102,10 @@ def render_speculation(stats: SpeculationStats | None) -> str:
     for name, (value, help_text) in counters.items():
         lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} counter"]
         lines.append(f"{PREFIX}_{name} {value}")
+    name = f"{PREFIX}_spec_step_cost"
+    lines += [
+        f"# HELP {name} A step that verifies drafts over a plain decode step, measured (1 until both ran).",
+        f"# TYPE {name} gauge",
+        f"{name} {step_cost:.4g}",
+    ]
     return "\n".join(lines) + "\n"

@@ -66,7 +66,8 @@ def _chat(app_url: str, model: str, messages: list[dict], max_tokens: int) -> st
 
 def test_speculative_text_equals_plain_and_drafts_are_accepted(served: Served) -> None:
     before = _counters(served.speculative_url)
-    assert _counters(served.base_url)["tileinfer_spec_drafts_proposed_total"] == 0  # no proposer: 0
+    without = _counters(served.base_url)
+    assert without["tileinfer_spec_drafts_proposed_total"] == 0 and without["tileinfer_spec_step_cost"] == 1
     for messages in (REPEAT, CAPITAL):
         plain = _chat(served.base_url, served.model, messages, 48)
         assert _chat(served.speculative_url, served.model, messages, 48) == plain
@@ -74,6 +75,7 @@ def test_speculative_text_equals_plain_and_drafts_are_accepted(served: Served) -
     assert after["tileinfer_spec_drafts_accepted_total"] > before["tileinfer_spec_drafts_accepted_total"]
     assert after["tileinfer_spec_drafts_proposed_total"] >= after["tileinfer_spec_drafts_accepted_total"]
     assert after["tileinfer_spec_proposer_failures_total"] == before["tileinfer_spec_proposer_failures_total"]
+    assert after["tileinfer_spec_step_cost"] != 1  # measured: both kinds of step ran and were timed
 
 
 def test_proposer_killed_mid_stream_changes_nothing_and_comes_back(served: Served) -> None:
