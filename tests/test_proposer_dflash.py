@@ -11,7 +11,11 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from engine.engine import Engine, EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.loader import LoadedModel
+from engine.sampling import SamplingParams
+from engine.spec import ModelSpec
 from proposers.base import DraftRequest, Proposer
 from proposers.dflash import DFlashDrafter, DFlashProposer, load_dflash_checkpoint
 
@@ -123,6 +127,24 @@ def make_proposer(checkpoint: Path, target: transformers.Qwen3ForCausalLM) -> DF
     )
 
 
+def make_drafter(
+    checkpoint: Path, target: transformers.Qwen3ForCausalLM
+) -> tuple[dict[str, torch.Tensor], DFlashDrafter, torch.Tensor, torch.Tensor]:
+    """The checkpoint's weights, its drafter, and the target's embedding and LM head."""
+    config, weights = load_dflash_checkpoint(checkpoint)
+    drafter = DFlashDrafter.from_weights(config, weights, MAX_POSITIONS)
+    return weights, drafter, target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+
+
+def target_engine(target: transformers.Qwen3ForCausalLM) -> tuple[LoadedModel, EngineConfig]:
+    """The tiny target as the engine's model, and a config of small pages and prefill chunks (a 13-token
+    prompt takes two steps)."""
+    spec = ModelSpec.from_hf_config(target.config.to_dict())
+    weights = {name: tensor.detach() for name, tensor in target.state_dict().items()}
+    model = LoadedModel(name="tiny-qwen3", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+    return model, EngineConfig(max_model_len=MAX_POSITIONS, block_size=4, max_num_batched_tokens=8)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # (a) the drafter against the paper's equations, written out densely in float64
 # ----------------------------------------------------------------------------------------------------------
@@ -178,9 +200,7 @@ def test_drafter_matches_the_equations(
     checkpoint: Path, target: transformers.Qwen3ForCausalLM, sequence: tuple[list[int], torch.Tensor]
 ) -> None:
     token_ids, features = sequence
-    config, weights = load_dflash_checkpoint(checkpoint)
-    drafter = DFlashDrafter.from_weights(config, weights, MAX_POSITIONS)
-    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    weights, drafter, embed, lm_head = make_drafter(checkpoint, target)
     num_context = 11  # tokens 0..10 ran through the target; token 11 is the last one, starting the block
     block = [token_ids[num_context]] + [MASK_TOKEN_ID] * (BLOCK_SIZE - 1)
     expected = reference_draft_logits(weights, features[:num_context], block, embed, lm_head)
@@ -202,9 +222,7 @@ def test_drafter_matches_the_equations(
 
 def test_context_matters(checkpoint: Path, target: transformers.Qwen3ForCausalLM) -> None:
     """A sanity check on the test itself: different context features give different drafts' logits."""
-    config, weights = load_dflash_checkpoint(checkpoint)
-    drafter = DFlashDrafter.from_weights(config, weights, MAX_POSITIONS)
-    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    _, drafter, embed, lm_head = make_drafter(checkpoint, target)
     block, positions = torch.tensor([3] + [MASK_TOKEN_ID] * 4), torch.arange(6, 11)
     features = torch.randn(6, 2 * HIDDEN, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -222,9 +240,7 @@ def test_incremental_context_and_rollback_equal_recomputing(
     checkpoint: Path, target: transformers.Qwen3ForCausalLM, sequence: tuple[list[int], torch.Tensor]
 ) -> None:
     token_ids, features = sequence
-    config, weights = load_dflash_checkpoint(checkpoint)
-    drafter = DFlashDrafter.from_weights(config, weights, MAX_POSITIONS)
-    embed, lm_head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+    _, drafter, embed, lm_head = make_drafter(checkpoint, target)
     wrong = torch.randn(features.shape, generator=torch.Generator().manual_seed(2))  # rejected drafts' states
     cache = drafter.new_cache()
     num_cached = 0
@@ -404,15 +420,7 @@ class _CheckingProposer:
 def test_the_engine_hands_dflash_the_target_hidden_states(
     checkpoint: Path, target: transformers.Qwen3ForCausalLM
 ) -> None:
-    from engine.engine import Engine, EngineConfig
-    from engine.loader import LoadedModel
-    from engine.sampling import SamplingParams
-    from engine.spec import ModelSpec
-
-    spec = ModelSpec.from_hf_config(target.config.to_dict())
-    weights = {name: tensor.detach() for name, tensor in target.state_dict().items()}
-    model = LoadedModel(name="tiny-qwen3", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
-    config = EngineConfig(max_model_len=MAX_POSITIONS, block_size=4, max_num_batched_tokens=8)
+    model, config = target_engine(target)
     proposer = _CheckingProposer(make_proposer(checkpoint, target), target)
     speculative = Engine(model, config, proposer=proposer)
     plain = Engine(model, config)
@@ -430,15 +438,7 @@ def test_a_chats_next_turn_drafts_from_the_last_turns_context(
     """The second turn's prompt (the first turn, its reply and a new message) is served from the
     target's prefix cache, so the target never runs its prefix again; DFlash takes over the first turn's
     retired context and drafts for the second turn too. The output stays plain decoding's."""
-    from engine.engine import Engine, EngineConfig
-    from engine.loader import LoadedModel
-    from engine.sampling import SamplingParams
-    from engine.spec import ModelSpec
-
-    spec = ModelSpec.from_hf_config(target.config.to_dict())
-    weights = {name: tensor.detach() for name, tensor in target.state_dict().items()}
-    model = LoadedModel(name="tiny-qwen3", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
-    config = EngineConfig(max_model_len=MAX_POSITIONS, block_size=4, max_num_batched_tokens=8)
+    model, config = target_engine(target)
     proposer = make_proposer(checkpoint, target)
     speculative, plain = Engine(model, config, proposer=proposer), Engine(model, config)
     speculative.speculator.record_step = lambda seconds, verified_drafts: None  # drafts every step

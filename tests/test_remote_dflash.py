@@ -12,8 +12,16 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from test_proposer_dflash import MAX_POSITIONS, TARGET_LAYER_IDS, make_proposer, write_checkpoint
+from test_proposer_dflash import (
+    MAX_POSITIONS,
+    TARGET_LAYER_IDS,
+    make_proposer,
+    target_engine,
+    write_checkpoint,
+)
 
+from engine.engine import Engine
+from engine.sampling import SamplingParams
 from proposers.base import DraftRequest
 from proposers.channel import ChannelCapacity, ChannelClient
 from proposers.dflash import DFlashProposer
@@ -177,15 +185,7 @@ def test_rows_beyond_the_step_capacity_cross_over_several_steps(
 def test_an_engine_drafts_with_a_remote_dflash_proposer(
     dflash_process: DFlashProcess, target: transformers.Qwen3ForCausalLM
 ) -> None:
-    from engine.engine import Engine, EngineConfig
-    from engine.loader import LoadedModel
-    from engine.sampling import SamplingParams
-    from engine.spec import ModelSpec
-
-    spec = ModelSpec.from_hf_config(target.config.to_dict())
-    weights = {name: tensor.detach() for name, tensor in target.state_dict().items()}
-    model = LoadedModel(name="tiny-qwen3", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
-    config = EngineConfig(max_model_len=MAX_POSITIONS, block_size=4, max_num_batched_tokens=8)
+    model, config = target_engine(target)
     remote = dflash_process.remote(max_step_rows=8)  # the 13-token prompt's rows take two steps
     try:
         speculative = Engine(model, config, proposer=remote)
@@ -209,15 +209,7 @@ def test_a_chats_next_turn_drafts_with_a_remote_dflash_proposer(
     """Across the channel too, a second turn served from the target's prefix cache drafts: its rows
     cross with the position of the first (past the cached prefix), and the proposer takes over the first
     turn's context."""
-    from engine.engine import Engine, EngineConfig
-    from engine.loader import LoadedModel
-    from engine.sampling import SamplingParams
-    from engine.spec import ModelSpec
-
-    spec = ModelSpec.from_hf_config(target.config.to_dict())
-    weights = {name: tensor.detach() for name, tensor in target.state_dict().items()}
-    model = LoadedModel(name="tiny-qwen3", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
-    config = EngineConfig(max_model_len=MAX_POSITIONS, block_size=4, max_num_batched_tokens=8)
+    model, config = target_engine(target)
     remote = dflash_process.remote()
     try:
         speculative, plain = Engine(model, config, proposer=remote), Engine(model, config)
