@@ -141,7 +141,6 @@ class Engine:
             if cost is None:
                 cost = draft_cost(config, model.spec.num_layers)
             self.speculator = Speculator(proposer, config.num_draft, cost)
-        if self.speculator is not None:
             self.runner.capture_layers = self.speculator.target_layer_ids
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
         # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's

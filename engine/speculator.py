@@ -115,9 +115,11 @@ class Speculator:
                 continue
             if seq.params.logprobs is not None:
                 continue
-            controller = self.controllers.setdefault(
-                seq.request_id, DraftLengthController(self.max_drafts, self.draft_cost)
-            )
+            controller = self.controllers.get(seq.request_id)
+            if controller is None:  # a request's first step (not a new controller each step)
+                controller = self.controllers[seq.request_id] = DraftLengthController(
+                    self.max_drafts, self.draft_cost
+                )
             limit = min(
                 controller.next_num_drafts(step_cost),
                 seq.params.max_tokens - seq.num_output_tokens - 1,  # the last token is the target's
