@@ -7,7 +7,7 @@ The engine runs in this process on GPU 0 (SmolLM2-135M-Instruct, greedy, bf16). 
 self-draft of the target's first N layers, runs in a spawned process that attaches to the engine's
 shared-memory channel (as the proposer actor does under Serve) on GPU 0 ("one GPU") or GPU 1 ("two
 GPUs"); with draft-ahead it drafts the next block while the engine verifies. Every placement asks for
-drafts at every step (draft_cost as for a free draft), so that only the placement differs. Uses
+drafts at every step (NUM_DRAFT, adapt_num_draft off), so that only the placement differs. Uses
 bench_spec's prompt sets. Needs two GPUs for the two-GPU rows (they are skipped on one); --device cpu
 runs the proposer in its own process on the CPU (a smoke run). Writes OUT_DIR/bench_placement.json and
 prints one table.
@@ -33,7 +33,6 @@ from bench.bench_spec import CODE_EDIT, OPEN_CHAT, run_set  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import load_model  # noqa: E402
-from proposers.factory import VERIFY_COST_PER_DRAFT  # noqa: E402
 from proposers.remote import ProposerServer, RemoteProposer  # noqa: E402
 
 CONTEXT = multiprocessing.get_context("spawn")
@@ -130,10 +129,8 @@ def main() -> None:
                 print(f"skipped: {placement} needs {gpu + 1} GPUs, this machine has {num_gpus}")
                 continue
             with remote_proposer(proposer_config, gpu, draft_ahead) as (remote, ahead):
-                # every placement drafts as often (as if drafts were free): the placement is what differs
-                config = EngineConfig(
-                    **{**vars(base), "num_draft": NUM_DRAFT, "draft_cost": VERIFY_COST_PER_DRAFT}
-                )
+                # every placement asks for NUM_DRAFT drafts at every step: the placement is what differs
+                config = EngineConfig(**{**vars(base), "num_draft": NUM_DRAFT, "adapt_num_draft": False})
                 engine = Engine(model, config, proposer=remote)
                 for set_name, prompts in sets.items():
                     run_set(plain_engine, prompts[:1], 16)  # warm-up (compiles, captures)

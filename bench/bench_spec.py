@@ -118,7 +118,8 @@ def divergence(
     for prompt_index, (a, b) in enumerate(zip(got, expected, strict=True)):
         index = first_difference(a, b)
         if index is not None:
-            gap = top2_gap(reference, prompts[prompt_index], index) if index < min(len(a), len(b)) else None
+            parted = index < min(len(a), len(b))  # not where one ends
+            gap = top2_gap(reference, prompts[prompt_index], b, index) if parted else None
             return {"first_difference": [prompt_index, index], "top2_gap_there": gap}
     return {"first_difference": None, "top2_gap_there": None}
 

@@ -11,6 +11,8 @@
 #   bash bench/device_run.sh linear   # sweep the linear tiles at M = 1, 16 (verify) and 512; new tuned table
 #   bash bench/device_run.sh sweep    # sweep the decode attention kernel's launch shape at 1k, 4k, 32k
 #   bash bench/device_run.sh grid     # the attention kernels' whole test grid, compiled
+#   bash bench/device_run.sh first    # part0, the two failing attention tests, the channel's GPU test
+#   bash bench/device_run.sh second   # part1, spec_exactness, run-ahead tests (right after `first`)
 #   bash bench/device_run.sh placement  # proposer on the engine's GPU or a second one (kind nvidia-h200-x2)
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
@@ -61,11 +63,29 @@ linear) run 560 python3 bench/bench_linear.py "$OUT" --m 1,16,512 --sweep --repl
     --write-tuned "$OUT/NVIDIA_H200.json" ;;
 sweep) run 500 python3 bench/bench_attention.py "$OUT" --sweep-decode ;;
 profile) run 400 python3 bench/profile_decode.py "$OUT" --models smollm2-135m,qwen3-0.6b,qwen3-4b ;;
-placement) run 560 python3 bench/bench_placement.py "$OUT" ;;
 extra)
     run 150 python3 bench/bench_long_context.py "$OUT"
     run 120 python3 bench/bench_attention.py "$OUT"
     ;;
+first)  # part 0, the two decode-attention tests that failed compiled, the channel's GPU rows (x2)
+    bash "$0" part0
+    timeout 120 python3 -m pytest -q --tb=long -p no:cacheprovider \
+        "tests/test_kernels_attention.py::test_long_sequence_among_short_ones" \
+        tests/test_kernels_attention.py::test_decode_attention_cuda_graph_replay > "$OUT/grid_failures.log" 2>&1
+    grep -E "^E |passed|failed|Error" "$OUT/grid_failures.log" | head -40
+    timeout 90 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/test_channel.py \
+        > "$OUT/test_channel.log" 2>&1
+    grep -E "^FAILED|^E |passed|failed" "$OUT/test_channel.log" | head -12
+    ;;
+second)  # part 1 (joins the GGUF), where speculative output parts from plain, the run-ahead tests
+    bash "$0" part1
+    timeout 270 python3 bench/spec_exactness.py "$OUT" > "$OUT/exactness.log" 2>&1
+    grep -v -i warn "$OUT/exactness.log" | tail -12
+    timeout 90 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/test_run_ahead.py \
+        > "$OUT/test_run_ahead.log" 2>&1
+    grep -E "^FAILED|^E |passed|failed" "$OUT/test_run_ahead.log" | head -12
+    ;;
+placement) run 560 python3 bench/bench_placement.py "$OUT" --draft-layers 30 --max-tokens 128 ;;
 grid)  # the two tests that failed compiled in the fourth run first, with their tracebacks kept
     timeout 120 python3 -m pytest -q --tb=long -p no:cacheprovider \
         "tests/test_kernels_attention.py::test_long_sequence_among_short_ones" \

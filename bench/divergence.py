@@ -17,11 +17,13 @@ def first_difference(got: list[int], expected: list[int]) -> int | None:
     return index
 
 
-def top2_gap(reference: Engine, prompt: list[int], index: int) -> float:
-    """The reference engine's top-2 logprob gap at generated token `index` of its greedy output."""
-    params = SamplingParams(max_tokens=index + 1, temperature=0, logprobs=2, ignore_eos=True)
-    outputs = list(reference.stream(prompt, params))
-    (top1, top2) = outputs[index].new_logprobs[0].top[:2]
+def top2_gap(reference: Engine, prompt: list[int], expected: list[int], index: int) -> float:
+    """The reference engine's top-2 logprob gap at token `index` of `expected`, in expected's own context:
+    the prompt and expected[:index] are prefilled (teacher-forced), so the gap belongs to the context where
+    the outputs parted (a fresh greedy run could itself part from `expected` earlier)."""
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=2, ignore_eos=True)
+    (output,) = list(reference.stream(prompt + expected[:index], params))
+    (top1, top2) = output.new_logprobs[0].top[:2]
     return top1[1] - top2[1]
 
 
@@ -31,7 +33,7 @@ def describe(reference: Engine, prompt: list[int], got: list[int], expected: lis
         return "equal"
     if index >= min(len(got), len(expected)):
         return f"one is a prefix of the other: lengths {len(got)} and {len(expected)}"
-    gap = top2_gap(reference, prompt, index)
+    gap = top2_gap(reference, prompt, expected, index)
     return (
         f"first difference at token {index}: {got[index]} vs {expected[index]}; the reference's top-2 "
         f"logprob gap there is {gap:.3e}"

@@ -57,6 +57,9 @@ class EngineConfig:
     # One more draft as a share of a plain decode step, for choosing how many to ask for; None: from the
     # proposer (proposers.factory.draft_cost). A proposer that drafts ahead on its own GPU costs ~0.
     draft_cost: float | None = None
+    # False: ask for num_draft drafts every step (within the cache's and each request's limits) instead
+    # of the count the measured acceptance and step cost pay best for (a benchmark's fixed setting).
+    adapt_num_draft: bool = True
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype not in DTYPES:
@@ -140,7 +143,7 @@ class Engine:
             cost = config.draft_cost
             if cost is None:
                 cost = draft_cost(config, model.spec.num_layers)
-            self.speculator = Speculator(proposer, config.num_draft, cost)
+            self.speculator = Speculator(proposer, config.num_draft, cost, adaptive=config.adapt_num_draft)
             self.runner.capture_layers = self.speculator.target_layer_ids
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
         # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's

@@ -40,10 +40,14 @@ class SpeculationStats:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, max_drafts: int, draft_cost: float = 0.1) -> None:
-        """draft_cost: one more draft, as a share of a plain decode step (DraftLengthController)."""
+    def __init__(
+        self, proposer: Proposer, max_drafts: int, draft_cost: float = 0.1, adaptive: bool = True
+    ) -> None:
+        """draft_cost: one more draft, as a share of a plain decode step (DraftLengthController).
+        adaptive=False: max_drafts drafts every step (within the limits), whatever they pay."""
         self.proposer = proposer
         self.max_drafts = max_drafts
+        self.adaptive = adaptive
         self.draft_cost = draft_cost
         # moving averages of step wall times: steps that verified drafts, and plain decode steps
         self._step_seconds: dict[bool, float | None] = {True: None, False: None}
@@ -121,7 +125,7 @@ class Speculator:
                     self.max_drafts, self.draft_cost
                 )
             limit = min(
-                controller.next_num_drafts(step_cost),
+                controller.next_num_drafts(step_cost) if self.adaptive else self.max_drafts,
                 seq.params.max_tokens - seq.num_output_tokens - 1,  # the last token is the target's
                 max_model_len - seq.num_tokens - 1,
                 budget,

@@ -46,11 +46,11 @@ import torch
 
 from proposers.device_rows import DESCRIPTOR_BYTES, DeviceRowsExport, DeviceRowsImport
 
-MAGIC = 0x54494C4543484E32  # "TILECHN2": the segment is a channel of this layout
+MAGIC = 0x54494C4543484E33  # "TILECHN3": the segment is a channel of this layout
 HEADER = (
     "magic", "request_seq", "response_seq", "closed", "num_requests", "num_new_tokens", "num_forgets",
     "status", "num_step_rows", "max_requests", "max_step_tokens", "max_drafts", "max_forgets",
-    "max_step_rows", "hidden_width", "hidden_dtype", "device_rows", "device_attached",
+    "max_step_rows", "hidden_width", "hidden_dtype", "device_rows", "device_attached", "step_rows_on_device",
 )  # fmt: skip
 _FIELD = {name: index for index, name in enumerate(HEADER)}
 ERROR_BYTES = 1024
@@ -267,6 +267,8 @@ class ChannelClient:
         layout.set("num_requests", len(requests))
         layout.set("num_new_tokens", offset)
         layout.set("num_step_rows", row_offset)
+        # where this step's rows are: the server may attach (and map the GPU buffer) between steps
+        layout.set("step_rows_on_device", int(device_rows is not None))
         layout.set("num_forgets", len(forget_keys))
         layout.set("status", STATUS_OK)
         self._seq += 1
@@ -358,11 +360,12 @@ class ChannelServer:
         self._spin_s = spin_window(now - self._last_step_time)
         self._last_step_time = now
         requests, offset, row_offset = [], 0, 0
+        rows_on_device = self._device_rows is not None and bool(layout.get("step_rows_on_device"))
         for index in range(layout.get("num_requests")):
             num_new, num_rows = int(layout.num_new[index]), int(layout.num_rows[index])
             hidden = None
             if num_rows:
-                if self._device_rows is not None:
+                if rows_on_device:
                     hidden = self._device_rows.read(row_offset, num_rows)
                 else:
                     hidden = layout.hidden[row_offset : row_offset + num_rows].clone()

@@ -7,10 +7,11 @@ and describes them in JSON: that GPU's UUID and the IPC handles of the memory an
 crosses). The proposer's end (DeviceRowsImport.open) maps them when its process sees that GPU, as when
 both actors share one; otherwise it gets None and the rows cross in the channel's host memory.
 
-Each step the engine copies the rows into the buffer on its stream and records the event before it
-signals the step; the proposer's stream waits for the event before it reads them. The buffer is reused
-only after the proposer has answered, and it answers after its drafts are on the host (which needs its
-reads done), so one buffer suffices.
+Each step the engine copies the rows into the buffer on its stream, records the event and waits for it
+before it signals the step; the proposer's stream also waits for the event before it reads them. The
+buffer is reused only after the proposer has answered, and it answers after its drafts are on the host
+(which needs its reads done), so one buffer suffices. The channel says with each step whether its rows
+are in this buffer: the proposer may map it between two steps.
 """
 
 from __future__ import annotations
@@ -60,8 +61,11 @@ class DeviceRowsExport:
         self.buffer[row_offset : row_offset + rows.shape[0]].copy_(rows, non_blocking=True)
 
     def publish(self) -> None:
-        """Mark the end of this step's copies: the proposer's reads wait for this point."""
+        """Mark the end of this step's copies (the proposer's reads wait for this point) and wait for
+        them on the host too, before the step is signalled: they are small, and they follow a step whose
+        tokens the host has read already."""
         self.event.record()
+        self.event.synchronize()
 
 
 class DeviceRowsImport:

@@ -24,7 +24,11 @@ def test_gap_at_the_first_difference_on_smollm2(smollm2_gguf: Path) -> None:
     expected = engine.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     outputs = list(engine.stream(prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=2)))
     (top1, top2) = outputs[3].new_logprobs[0].top[:2]
-    assert top2_gap(engine, prompt, 3) == pytest.approx(top1[1] - top2[1]) and top1[1] > top2[1]
+    # the same context, prefilled: the same gap up to the prefill and decode paths' rounding
+    assert top2_gap(engine, prompt, expected, 3) == pytest.approx(top1[1] - top2[1], rel=1e-3, abs=1e-4)
+    assert top1[1] > top2[1]
+    # in another context (a different token 2), another gap
+    assert top2_gap(engine, prompt, expected[:2] + [top1[0]], 3) != pytest.approx(top1[1] - top2[1], abs=1e-2)
     got = expected[:3] + [top2[0]] + expected[4:]
     assert describe(engine, prompt, got, expected).startswith(f"first difference at token 3: {top2[0]}")
     assert describe(engine, prompt, expected, expected) == "equal"

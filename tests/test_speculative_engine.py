@@ -59,11 +59,10 @@ def _batch(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> 
 def test_greedy_speculation_equals_plain_decoding(
     model: LoadedModel, prompts: list[list[int]], plain: list[list[int]], settings: dict
 ) -> None:
-    engine = Engine(model, EngineConfig(num_draft=4, **settings))
+    # every step drafts (a 24-layer self-draft costs 0.82 of a decode step a draft, and at its
+    # acceptance the adaptive count would rightly draft only now and then)
+    engine = Engine(model, EngineConfig(num_draft=4, adapt_num_draft=False, **settings))
     assert engine.speculator is not None and not engine.run_ahead
-    # drafts as if free, so that every step drafts (a 24-layer self-draft costs 0.82 of a decode step
-    # a draft, and at its acceptance the controller would rightly draft only now and then)
-    engine.speculator.draft_cost = 0.0
     assert [engine.generate(prompt, GREEDY)[0] for prompt in prompts] == plain
     assert _batch(engine, prompts, GREEDY) == plain  # both in one batch
     stats = engine.speculator.stats
@@ -149,3 +148,22 @@ def test_speculation_with_run_ahead_equals_plain_decoding(
         assert speculator.stats.drafts_accepted > 0 and launched > 0
     else:
         assert launched > 0.5 * sum(len(t) for t in plain) / len(plain)
+
+
+def test_a_fixed_draft_count_drafts_every_step(
+    model: LoadedModel, prompts: list[list[int]], plain: list[list[int]]
+) -> None:
+    """A self-draft of all 30 layers is the target itself: its drafts are all accepted, but each costs a
+    whole decode step, so the adaptive count drafts only on its probes; adapt_num_draft=False asks for
+    num_draft drafts at every step anyway (the placement benchmark's setting)."""
+    settings = {"proposer": "draft", "draft_layers": model.spec.num_layers, "num_draft": 4}
+    adaptive = Engine(model, EngineConfig(**settings))
+    assert _batch(adaptive, prompts[1:], GREEDY) == plain[1:]
+    fixed = Engine(model, EngineConfig(**settings, adapt_num_draft=False))
+    assert _batch(fixed, prompts[1:], GREEDY) == plain[1:]
+    adaptive_stats, fixed_stats = adaptive.speculator.stats, fixed.speculator.stats
+    assert adaptive_stats.drafts_proposed <= 4
+    # 40 tokens: every step but the last few (cut by max_tokens) carries 4 drafts, and all are accepted
+    assert fixed_stats.drafts_proposed >= 4 * (fixed_stats.steps - 2)
+    assert fixed_stats.steps <= 10
+    assert fixed_stats.drafts_accepted == fixed_stats.drafts_proposed
