@@ -126,6 +126,9 @@ def _mask_after(token_ids: torch.Tensor, num_accepted: torch.Tensor) -> torch.Te
     return torch.where(emitted, token_ids, torch.full_like(token_ids, PAD_TOKEN_ID))
 
 
+PROBE_ACCEPTANCE = 0.9  # a probe asks for the k that this acceptance would pay best for
+
+
 class DraftLengthController:
     """Picks the number of drafts k for a sequence's next step from the acceptance measured so far.
 
@@ -137,7 +140,11 @@ class DraftLengthController:
     eq. for the walltime improvement), the smallest k on ties; k = 0 means plain decoding pays better.
     A step with drafts costs at least the measured step_cost (Speculator.step_cost: a verify step's
     time over a plain step's, which on a GPU includes the overhead that drafts add whatever their number).
-    So that a sequence at k = 0 can recover, every probe_interval-th step at k = 0 tries k = 1.
+    So that a sequence at k = 0 can recover, it probes: its first step at k = 0 and then every
+    probe_interval-th one ask for the k that an acceptance of PROBE_ACCEPTANCE would pay best for. A
+    probe with one draft taught little (an accepted draft moved the estimate from 0.5 to 0.6), so on the
+    H200's code edit 61 of 78 steps went without drafts while the estimate climbed; a probe of 15 n-gram
+    drafts costs about what one does, since the verify step's fixed cost dominates.
     Acceptance differs between requests (code edits vs open chat), so the engine keeps one per sequence.
     """
 
@@ -155,7 +162,7 @@ class DraftLengthController:
         self.probe_interval = probe_interval
         self._accepted_average = initial_acceptance
         self._examined_average = 1.0
-        self._steps_without_drafts = 0
+        self._steps_without_drafts = probe_interval - 1  # a first step at k = 0 probes at once
 
     @property
     def acceptance(self) -> float:
@@ -171,21 +178,30 @@ class DraftLengthController:
         self._accepted_average = keep * self._accepted_average + self.smoothing * num_accepted
         self._examined_average = keep * self._examined_average + self.smoothing * num_examined
 
+    def record_no_drafts(self) -> None:
+        """The proposer had no drafts for the asked step (an n-gram without a match): nothing was
+        learnt, so a probe is due again at the next step."""
+        self._steps_without_drafts = self.probe_interval - 1
+
     def next_num_drafts(self, step_cost: float = 1.0) -> int:
         """k for the next step (call once per step). step_cost: what a step with drafts costs at least,
         in plain decode steps, as measured (a verify step's fixed overhead); each draft adds draft_cost."""
-        acceptance = self.acceptance
-        best_drafts, best_rate, expected_tokens = 0, 1.0, 1.0
-        for num_drafts in range(1, self.max_drafts + 1):
-            expected_tokens += acceptance**num_drafts
-            rate = expected_tokens / max(step_cost, 1.0 + self.draft_cost * num_drafts)
-            if rate > best_rate:
-                best_drafts, best_rate = num_drafts, rate
+        best_drafts = self._best_num_drafts(self.acceptance, step_cost)
         if best_drafts > 0:
             self._steps_without_drafts = 0
             return best_drafts
         self._steps_without_drafts += 1
         if self.max_drafts > 0 and self._steps_without_drafts >= self.probe_interval:
             self._steps_without_drafts = 0
-            return 1
+            return max(1, self._best_num_drafts(PROBE_ACCEPTANCE, step_cost))
         return 0
+
+    def _best_num_drafts(self, acceptance: float, step_cost: float) -> int:
+        """The k in [0, max_drafts] with the most expected tokens per cost at this acceptance."""
+        best_drafts, best_rate, expected_tokens = 0, 1.0, 1.0
+        for num_drafts in range(1, self.max_drafts + 1):
+            expected_tokens += acceptance**num_drafts
+            rate = expected_tokens / max(step_cost, 1.0 + self.draft_cost * num_drafts)
+            if rate > best_rate:
+                best_drafts, best_rate = num_drafts, rate
+        return best_drafts

@@ -245,6 +245,8 @@ def test_drafts_from_the_target_itself_are_all_accepted() -> None:
 )
 def test_controller_picks_the_k_with_most_tokens_per_cost(acceptance: float, expected_drafts: int) -> None:
     controller = DraftLengthController(max_drafts=8, draft_cost=0.1, initial_acceptance=acceptance)
+    first = controller.next_num_drafts()  # a first step that would not draft probes instead
+    assert first == (expected_drafts or 8)
     assert controller.next_num_drafts() == expected_drafts
 
 
@@ -281,10 +283,27 @@ def test_controller_backs_off_and_probes_again() -> None:
     controller.record(num_proposed=0, num_accepted=0)  # a step with no drafts tells nothing
     assert controller.acceptance < 0.01
     chosen = [controller.next_num_drafts() for _ in range(10)]
-    assert chosen == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    # a probe asks for what an acceptance of 0.9 pays best for: all 4 (4.10 tokens for a cost of 1.4)
+    assert chosen == [0, 0, 0, 0, 4, 0, 0, 0, 0, 4]
     for _ in range(10):
         controller.record(num_proposed=1, num_accepted=1)
     assert controller.next_num_drafts() == 4
+
+
+def test_controller_probes_on_its_first_step_with_the_k_a_success_would_want() -> None:
+    """A request whose prior acceptance does not pay for drafting (the verify step costs 3 plain steps)
+    probes on its first step, with the k that a high acceptance would pay for: all 15 cheap n-gram
+    drafts, fewer 0.5-step self-draft layers; then it waits probe_interval steps before the next."""
+    cheap = DraftLengthController(max_drafts=15, draft_cost=0.02, probe_interval=4)
+    assert [cheap.next_num_drafts(step_cost=3.0) for _ in range(5)] == [15, 0, 0, 0, 15]
+    costly = DraftLengthController(max_drafts=15, draft_cost=0.5)
+    assert 1 < costly.next_num_drafts(step_cost=3.0) < 15
+    # a probe the proposer had no drafts for taught nothing: the next step probes again
+    cheap.record_no_drafts()
+    assert cheap.next_num_drafts(step_cost=3.0) == 15
+    # a fully accepted probe of 15 drafts is evidence enough to draft at the next step
+    cheap.record(num_proposed=15, num_accepted=15)
+    assert cheap.next_num_drafts(step_cost=3.0) == 15
 
 
 # --- on the GPU, the same answers as on the CPU -------------------------------------------------------
