@@ -18,8 +18,10 @@ How the kernel divides the work:
   causal diagonal and, with a sliding window, at the window's far edge (masked). Tiles no row sees
   are never loaded.
 - When the grid is too small to fill the GPU (a verify step over a long context), the key range of
-  each query tile is split among `num_splits` programs, as in split-KV decode; each writes partials
-  and the last to finish (an atomic counter) merges them in split order.
+  each query tile is split among up to `num_splits` programs, as in split-KV decode: as many as its
+  length needs (decode_min_keys_per_split keys each), so a short context runs one and the grid's
+  other programs exit. Each writes partials and the last to finish (an atomic counter) merges them in
+  split order.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import AttentionMetadata, DecodeWorkspace
+from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_min_keys_per_split
 from kernels.triton_common import INTERPRET, num_sms
 
 MAX_PREFILL_SPLITS = 64
@@ -160,6 +162,38 @@ def _attend_tiles(
 
 
 @triton.jit
+def _store_normalized(out_ptrs, acc, l_i, row_mask):
+    denom = tl.where(l_i > 0.0, l_i, 1.0)  # a padded row: zeros
+    tl.store(out_ptrs, (acc / denom[:, None]).to(out_ptrs.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _merge_splits(
+    partial_acc_ptr, partial_max_ptr, partial_sum_ptr, stat_slots, dims, row_mask, active,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The unnormalised output and denominator over the first `active` splits' partials, in split order.
+    Loads bypass L1 (.cg): they read other SMs' writes."""
+    m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_all = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for split in range(active):
+        slots = stat_slots + split
+        m_s = tl.load(partial_max_ptr + slots, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(partial_sum_ptr + slots, mask=row_mask, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(partial_acc_ptr + slots[:, None] * HEAD_DIM + dims[None, :], mask=row_mask[:, None],
+                        other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m_all, m_s)
+        m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_all - m_shift)
+        beta = tl.exp2(m_s - m_shift)
+        l_all = l_all * alpha + l_s * beta
+        acc_all = acc_all * alpha[:, None] + acc_s * beta[:, None]
+        m_all = m_new
+    return acc_all, l_all
+
+
+@triton.jit
 def _paged_prefill_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -190,7 +224,8 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,  # rows: TOKENS tokens x GROUP heads, padded
     BLOCK_N: tl.constexpr,  # keys per tile
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (page)
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # splits in the grid: the most a query tile may use
+    MIN_TILES: tl.constexpr,  # the fewest key tiles a used split takes
     UPCAST: tl.constexpr = INTERPRET,
     DOT_PRECISION: tl.constexpr = "tf32",  # "ieee" for an fp32 cache: exact fp32, not TF32
 ):
@@ -236,78 +271,66 @@ def _paged_prefill_kernel(
         tile_hi = last_pos // BLOCK_N + 1
         full_lo = tl.minimum(tl.maximum((last_pos - window + 1 + BLOCK_N - 1) // BLOCK_N, tile_lo), tile_hi)
         full_hi = tl.maximum(tl.minimum((first_pos + 1) // BLOCK_N, tile_hi), full_lo)
-        if NUM_SPLITS > 1:  # this program's share of the tiles
-            tiles_per_split = (tile_hi - tile_lo + NUM_SPLITS - 1) // NUM_SPLITS
-            split_lo = tl.minimum(tile_lo + split * tiles_per_split, tile_hi)
-            split_hi = tl.minimum(split_lo + tiles_per_split, tile_hi)
-        else:
-            split_lo = tile_lo
-            split_hi = tile_hi
+        # This program's share of the key tiles. The tile's key range, not the grid, sets how many
+        # splits it uses (MIN_TILES tiles each at least, NUM_SPLITS at most): a verify step's grid is
+        # sized for the longest context its graph may see, and a short context leaves most splits idle.
+        num_key_tiles = tile_hi - tile_lo  # >= 1: a valid row sees its own key
+        splits_used = tl.minimum(tl.maximum((num_key_tiles + MIN_TILES - 1) // MIN_TILES, 1), NUM_SPLITS)
+        tiles_per_split = (num_key_tiles + splits_used - 1) // splits_used
+        active = (num_key_tiles + tiles_per_split - 1) // tiles_per_split
+        split_lo = tile_lo + split * tiles_per_split
+        split_hi = tl.minimum(split_lo + tiles_per_split, tile_hi)
 
-        k_base = kv_cache_ptr + kv_head * stride_kv_head
-        v_base = k_base + stride_kv
-        table_base = block_tables_ptr + seq * stride_table_seq
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        # the window's far edge, the fully visible middle, the causal diagonal
-        acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, k_base, v_base, table_base, positions, first_key, last_pos,
-            tl.maximum(split_lo, tile_lo), tl.minimum(split_hi, full_lo), window, stride_block, stride_slot,
-            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
-        acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, k_base, v_base, table_base, positions, first_key, last_pos,
-            tl.maximum(split_lo, full_lo), tl.minimum(split_hi, full_hi), window, stride_block, stride_slot,
-            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
-        acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, k_base, v_base, table_base, positions, first_key, last_pos,
-            tl.maximum(split_lo, full_hi), tl.minimum(split_hi, tile_hi), window, stride_block, stride_slot,
-            qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
+        if split < active:  # the other programs of the tile exit at once
+            k_base = kv_cache_ptr + kv_head * stride_kv_head
+            v_base = k_base + stride_kv
+            table_base = block_tables_ptr + seq * stride_table_seq
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            # this share of the window's far edge, the fully visible middle, the causal diagonal
+            edge_hi, middle_lo = tl.minimum(split_hi, full_lo), tl.maximum(split_lo, full_lo)
+            middle_hi, diagonal_lo = tl.minimum(split_hi, full_hi), tl.maximum(split_lo, full_hi)
+            acc, m_i, l_i = _attend_tiles(
+                acc, m_i, l_i, q, k_base, v_base, table_base, positions, first_key, last_pos,
+                split_lo, edge_hi, window, stride_block, stride_slot,
+                qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+            acc, m_i, l_i = _attend_tiles(
+                acc, m_i, l_i, q, k_base, v_base, table_base, positions, first_key, last_pos,
+                middle_lo, middle_hi, window, stride_block, stride_slot,
+                qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+            acc, m_i, l_i = _attend_tiles(
+                acc, m_i, l_i, q, k_base, v_base, table_base, positions, first_key, last_pos,
+                diagonal_lo, split_hi, window, stride_block, stride_slot,
+                qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
 
-        out_ptrs = (
-            out_ptr + (token_rows * stride_out_token + heads * stride_out_head)[:, None] + dims[None, :]
-        )
-        if NUM_SPLITS == 1:
-            denom = tl.where(l_i > 0.0, l_i, 1.0)
-            tl.store(out_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-        else:
-            # Every split writes its partials, even an empty one (m = -inf, l = 0), then counts itself
-            # in; the NUM_SPLITS-th to arrive merges. The barrier makes all threads' writes precede the
-            # release by the atomic; the merge's loads bypass L1 (.cg) to see other SMs' writes.
-            num_heads = num_kv_heads * GROUP
-            stat_slots = (token_rows * num_heads + heads) * NUM_SPLITS  # [BLOCK_M] int64, split 0
-            acc_ptrs = partial_acc_ptr + (stat_slots + split)[:, None] * HEAD_DIM + dims[None, :]
-            tl.store(acc_ptrs, acc, mask=row_mask[:, None])
-            tl.store(partial_max_ptr + stat_slots + split, m_i, mask=row_mask)
-            tl.store(partial_sum_ptr + stat_slots + split, l_i, mask=row_mask)
-            tl.debug_barrier()
-            done_before = tl.atomic_add(counters_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if done_before == NUM_SPLITS - 1:
-                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-                acc_all = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-                for other in range(NUM_SPLITS):
-                    m_s = tl.load(partial_max_ptr + stat_slots + other, mask=row_mask, other=float("-inf"),
-                                  cache_modifier=".cg")  # fmt: skip
-                    l_s = tl.load(partial_sum_ptr + stat_slots + other, mask=row_mask, other=0.0,
-                                  cache_modifier=".cg")  # fmt: skip
-                    acc_s = tl.load(acc_ptrs + (other - split) * HEAD_DIM, mask=row_mask[:, None], other=0.0,
-                                    cache_modifier=".cg")  # fmt: skip
-                    m_new = tl.maximum(m_all, m_s)
-                    m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-                    alpha = tl.exp2(m_all - m_shift)
-                    beta = tl.exp2(m_s - m_shift)
-                    l_all = l_all * alpha + l_s * beta
-                    acc_all = acc_all * alpha[:, None] + acc_s * beta[:, None]
-                    m_all = m_new
-                denom = tl.where(l_all > 0.0, l_all, 1.0)
-                tl.store(
-                    out_ptrs, (acc_all / denom[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask[:, None]
-                )
-                tl.store(counters_ptr + pid, 0)  # ready for the next launch (graph replay)
+            out_rows = (token_rows * stride_out_token + heads * stride_out_head)[:, None] + dims[None, :]
+            if NUM_SPLITS == 1:  # noqa: SIM114 (constexpr: the merge below is not even compiled)
+                _store_normalized(out_ptr + out_rows, acc, l_i, row_mask)
+            elif active == 1:  # a short key range: one split holds the whole answer, no partials
+                _store_normalized(out_ptr + out_rows, acc, l_i, row_mask)
+            else:
+                # Every active split writes its partials (a row with no visible key in its share: m = -inf,
+                # l = 0), then counts itself in; the active-th to arrive merges, in split order. The barrier
+                # makes all threads' writes precede the release by the atomic.
+                num_heads = num_kv_heads * GROUP
+                stat_slots = (token_rows * num_heads + heads) * NUM_SPLITS  # [BLOCK_M] int64, split 0
+                tl.store(partial_acc_ptr + (stat_slots + split)[:, None] * HEAD_DIM + dims[None, :], acc,
+                         mask=row_mask[:, None])  # fmt: skip
+                tl.store(partial_max_ptr + stat_slots + split, m_i, mask=row_mask)
+                tl.store(partial_sum_ptr + stat_slots + split, l_i, mask=row_mask)
+                tl.debug_barrier()
+                done_before = tl.atomic_add(counters_ptr + pid, 1, sem="acq_rel", scope="gpu")
+                if done_before == active - 1:
+                    acc, l_i = _merge_splits(
+                        partial_acc_ptr, partial_max_ptr, partial_sum_ptr, stat_slots, dims, row_mask, active,
+                        BLOCK_M, HEAD_DIM,
+                    )  # fmt: skip
+                    _store_normalized(out_ptr + out_rows, acc, l_i, row_mask)
+                    tl.store(counters_ptr + pid, 0)  # ready for the next launch (graph replay)
 
 
 def paged_prefill_attention_triton(
@@ -355,6 +378,7 @@ def paged_prefill_attention_triton(
             num_tokens, num_seqs, max_query_len, num_heads, num_kv_heads, head_dim, max_context
         )
     block_m = prefill_block_m(max_query_len, group, head_dim)
+    block_n = prefill_block_n(block_m, head_dim)
     num_tiles = prefill_grid_tiles(num_tokens, num_seqs, max_query_len, group, head_dim)
 
     if num_splits > 1:
@@ -398,9 +422,10 @@ def paged_prefill_attention_triton(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
-        BLOCK_N=prefill_block_n(block_m, head_dim),
+        BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
+        MIN_TILES=triton.cdiv(decode_min_keys_per_split(head_dim), block_n),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         num_warps=8 if block_m * head_dim >= 128 * 128 else 4,  # the fp32 accumulator's registers
         num_stages=2 if head_dim > 128 else 3,

@@ -134,8 +134,8 @@ def test_prefill_attention_matches_reference(case_index: int, dtype: torch.dtype
 
 @pytest.mark.parametrize("window", [None, 70])
 def test_split_counts_agree(window: int | None) -> None:
-    """1, 2, 3 and 9 KV splits (more than some query tiles have key tiles) give the same answer, and
-    the counters are left at zero for the next launch."""
+    """Grids of 1, 2, 3 and 9 KV splits give the same answer (a query tile uses at most as many as its
+    keys need: here 2 for the 260-key row), and the counters are left at zero for the next launch."""
     case = make_case([3, 8, 1], [260, 8, 77], 8, 2, 64, 16, torch.float32, 31, window)
     one_split = run_triton(case, window, prefill_num_splits=1)
     torch.testing.assert_close(one_split, expected(case, window), **tolerance(torch.float32))
@@ -148,6 +148,26 @@ def test_split_counts_agree(window: int | None) -> None:
         got = run_triton(case, window, prefill_num_splits=num_splits, prefill_workspace=workspace)
         torch.testing.assert_close(got, one_split, atol=1e-5, rtol=1e-5)
         assert (workspace.counters == 0).all()
+
+
+def test_splits_follow_each_tile_s_key_range() -> None:
+    """A grid of 16 splits over a 2,000-key verify row, a 40-key one and a 700-key one: each query tile
+    uses only the splits its keys need (256 keys each at head_dim 64), the other programs write nothing,
+    and the merge reads only the splits used."""
+    query_lens, seq_lens = [4, 4, 1], [2000, 40, 700]
+    case = make_case(query_lens, seq_lens, 4, 1, 64, 16, torch.float32, 33)
+    one_split = run_triton(case, None, prefill_num_splits=1)
+    torch.testing.assert_close(one_split, expected(case, None), **tolerance(torch.float32))
+    workspace = allocate_prefill_workspace(9, 3, 4, 4, 1, 64, 16, DEVICE)
+    workspace.partials.fill_(float("nan"))
+    got = run_triton(case, None, prefill_num_splits=16, prefill_workspace=workspace)
+    torch.testing.assert_close(got, one_split, atol=1e-5, rtol=1e-5)
+    assert (workspace.counters == 0).all()
+    _, running_max, _ = workspace.split_partials(9, 4, 64, 16, 1)
+    written = ~running_max.view(9, 4, 16).isnan()  # [token, head, split]
+    assert written[:4, :, :8].all() and not written[:4, :, 8:].any()  # 2,000 keys: 8 splits
+    assert not written[4:8].any()  # 40 keys: one split, its output stored directly
+    assert written[8, :, :3].all() and not written[8, :, 3:].any()  # 700 keys: 3 splits
 
 
 def test_graph_style_call() -> None:
