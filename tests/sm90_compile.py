@@ -1,0 +1,196 @@
+"""Compile every Triton kernel launch the GPU engine makes for the H200 (sm_90), on a machine without a
+GPU: the compiler runs its whole pipeline (Python AST to cubin with ptxas), and nothing is launched.
+
+    TRITON_INTERPRET=0 python tests/sm90_compile.py
+
+The engine's Triton ops run on CPU tensors with JITFunction.run replaced by a recorder: a decoder of
+each kind (SmolLM2's head size and GQA 3; Qwen3's q/k norm at head size 128; Qwen2's qkv bias; a
+sliding window) runs a prefill, a decode step and a verify-shaped step, plus the sampler and split
+decode and verify attention. Each distinct launch (kernel, constexprs, warps, stages) is then compiled.
+Prints one JSON line: {"compiled": {kernel: variants}, "failed": [...]}; exits 1 if any failed.
+The CPU tests run the same kernels in Triton's interpreter, which checks their arithmetic but not
+that the compiler accepts them; this does the latter. Triton's version here may differ from the GPU
+machine's.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    sys.exit("run with TRITON_INTERPRET=0: the kernels must be real JIT functions to compile")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from bench.model_shapes import QWEN3_0_6B, SMOLLM2_135M, random_weights  # noqa: E402
+from engine.block_manager import BlockManager  # noqa: E402
+from engine.model import Decoder  # noqa: E402
+from engine.ops import TRITON_OPS  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.scheduler import ScheduledSequence  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+from kernels.attention import AttentionMetadata, DecodeWorkspace, paged_decode_attention_triton  # noqa: E402
+from kernels.prefill_attention import allocate_prefill_workspace, paged_prefill_attention_triton  # noqa: E402
+from kernels.sampling import SamplingTensors, sample_triton  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # H200
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl")
+TYPES = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+    torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+}  # fmt: skip
+
+
+@dataclasses.dataclass
+class Launch:
+    kernel: JITFunction
+    arguments: dict[str, object]  # every parameter, defaults applied
+    options: dict[str, int]
+
+
+def record_launches() -> list[Launch]:
+    """Replace JITFunction.run so that `kernel[grid](...)` records its arguments instead of launching."""
+    launches: list[Launch] = []
+
+    def run(self: JITFunction, *args: object, grid: object = None, **kwargs: object) -> None:
+        del grid
+        kwargs.pop("warmup", None)
+        options = {name: kwargs.pop(name) for name in LAUNCH_OPTIONS if name in kwargs}
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        launches.append(Launch(self, dict(bound.arguments), options))
+
+    JITFunction.run = run
+    return launches
+
+
+def argument_type(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def compile_launch(launch: Launch) -> None:
+    params = launch.kernel.params
+    signature, constexprs = {}, {}
+    for index, param in enumerate(params):
+        value = launch.arguments[param.name]
+        if param.is_constexpr or value is None:
+            signature[param.name] = "constexpr"
+            constexprs[(index,)] = value
+        else:
+            signature[param.name] = argument_type(value)
+    source = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs)
+    triton.compile(source, target=TARGET, options=launch.options)
+
+
+def variant_key(launch: Launch) -> tuple:
+    """What makes a compiled variant: the kernel, its constexprs, its argument types, its options."""
+    constexprs, types = [], []
+    for param in launch.kernel.params:
+        value = launch.arguments[param.name]
+        if param.is_constexpr:
+            constexprs.append((param.name, repr(value)))
+        else:
+            types.append("None" if value is None else argument_type(value))
+    return (launch.kernel.fn.__name__, tuple(constexprs), tuple(types), tuple(sorted(launch.options.items())))
+
+
+def run_decoder(spec: object, prompt_len: int) -> None:
+    """A prefill, a decode step and a verify-shaped step (5 logit rows) of a 2-layer bf16 decoder."""
+    spec = dataclasses.replace(spec, num_layers=2)
+    weights = random_weights(spec, torch.bfloat16, "cpu")
+    decoder = Decoder.from_weights(spec, weights, max_positions=1024, ops=TRITON_OPS)
+    runner = ModelRunner(
+        decoder, 64, 16, torch.bfloat16, max_num_seqs=2, max_model_len=1024, use_cuda_graphs=False
+    )
+    manager = BlockManager(num_blocks=64, block_size=16)
+    seq = Sequence("s", list(range(1, prompt_len + 1)), SamplingParams())
+    manager.allocate(seq)
+    runner.forward_eager([ScheduledSequence(seq, prompt_len)])
+    seq.num_computed_tokens = prompt_len
+    seq.token_ids.append(7)
+    manager.append_slots(seq, 0)
+    runner.forward_eager([ScheduledSequence(seq, 1)], is_decode=True)
+    seq.num_computed_tokens += 1
+    seq.token_ids += [8, 9, 10, 11, 12]
+    manager.append_slots(seq, 0)
+    runner.forward_eager([ScheduledSequence(seq, 5)], num_logits={seq: 5})
+
+
+def run_engine_kernels() -> None:
+    run_decoder(SMOLLM2_135M, 40)  # head size 64, GQA 3, tied embeddings
+    run_decoder(QWEN3_0_6B, 40)  # head size 128, q/k norm
+    run_decoder(dataclasses.replace(SMOLLM2_135M, family="qwen2", qkv_bias=True), 40)
+    run_decoder(dataclasses.replace(SMOLLM2_135M, family="mistral", sliding_window=24), 40)
+    # split decode attention, as a CUDA graph sized for a 32k block table runs it
+    query = torch.empty(2, 32, 128, dtype=torch.bfloat16)
+    cache = torch.empty(2, 2056, 16, 8, 128, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(2, 2056, dtype=torch.int32), torch.tensor([4096, 9], dtype=torch.int32)
+    workspace = DecodeWorkspace(
+        partials=torch.empty(DecodeWorkspace.partials_numel(2, 32, 128, 16)),
+        counters=torch.zeros(2 * 8, dtype=torch.int32),
+    )
+    paged_decode_attention_triton(query, cache, tables, lens, 0.088, num_splits=16, workspace=workspace)
+    # split verify attention: 2 sequences of 4 query tokens over long contexts
+    query = torch.empty(8, 32, 128, dtype=torch.bfloat16)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.zeros(8, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 4, 8], dtype=torch.int32),
+        seq_lens=lens,
+        block_tables=tables,
+        max_query_len=4,
+        prefill_num_splits=8,
+        prefill_workspace=allocate_prefill_workspace(8, 2, 4, 32, 8, 128, 8, "cpu"),
+    )
+    paged_prefill_attention_triton(query, cache, metadata, 0.088)
+    # the sampler: greedy and sampled rows with every filter and penalty
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                       frequency_penalty=0.5, presence_penalty=0.3, seed=3),
+    ]  # fmt: skip
+    tensors = SamplingTensors.from_params(params, [[1, 2], [3]], [[4], []], [1, 2], [0, 0], 1000)
+    sample_triton(torch.empty(2, 1000, dtype=torch.float32), tensors)
+
+
+def main() -> None:
+    launches = record_launches()
+    run_engine_kernels()
+    variants = {variant_key(launch): launch for launch in launches}
+    compiled: dict[str, int] = collections.Counter()
+    failed = []
+    for key, launch in variants.items():
+        try:
+            compile_launch(launch)
+            compiled[key[0]] += 1
+        except Exception as error:  # noqa: BLE001 - report every failing variant, not just the first
+            failed.append({"kernel": key[0], "constexprs": dict(key[1]), "error": str(error)[-2000:]})
+    split = {
+        name: any(key[0] == name and ("NUM_SPLITS", "1") not in key[1] for key in variants)
+        for name in ("_paged_decode_kernel", "_paged_prefill_kernel")
+    }  # both attention kernels compiled with their split-and-merge path too
+    print(json.dumps({"compiled": compiled, "split_variants": split, "failed": failed}))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
