@@ -197,6 +197,7 @@ def main() -> None:
                 "same_output": spec["outputs"] == plain["outputs"],
                 **divergence(plain_engine, prompts, spec["outputs"], plain["outputs"]),
                 "engine_steps": spec["steps"],
+                "verify_steps": stats.steps,  # one request at a time: steps that verified drafts
                 "time_in": timer.summary(),
             }
             rows.append(row)
@@ -207,14 +208,16 @@ def main() -> None:
     (out / "bench_spec.json").write_text(json.dumps({"device": args.device, "rows": rows}, indent=2))
     setting = f"{args.device}, {dtype}, greedy, {args.max_tokens} tokens each"
     print(f"\nspeculative decoding, SmolLM2-135M, {setting}")
-    columns = ["prompts", "proposer", "tau", "acceptance", "plain tok/s", "spec tok/s", "speedup", "same"]
+    columns = ["prompts", "proposer", "tau", "acceptance", "steps with drafts", "verify step", "plain tok/s",
+               "spec tok/s", "speedup", "same"]  # fmt: skip
     print("| " + " | ".join(columns) + " |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
+        verify = row["time_in"].get("execute_speculative", {}).get("ms_per_call")
         cells = [
             row["prompts"], row["proposer"], f"{row['tau']:.2f}", f"{100 * row['acceptance']:.0f} %",
-            f"{row['plain_tok_s']:.0f}", f"{row['spec_tok_s']:.0f}", f"{row['speedup']:.2f}x",
-            same_cell(row),
+            f"{row['verify_steps']} of {row['engine_steps']}", f"{verify:.2f} ms" if verify else "-",
+            f"{row['plain_tok_s']:.0f}", f"{row['spec_tok_s']:.0f}", f"{row['speedup']:.2f}x", same_cell(row),
         ]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
 
