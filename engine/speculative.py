@@ -144,7 +144,8 @@ class DraftLengthController:
     probe_interval-th one ask for the k that an acceptance of PROBE_ACCEPTANCE would pay best for. A
     probe with one draft taught little (an accepted draft moved the estimate from 0.5 to 0.6), so on the
     H200's code edit 61 of 78 steps went without drafts while the estimate climbed; a probe of 15 n-gram
-    drafts costs about what one does, since the verify step's fixed cost dominates.
+    drafts costs about what one does, since the verify step's fixed cost dominates. Probes stay rare:
+    with run-ahead, asking the proposer at all means reading the launched step's tokens first.
     Acceptance differs between requests (code edits vs open chat), so the engine keeps one per sequence.
     """
 
@@ -177,11 +178,6 @@ class DraftLengthController:
         keep = 1.0 - self.smoothing
         self._accepted_average = keep * self._accepted_average + self.smoothing * num_accepted
         self._examined_average = keep * self._examined_average + self.smoothing * num_examined
-
-    def record_no_drafts(self) -> None:
-        """The proposer had no drafts for the asked step (an n-gram without a match): nothing was
-        learnt, so a probe is due again at the next step."""
-        self._steps_without_drafts = self.probe_interval - 1
 
     def next_num_drafts(self, step_cost: float = 1.0) -> int:
         """k for the next step (call once per step). step_cost: what a step with drafts costs at least,

@@ -167,8 +167,6 @@ class Speculator:
             if proposal:
                 seq.token_ids.extend(proposal)
                 drafts[seq] = proposal
-            elif seq.request_id in self.controllers:
-                self.controllers[seq.request_id].record_no_drafts()
         return drafts
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:

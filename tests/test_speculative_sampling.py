@@ -298,9 +298,6 @@ def test_controller_probes_on_its_first_step_with_the_k_a_success_would_want() -
     assert [cheap.next_num_drafts(step_cost=3.0) for _ in range(5)] == [15, 0, 0, 0, 15]
     costly = DraftLengthController(max_drafts=15, draft_cost=0.5)
     assert 1 < costly.next_num_drafts(step_cost=3.0) < 15
-    # a probe the proposer had no drafts for taught nothing: the next step probes again
-    cheap.record_no_drafts()
-    assert cheap.next_num_drafts(step_cost=3.0) == 15
     # a fully accepted probe of 15 drafts is evidence enough to draft at the next step
     cheap.record(num_proposed=15, num_accepted=15)
     assert cheap.next_num_drafts(step_cost=3.0) == 15
