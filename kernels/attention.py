@@ -275,11 +275,28 @@ class DecodeWorkspace:
 
 
 @triton.jit
-def _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, mask, acc, l_sum):
-    """out[seq, heads] = acc / l_sum, zeros where nothing was summed (an empty sequence)."""
+def deal_key_tiles(num_tiles, MIN_TILES: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """How a query's num_tiles key tiles are dealt to the splits of a split-KV grid: its length, not the
+    grid, sets how many it uses (MIN_TILES tiles each at least, NUM_SPLITS at most). Returns (tiles per
+    split, splits used); split s takes the tiles from s * tiles per split, and splits past the used
+    ones (all of them when num_tiles is 0) have nothing to do. decode_splits_used is the host's twin."""
+    splits_used = tl.minimum(tl.maximum((num_tiles + MIN_TILES - 1) // MIN_TILES, 1), NUM_SPLITS)
+    tiles_per_split = tl.maximum((num_tiles + splits_used - 1) // splits_used, 1)
+    return tiles_per_split, (num_tiles + tiles_per_split - 1) // tiles_per_split
+
+
+@triton.jit
+def store_normalized(out_ptrs, acc, l_sum, mask):
+    """out = acc / l_sum in out's dtype, zeros where nothing was summed (an empty sequence, a padded row)."""
     denom = tl.where(l_sum > 0.0, l_sum, 1.0)
+    tl.store(out_ptrs, (acc / denom[:, None]).to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, mask, acc, l_sum):
+    """out[seq, heads] = acc / l_sum (store_normalized)."""
     o_ptrs = out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :]
-    tl.store(o_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    store_normalized(o_ptrs, acc, l_sum, mask)
 
 
 @triton.jit
@@ -337,9 +354,7 @@ def _paged_decode_kernel(
     first_key = tl.maximum(seq_len - window, 0)
     first_tile = first_key // BLOCK_N
     num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N - first_tile
-    splits_used = tl.minimum(tl.maximum((num_tiles + MIN_TILES - 1) // MIN_TILES, 1), NUM_SPLITS)
-    tiles_per_split = tl.maximum((num_tiles + splits_used - 1) // splits_used, 1)
-    active = (num_tiles + tiles_per_split - 1) // tiles_per_split
+    tiles_per_split, active = deal_key_tiles(num_tiles, MIN_TILES, NUM_SPLITS)
     tile_begin = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, first_tile + num_tiles)
 

@@ -32,7 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_min_keys_per_split
+from kernels.attention import (
+    AttentionMetadata,
+    DecodeWorkspace,
+    deal_key_tiles,
+    decode_min_keys_per_split,
+    store_normalized,
+)
 from kernels.triton_common import INTERPRET, num_sms
 
 MAX_PREFILL_SPLITS = 64
@@ -162,12 +168,6 @@ def _attend_tiles(
 
 
 @triton.jit
-def _store_normalized(out_ptrs, acc, l_i, row_mask):
-    denom = tl.where(l_i > 0.0, l_i, 1.0)  # a padded row: zeros
-    tl.store(out_ptrs, (acc / denom[:, None]).to(out_ptrs.dtype.element_ty), mask=row_mask[:, None])
-
-
-@triton.jit
 def _merge_splits(
     partial_acc_ptr, partial_max_ptr, partial_sum_ptr, stat_slots, dims, row_mask, active,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -271,13 +271,9 @@ def _paged_prefill_kernel(
         tile_hi = last_pos // BLOCK_N + 1
         full_lo = tl.minimum(tl.maximum((last_pos - window + 1 + BLOCK_N - 1) // BLOCK_N, tile_lo), tile_hi)
         full_hi = tl.maximum(tl.minimum((first_pos + 1) // BLOCK_N, tile_hi), full_lo)
-        # This program's share of the key tiles. The tile's key range, not the grid, sets how many
-        # splits it uses (MIN_TILES tiles each at least, NUM_SPLITS at most): a verify step's grid is
-        # sized for the longest context its graph may see, and a short context leaves most splits idle.
-        num_key_tiles = tile_hi - tile_lo  # >= 1: a valid row sees its own key
-        splits_used = tl.minimum(tl.maximum((num_key_tiles + MIN_TILES - 1) // MIN_TILES, 1), NUM_SPLITS)
-        tiles_per_split = (num_key_tiles + splits_used - 1) // splits_used
-        active = (num_key_tiles + tiles_per_split - 1) // tiles_per_split
+        # This program's share of the key tiles (deal_key_tiles): a verify step's grid is sized for the
+        # longest context its graph may see, and a short context leaves most splits idle.
+        tiles_per_split, active = deal_key_tiles(tile_hi - tile_lo, MIN_TILES, NUM_SPLITS)
         split_lo = tile_lo + split * tiles_per_split
         split_hi = tl.minimum(split_lo + tiles_per_split, tile_hi)
 
@@ -309,9 +305,9 @@ def _paged_prefill_kernel(
 
             out_rows = (token_rows * stride_out_token + heads * stride_out_head)[:, None] + dims[None, :]
             if NUM_SPLITS == 1:  # noqa: SIM114 (constexpr: the merge below is not even compiled)
-                _store_normalized(out_ptr + out_rows, acc, l_i, row_mask)
+                store_normalized(out_ptr + out_rows, acc, l_i, row_mask[:, None])
             elif active == 1:  # a short key range: one split holds the whole answer, no partials
-                _store_normalized(out_ptr + out_rows, acc, l_i, row_mask)
+                store_normalized(out_ptr + out_rows, acc, l_i, row_mask[:, None])
             else:
                 # Every active split writes its partials (a row with no visible key in its share: m = -inf,
                 # l = 0), then counts itself in; the active-th to arrive merges, in split order. The barrier
@@ -329,7 +325,7 @@ def _paged_prefill_kernel(
                         partial_acc_ptr, partial_max_ptr, partial_sum_ptr, stat_slots, dims, row_mask, active,
                         BLOCK_M, HEAD_DIM,
                     )  # fmt: skip
-                    _store_normalized(out_ptr + out_rows, acc, l_i, row_mask)
+                    store_normalized(out_ptr + out_rows, acc, l_i, row_mask[:, None])
                     tl.store(counters_ptr + pid, 0)  # ready for the next launch (graph replay)
 
 
