@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.divergence import first_difference, top2_gap  # noqa: E402
+from bench.divergence import differences  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import LoadedModel, load_model  # noqa: E402
@@ -115,13 +115,10 @@ def divergence(
 ) -> dict[str, object]:
     """The first prompt and token where the speculative outputs part from plain decoding, with plain
     decoding's top-2 logprob gap there (near 0: a near-tie that other kernels' rounding may flip)."""
-    for prompt_index, (a, b) in enumerate(zip(got, expected, strict=True)):
-        index = first_difference(a, b)
-        if index is not None:
-            parted = index < min(len(a), len(b))  # not where one ends
-            gap = top2_gap(reference, prompts[prompt_index], b, index) if parted else None
-            return {"first_difference": [prompt_index, index], "top2_gap_there": gap}
-    return {"first_difference": None, "top2_gap_there": None}
+    found = next(differences(reference, prompts, got, expected), None)
+    if found is None:
+        return {"first_difference": None, "top2_gap_there": None}
+    return {"first_difference": [found["prompt"], found["token"]], "top2_gap_there": found.get("top2_gap")}
 
 
 def same_cell(row: dict) -> str:

@@ -4,6 +4,8 @@ large one is a bug."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 
@@ -27,14 +29,36 @@ def top2_gap(reference: Engine, prompt: list[int], expected: list[int], index: i
     return top1[1] - top2[1]
 
 
+def differences(
+    reference: Engine, prompts: list[list[int]], got: list[list[int]], expected: list[list[int]]
+) -> Iterator[dict]:
+    """For each prompt whose outputs part, in order: the prompt's index, the first token where they do,
+    the two tokens there and the reference's top-2 gap there; or `one_ends` where one output is a prefix
+    of the other. Lazy: a gap (one reference run) is computed only when its entry is taken."""
+    for index, (a, b) in enumerate(zip(got, expected, strict=True)):
+        position = first_difference(a, b)
+        if position is None:
+            continue
+        if position >= min(len(a), len(b)):
+            yield {"prompt": index, "token": position, "one_ends": True}
+        else:
+            gap = top2_gap(reference, prompts[index], b, position)
+            yield {
+                "prompt": index,
+                "token": position,
+                "got": a[position],
+                "expected": b[position],
+                "top2_gap": gap,
+            }
+
+
 def describe(reference: Engine, prompt: list[int], got: list[int], expected: list[int]) -> str:
-    index = first_difference(got, expected)
-    if index is None:
+    found = next(differences(reference, [prompt], [got], [expected]), None)
+    if found is None:
         return "equal"
-    if index >= min(len(got), len(expected)):
+    if "one_ends" in found:
         return f"one is a prefix of the other: lengths {len(got)} and {len(expected)}"
-    gap = top2_gap(reference, prompt, expected, index)
     return (
-        f"first difference at token {index}: {got[index]} vs {expected[index]}; the reference's top-2 "
-        f"logprob gap there is {gap:.3e}"
+        f"first difference at token {found['token']}: {found['got']} vs {found['expected']}; the "
+        f"reference's top-2 logprob gap there is {found['top2_gap']:.3e}"
     )

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_spec import CODE_EDIT, OPEN_CHAT, run_set  # noqa: E402
-from bench.divergence import first_difference, top2_gap  # noqa: E402
+from bench.divergence import differences  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import load_model  # noqa: E402
@@ -55,15 +55,10 @@ def main() -> None:
     for name, settings in CONFIGURATIONS:
         engine = Engine(model, EngineConfig(**{**vars(base), **settings}))
         outputs = run_set(engine, prompts, args.max_tokens)["outputs"]
-        row: dict = {"configuration": name, "differences": []}
-        for index, (got, want) in enumerate(zip(outputs, expected, strict=True)):
-            position = first_difference(got, want)
-            if position is not None and position < min(len(got), len(want)):
-                gap = top2_gap(reference, prompts[index], want, position)
-                row["differences"].append({"prompt": index, "token": position, "got": got[position],
-                                           "plain": want[position], "top2_gap": round(gap, 4)})  # fmt: skip
-            elif position is not None:
-                row["differences"].append({"prompt": index, "token": position, "one_ends": True})
+        row: dict = {
+            "configuration": name,
+            "differences": list(differences(reference, prompts, outputs, expected)),
+        }
         if engine.speculator is not None:
             row["stats"] = vars(engine.speculator.stats)
         rows.append(row)
