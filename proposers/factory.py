@@ -13,14 +13,18 @@ VERIFY_COST_PER_DRAFT = 0.02
 DEFAULT_DRAFT_COST = 0.1  # a separate draft model, whose size against the target is not known here
 
 
+def self_draft_layers(config: EngineConfig, target_num_layers: int) -> int:
+    """The target's first layers a self-draft runs: draft_layers, by default a quarter of them."""
+    return config.draft_layers or max(1, target_num_layers // 4)
+
+
 def draft_cost(config: EngineConfig, target_num_layers: int) -> float:
     """What one more draft costs, as a share of a plain decode step (DraftLengthController.draft_cost):
     n-gram and DFlash propose a block for about nothing, a self-draft runs its layers once a draft."""
     if config.proposer in ("ngram", "dflash"):
         return VERIFY_COST_PER_DRAFT
     if config.proposer == "draft" and config.draft_model is None:
-        layers = config.draft_layers or max(1, target_num_layers // 4)
-        return layers / target_num_layers + VERIFY_COST_PER_DRAFT
+        return self_draft_layers(config, target_num_layers) / target_num_layers + VERIFY_COST_PER_DRAFT
     return DEFAULT_DRAFT_COST
 
 
@@ -42,8 +46,8 @@ def build_proposer(config: EngineConfig, target: LoadedModel) -> Proposer:
     if name == "draft":
         from proposers.draft_model import DraftModelProposer
 
-        if config.draft_model is None:  # the same default as draft_cost's
-            layers = config.draft_layers or max(1, target.spec.num_layers // 4)
+        if config.draft_model is None:
+            layers = self_draft_layers(config, target.spec.num_layers)
             return DraftModelProposer.self_draft(target, layers, draft_config)
         draft = load_model(config.draft_model, dtype=config.torch_dtype(), device=config.torch_device())
         return DraftModelProposer(draft, target.spec.vocab_size, draft_config)
