@@ -9,7 +9,9 @@ VENV = .venv
 # Written after a complete install, so an interrupted one is redone and a finished one is not.
 INSTALLED = $(VENV)/.installed
 # Ray on this machine's loopback address only (the env var makes Ray take 127.0.0.1 as the node's IP).
-RAY_ENV = RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+# gRPC's fork handlers off: the Ray Client proxy forks a server per connection, and with them on the
+# child once segfaulted in gRPC's event engine before exec.
+RAY_ENV = RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 GRPC_ENABLE_FORK_SUPPORT=0
 
 .PHONY: run test
 

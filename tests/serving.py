@@ -84,6 +84,9 @@ def serve_application(workdir: Path) -> Iterator[Served]:
         # a Ray Client connection starts a server process; on a busy two-core machine (three apps and a
         # proposer actor) that has taken more than Ray's default 30 s
         "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "180",
+        # the Ray Client proxy forks a server per connection; with gRPC's fork handlers on, the child
+        # once segfaulted in gRPC's event engine before exec (seen in dmesg in a CI run)
+        "GRPC_ENABLE_FORK_SUPPORT": "0",
     }
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = http_port
