@@ -2,6 +2,10 @@
 plain decoding, same prompts, same run, on SmolLM2-135M (real weights).
 
     python bench/bench_spec.py [OUT_DIR] [--device cuda] [--max-tokens 256]
+    python bench/bench_spec.py OUT_DIR --device cpu --step-cost 2.7 --sets "code edit" --proposers ngram-15
+
+On the CPU only tau and the steps with drafts mean anything; --step-cost then prices a step with drafts
+as a GPU measured it, so that the draft-count controller chooses as it would there.
 
 Prompt sets: open chat questions, and a code edit (return a given 40-line function with one identifier
 renamed). For each proposer (n-gram, self-draft with the first layers) every prompt is decoded greedily
@@ -81,6 +85,14 @@ CODE_EDIT = [
     "nothing else.\n\n" + FUNCTION
 ]
 
+PROMPT_SETS = {"open chat": OPEN_CHAT, "code edit": CODE_EDIT}
+PROPOSERS = {  # key: (name, settings); at most --num-draft drafts a step unless the settings say
+    "ngram": ("ngram", {"proposer": "ngram"}),
+    "ngram-15": ("ngram, up to 15 drafts", {"proposer": "ngram", "num_draft": 15}),  # a 16-token bucket
+    "self-draft-15": ("self-draft (15 of 30 layers)", {"proposer": "draft", "draft_layers": 15}),
+    "self-draft-24": ("self-draft (24 of 30 layers)", {"proposer": "draft", "draft_layers": 24}),
+}
+
 
 class CallTimer:
     """Wall time spent in chosen methods of an engine's parts (host work plus any wait for the GPU
@@ -152,6 +164,14 @@ def main() -> None:
         "--no-step-graphs", action="store_true", help="run verify steps eagerly, not from CUDA graphs"
     )
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    parser.add_argument(
+        "--step-cost",
+        type=float,
+        default=None,
+        help="a step with drafts costs this many plain steps (default: measured)",
+    )
+    parser.add_argument("--sets", nargs="*", choices=list(PROMPT_SETS), default=list(PROMPT_SETS))
+    parser.add_argument("--proposers", nargs="*", choices=list(PROPOSERS), default=list(PROPOSERS))
     args = parser.parse_args()
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     base = EngineConfig(device=args.device, dtype=dtype, max_model_len=4096, kv_cache_tokens=16384)
@@ -159,22 +179,19 @@ def main() -> None:
     model: LoadedModel = load_model(str(default_model_path()), dtype=base.torch_dtype(), device=args.device)
     tokenizer = model.tokenizer
     sets = {
-        "open chat": [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in OPEN_CHAT],
-        "code edit": [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CODE_EDIT],
+        name: [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in PROMPT_SETS[name]]
+        for name in args.sets
     }
     plain_engine = Engine(model, base)
-    proposers = {  # name: settings, at most num_draft drafts a step unless they say
-        "ngram": {"proposer": "ngram"},
-        "ngram, up to 15 drafts": {"proposer": "ngram", "num_draft": 15},  # all of a 16-token verify bucket
-        "self-draft (15 of 30 layers)": {"proposer": "draft", "draft_layers": 15},
-        "self-draft (24 of 30 layers)": {"proposer": "draft", "draft_layers": 24},
-    }
+    proposers = {PROPOSERS[key][0]: PROPOSERS[key][1] for key in args.proposers}
     rows = []
     for set_name, prompts in sets.items():
         run_set(plain_engine, prompts[:1], 16)  # warm-up (compiles, captures)
         plain = run_set(plain_engine, prompts, args.max_tokens)
         for proposer_name, settings in proposers.items():
-            config = EngineConfig(**{**base.__dict__, "num_draft": args.num_draft, **settings})
+            config = EngineConfig(
+                **{**base.__dict__, "num_draft": args.num_draft, "step_cost": args.step_cost, **settings}
+            )
             engine = Engine(model, config)
             run_set(engine, prompts[:1], 16)
             timer = CallTimer()
@@ -204,6 +221,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_spec.json").write_text(json.dumps({"device": args.device, "rows": rows}, indent=2))
     setting = f"{args.device}, {dtype}, greedy, {args.max_tokens} tokens each"
+    if args.step_cost is not None:
+        setting += f", a step with drafts priced at {args.step_cost} plain steps"
     print(f"\nspeculative decoding, SmolLM2-135M, {setting}")
     columns = ["prompts", "proposer", "tau", "acceptance", "steps with drafts", "verify step", "plain tok/s",
                "spec tok/s", "speedup", "same"]  # fmt: skip

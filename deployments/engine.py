@@ -125,11 +125,8 @@ class EngineDeployment:
 
     def metrics(self) -> str:
         speculator = self.engine.speculator
-        if speculator is None:
-            return self.loop.render_metrics(self.info_value.model_name) + render_speculation(None)
-        return self.loop.render_metrics(self.info_value.model_name) + render_speculation(
-            speculator.stats, speculator.step_cost
-        )
+        stats, step_cost = (speculator.stats, speculator.step_cost) if speculator else (None, 1.0)
+        return self.loop.render_metrics(self.info_value.model_name) + render_speculation(stats, step_cost)
 
     def check_health(self) -> None:
         if not self.loop.is_alive():

@@ -60,6 +60,9 @@ class EngineConfig:
     # False: ask for num_draft drafts every step (within the cache's and each request's limits) instead
     # of the count the measured acceptance and step cost pay best for (a benchmark's fixed setting).
     adapt_num_draft: bool = True
+    # A step with drafts over a plain decode step, for the same choice; None: measured as steps run (a
+    # benchmark sets it to replay another machine's ratio).
+    step_cost: float | None = None
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype not in DTYPES:
@@ -143,7 +146,9 @@ class Engine:
             cost = config.draft_cost
             if cost is None:
                 cost = draft_cost(config, model.spec.num_layers)
-            self.speculator = Speculator(proposer, config.num_draft, cost, adaptive=config.adapt_num_draft)
+            self.speculator = Speculator(
+                proposer, config.num_draft, cost, adaptive=config.adapt_num_draft, step_cost=config.step_cost
+            )
             self.runner.capture_layers = self.speculator.target_layer_ids
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
         # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's

@@ -41,14 +41,21 @@ class SpeculationStats:
 
 class Speculator:
     def __init__(
-        self, proposer: Proposer, max_drafts: int, draft_cost: float = 0.1, adaptive: bool = True
+        self,
+        proposer: Proposer,
+        max_drafts: int,
+        draft_cost: float = 0.1,
+        adaptive: bool = True,
+        step_cost: float | None = None,
     ) -> None:
         """draft_cost: one more draft, as a share of a plain decode step (DraftLengthController).
-        adaptive=False: max_drafts drafts every step (within the limits), whatever they pay."""
+        adaptive=False: max_drafts drafts every step (within the limits), whatever they pay.
+        step_cost: a fixed step_cost instead of the measured one."""
         self.proposer = proposer
         self.max_drafts = max_drafts
         self.adaptive = adaptive
         self.draft_cost = draft_cost
+        self.fixed_step_cost = step_cost
         # moving averages of step wall times: steps that verified drafts, and plain decode steps
         self._step_seconds: dict[bool, float | None] = {True: None, False: None}
         self.controllers: dict[str, DraftLengthController] = {}
@@ -90,6 +97,8 @@ class Speculator:
     @property
     def step_cost(self) -> float:
         """A step with drafts over a plain decode step, as measured (1 until both have run)."""
+        if self.fixed_step_cost is not None:
+            return self.fixed_step_cost
         speculative, plain = self._step_seconds[True], self._step_seconds[False]
         if speculative is None or not plain:
             return 1.0
