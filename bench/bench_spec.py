@@ -196,6 +196,7 @@ def main() -> None:
             run_set(engine, prompts[:1], 16)
             timer = CallTimer()
             timer.wrap(engine.speculator, "plan")
+            timer.wrap(engine.speculator.proposer, "propose")  # each ask ends a step's run-ahead
             for method in ("execute_speculative", "execute", "launch_decode"):
                 timer.wrap(engine.runner, method)
             spec = run_set(engine, prompts, args.max_tokens)
@@ -224,15 +225,16 @@ def main() -> None:
     if args.step_cost is not None:
         setting += f", a step with drafts priced at {args.step_cost} plain steps"
     print(f"\nspeculative decoding, SmolLM2-135M, {setting}")
-    columns = ["prompts", "proposer", "tau", "acceptance", "steps with drafts", "verify step", "plain tok/s",
-               "spec tok/s", "speedup", "same"]  # fmt: skip
+    columns = ["prompts", "proposer", "tau", "acceptance", "steps with drafts", "asks", "verify step",
+               "plain tok/s", "spec tok/s", "speedup", "same"]  # fmt: skip
     print("| " + " | ".join(columns) + " |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
         verify = row["time_in"].get("execute_speculative", {}).get("ms_per_call")
         cells = [
             row["prompts"], row["proposer"], f"{row['tau']:.2f}", f"{100 * row['acceptance']:.0f} %",
-            f"{row['verify_steps']} of {row['engine_steps']}", f"{verify:.2f} ms" if verify else "-",
+            f"{row['verify_steps']} of {row['engine_steps']}",
+            str(row["time_in"].get("propose", {}).get("calls", 0)), f"{verify:.2f} ms" if verify else "-",
             f"{row['plain_tok_s']:.0f}", f"{row['spec_tok_s']:.0f}", f"{row['speedup']:.2f}x", same_cell(row),
         ]  # fmt: skip
         print("| " + " | ".join(cells) + " |")

@@ -145,7 +145,10 @@ class DraftLengthController:
     probe with one draft taught little (an accepted draft moved the estimate from 0.5 to 0.6), so on the
     H200's code edit 61 of 78 steps went without drafts while the estimate climbed; a probe of 15 n-gram
     drafts costs about what one does, since the verify step's fixed cost dominates. Probes stay rare:
-    with run-ahead, asking the proposer at all means reading the launched step's tokens first.
+    with run-ahead, asking the proposer at all means reading the launched step's tokens first. A probe
+    the proposer had no drafts for (n-gram: no match yet) is repeated sooner, after 1, 2, 4, ... steps up
+    to probe_interval: a prompt lookup often matches a few tokens into a copied passage, and waiting the
+    whole interval cost the code edit its first 16 steps.
     Acceptance differs between requests (code edits vs open chat), so the engine keeps one per sequence.
     """
 
@@ -164,6 +167,9 @@ class DraftLengthController:
         self._accepted_average = initial_acceptance
         self._examined_average = 1.0
         self._steps_without_drafts = probe_interval - 1  # a first step at k = 0 probes at once
+        self._probe_gap = probe_interval  # steps at k = 0 before the next probe
+        self._gap_after_no_proposal = 1  # the next gap if this probe gets no drafts (doubles each time)
+        self._probing = False  # whether the last step's k came from a probe
 
     @property
     def acceptance(self) -> float:
@@ -174,6 +180,7 @@ class DraftLengthController:
         """Report a verified step: how many drafts it had and how many were accepted."""
         if num_proposed == 0:
             return
+        self._probe_gap, self._gap_after_no_proposal = self.probe_interval, 1
         num_examined = num_accepted + (1 if num_accepted < num_proposed else 0)
         keep = 1.0 - self.smoothing
         self._accepted_average = keep * self._accepted_average + self.smoothing * num_accepted
@@ -183,14 +190,22 @@ class DraftLengthController:
         """k for the next step (call once per step). step_cost: what a step with drafts costs at least,
         in plain decode steps, as measured (a verify step's fixed overhead); each draft adds draft_cost."""
         best_drafts = self._best_num_drafts(self.acceptance, step_cost)
+        self._probing = False
         if best_drafts > 0:
             self._steps_without_drafts = 0
             return best_drafts
         self._steps_without_drafts += 1
-        if self.max_drafts > 0 and self._steps_without_drafts >= self.probe_interval:
+        if self.max_drafts > 0 and self._steps_without_drafts >= self._probe_gap:
             self._steps_without_drafts = 0
+            self._probing = True
             return max(1, self._best_num_drafts(PROBE_ACCEPTANCE, step_cost))
         return 0
+
+    def record_no_proposal(self) -> None:
+        """The proposer had no drafts for the step that asked. After a probe, the next comes sooner."""
+        if self._probing:
+            self._probe_gap = self._gap_after_no_proposal
+            self._gap_after_no_proposal = min(2 * self._gap_after_no_proposal, self.probe_interval)
 
     def _best_num_drafts(self, acceptance: float, step_cost: float) -> int:
         """The k in [0, max_drafts] with the most expected tokens per cost at this acceptance."""

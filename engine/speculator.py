@@ -176,6 +176,8 @@ class Speculator:
             if proposal:
                 seq.token_ids.extend(proposal)
                 drafts[seq] = proposal
+            elif self.adaptive:
+                self.controllers[seq.request_id].record_no_proposal()
         return drafts
 
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:

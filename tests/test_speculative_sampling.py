@@ -303,6 +303,34 @@ def test_controller_probes_on_its_first_step_with_the_k_a_success_would_want() -
     assert cheap.next_num_drafts(step_cost=3.0) == 15
 
 
+def test_controller_probes_sooner_after_a_probe_without_drafts() -> None:
+    """A probe the proposer had no drafts for (no n-gram match yet) is repeated after 1, 2, 4, ... steps,
+    up to probe_interval; a probe that got drafts restores the full interval."""
+
+    def probe_steps(controller: DraftLengthController, num_steps: int, has_drafts: bool) -> list[int]:
+        steps = []
+        for step in range(num_steps):
+            if controller.next_num_drafts(step_cost=3.0) > 0:
+                steps.append(step)
+                if has_drafts:
+                    controller.record(num_proposed=15, num_accepted=0)
+                else:
+                    controller.record_no_proposal()
+        return steps
+
+    controller = DraftLengthController(max_drafts=15, draft_cost=0.02, probe_interval=8)
+    assert probe_steps(controller, 40, has_drafts=False) == [0, 1, 3, 7, 15, 23, 31, 39]
+    # drafts again (all rejected): the full interval, and the backoff starts over after it
+    assert probe_steps(controller, 10, has_drafts=True) == [7]
+    assert probe_steps(controller, 8, has_drafts=False) == [5, 6]
+    # no drafts for a step that was not a probe: the interval stays
+    controller = DraftLengthController(max_drafts=15, draft_cost=0.02, probe_interval=8)
+    assert probe_steps(controller, 1, has_drafts=True) == [0]
+    assert controller.next_num_drafts(step_cost=3.0) == 0
+    controller.record_no_proposal()
+    assert probe_steps(controller, 8, has_drafts=False) == [6, 7]  # the full interval, then backoff
+
+
 # --- on the GPU, the same answers as on the CPU -------------------------------------------------------
 
 
