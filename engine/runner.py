@@ -195,16 +195,17 @@ class ModelRunner:
     def _verify_greedy(
         greedy: list[tuple[Sequence, int]], logits: torch.Tensor, drafts: dict[Sequence, list[int]]
     ) -> list[Verification]:
-        """All greedy sequences at once (one argmax, one read back), drafts padded to the longest."""
-        device = logits.device
+        """All greedy sequences at once, drafts padded to the longest. One argmax on the device and one
+        read back; the drafts are on the host, so the comparison runs there (a few ops on [rows] ints,
+        where on a GPU it cost three copies up and a dozen tiny kernels)."""
         k_max = max(len(drafts[seq]) for seq, _ in greedy)
         rows = [[first + min(j, len(drafts[seq])) for j in range(k_max + 1)] for seq, first in greedy]
-        targets = logits.argmax(dim=-1)[torch.tensor(rows, dtype=torch.int64, device=device)]
+        targets = logits.argmax(dim=-1).cpu()[torch.tensor(rows, dtype=torch.int64)]
         padded = [drafts[seq] + [-1] * (k_max - len(drafts[seq])) for seq, _ in greedy]
         verified = verify_greedy(
             targets,
-            torch.tensor(padded, dtype=torch.int64, device=device),
-            torch.tensor([len(drafts[seq]) for seq, _ in greedy], device=device),
+            torch.tensor(padded, dtype=torch.int64),
+            torch.tensor([len(drafts[seq]) for seq, _ in greedy]),
         )
         emitted, accepted = verified.output_token_ids.tolist(), verified.num_accepted.tolist()
         return [
