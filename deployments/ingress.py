@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException
 
 from deployments.config import AppArgs
 from deployments.engine import Accepted, EngineInfo
@@ -155,6 +156,13 @@ class OpenAIIngress:
         @app.exception_handler(OpenAIError)
         async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
             return JSONResponse(error.body(), status_code=error.status_code)
+
+        @app.exception_handler(HTTPException)
+        async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+            # the router's own: no such path (404), or not this method (405)
+            message = f"{request.method} {request.url.path}: {error.detail}"
+            body = OpenAIError(error.status_code, message).body()
+            return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
         @app.exception_handler(Exception)
         async def unexpected_error(_: Request, error: Exception) -> JSONResponse:

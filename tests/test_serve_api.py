@@ -147,6 +147,8 @@ def _error(response: httpx.Response) -> dict:
         ("unknown field", 400, "frobnicate"),
         ("unknown model", 404, "model_not_found"),
         ("not json", 400, None),
+        ("no such path", 404, None),
+        ("wrong method", 405, None),
     ],
 )
 def test_bad_requests_get_openai_errors(
@@ -166,6 +168,10 @@ def test_bad_requests_get_openai_errors(
     url = served.base_url + "/v1/chat/completions"
     if case == "not json":
         response = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    elif case == "no such path":
+        response = httpx.post(served.base_url + "/v1/chat/completion", json=body)
+    elif case == "wrong method":
+        response = httpx.get(url)
     else:
         response = httpx.post(url, json=body, timeout=60)
     assert response.status_code == status
