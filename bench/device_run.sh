@@ -5,7 +5,7 @@
 #   bash bench/device_run.sh tests    # the engine's GPU tests, each file under its own time limit
 #   bash bench/device_run.sh kernels  # the other GPU tests (kernels, model families, draft model)
 #   bash bench/device_run.sh engine   # bench_engine (prefill steps from CUDA graphs, as the engine runs)
-#   bash bench/device_run.sh spec     # bench_spec (needs the GGUF) and the hand-off
+#   bash bench/device_run.sh spec     # bench_spec (joins the GGUF first, as part1) and the hand-off
 #   bash bench/device_run.sh extra    # long context and attention
 #   bash bench/device_run.sh profile  # decode, prefill and verify steps split into host and kernel time
 #   bash bench/device_run.sh linear   # sweep the linear tiles at M = 1, 16 (verify) and 512; new tuned table
@@ -55,7 +55,8 @@ kernels)  # the other GPU tests
     done
     ;;
 engine) run 330 python3 bench/bench_engine.py --out "$OUT" --budget-s 290 ;;
-spec)
+spec)  # right after part0, carrying part 1: joins the GGUF first
+    [ -e "/tmp/tc/models/$GGUF" ] || bash "$0" part1
     run 200 python3 bench/bench_spec.py "$OUT"
     run 60 python3 bench/bench_handoff.py "$OUT"
     ;;
