@@ -96,7 +96,8 @@ class Speculator:
 
     @property
     def step_cost(self) -> float:
-        """A step with drafts over a plain decode step, as measured (1 until both have run)."""
+        """A step with drafts over a plain decode step: the fixed one if given, else as measured (1 until
+        both have run)."""
         if self.fixed_step_cost is not None:
             return self.fixed_step_cost
         speculative, plain = self._step_seconds[True], self._step_seconds[False]
