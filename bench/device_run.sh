@@ -10,7 +10,8 @@
 #   bash bench/device_run.sh profile  # decode, prefill and verify steps split into host and kernel time
 #   bash bench/device_run.sh linear   # sweep the linear tiles at M = 1, 16 (verify) and 512; new tuned table
 #   bash bench/device_run.sh sweep    # sweep the decode attention kernel's launch shape at 1k, 4k, 32k
-#   bash bench/device_run.sh grid     # the attention kernels' whole test grid, compiled
+#   bash bench/device_run.sh grid     # the attention kernels' whole test grid, compiled, in parallel shards
+#   bash bench/device_run.sh check    # grid and the engine's GPU tests (`tests`) together, in shards
 #   bash bench/device_run.sh first    # part0, the two failing attention tests, the channel's GPU test
 #   bash bench/device_run.sh second   # part1, spec_exactness, run-ahead tests (right after `first`)
 #   bash bench/device_run.sh placement  # proposer on the engine's GPU or a second one (kind nvidia-h200-x2)
@@ -30,6 +31,23 @@ run() {  # run LIMIT_S COMMAND...: one part, cut at its limit, its tail printed
     local limit=$1; shift
     echo "== $* (limit ${limit}s)"
     timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tail -25
+}
+
+sharded() {  # sharded SHARDS LIMIT_S FILE...: the files' GPU-machine tests spread over parallel pytest runs
+    local shards=$1 limit=$2; shift 2
+    python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2>/dev/null | grep "::" > /tmp/ids
+    echo "== $(wc -l < /tmp/ids) tests from $* in $shards shards (limit ${limit}s)"
+    rm -f /tmp/shard.*; split -n "r/$shards" -d /tmp/ids /tmp/shard.
+    for ids in /tmp/shard.*; do  # node ids may hold spaces: one argument per line
+        xargs -d '\n' -a "$ids" timeout "$limit" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+            > "$ids.log" 2>&1 &
+    done
+    wait
+    cat /tmp/shard.*.log > "$OUT/sharded.log"
+    grep -h -E "^FAILED|^ERROR" /tmp/shard.*.log | head -40
+    grep -h -E "^E " /tmp/shard.*.log | head -20
+    grep -h -E "(passed|failed|error|skipped).* in [0-9.]+s" /tmp/shard.*.log
+    echo "shards that reported no summary (cut at the limit): $(grep -L -E " in [0-9.]+s" /tmp/shard.*.log | wc -l)"
 }
 
 case "${1:-}" in
@@ -87,13 +105,12 @@ second)  # part 1 (joins the GGUF), where speculative output parts from plain, t
     grep -E "^FAILED|^E |passed|failed" "$OUT/test_run_ahead.log" | head -12
     ;;
 placement) run 560 python3 bench/bench_placement.py "$OUT" --draft-layers 30 --max-tokens 128 ;;
-grid)  # the attention kernels' whole grid, compiled: the prefill/verify file first (never finished yet)
-    for file_and_limit in tests/test_kernels_prefill_attention.py:330 tests/test_kernels_attention.py:200; do
-        file=${file_and_limit%:*}
-        timeout "${file_and_limit#*:}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider "$file" \
-            > "$OUT/$(basename "$file" .py).log" 2>&1
-        echo "== $file"; grep -E "^FAILED|^E |passed|failed" "$OUT/$(basename "$file" .py).log" | tail -15
-    done
+grid)  # the attention kernels' whole grid, compiled, in parallel shards (compiling is most of the time)
+    sharded 12 420 tests/test_kernels_prefill_attention.py tests/test_kernels_attention.py
     ;;
-*) echo "usage: bash bench/device_run.sh part0|part1|tests|kernels|engine|spec|profile|linear|sweep|placement|extra|grid"; exit 2 ;;
+check)  # `grid` and the engine's GPU tests together, in parallel shards: correctness only, no timings
+    sharded 14 480 tests/test_kernels_prefill_attention.py tests/test_kernels_attention.py \
+        tests/test_engine_cuda.py tests/test_graphs_cuda.py tests/test_run_ahead.py tests/test_channel.py
+    ;;
+*) echo "usage: bash bench/device_run.sh part0|part1|tests|kernels|engine|spec|profile|linear|sweep|placement|extra|grid|check"; exit 2 ;;
 esac
