@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import torch
 from ray import serve
@@ -26,6 +28,14 @@ logger = logging.getLogger(__name__)
 ATTACH_AT_START_S = 60.0  # the engine waits this long for its proposer before it serves without one
 ATTACH_CALL_TIMEOUT_S = 30.0
 PROPOSER_START_S = 600.0  # DFlash: the engine waits this long for the proposer to say what it reads
+T = TypeVar("T")
+
+
+def _off_the_event_loop(call: Callable[[], T]) -> T:
+    """Run a blocking handle call on a thread of its own: a replica's constructor runs on its event loop,
+    where Serve refuses a call that waits for a result."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(call).result()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +81,9 @@ class EngineDeployment:
 
             hidden = None
             if args.proposer == "dflash":  # the layers to capture: the engine must know them before it starts
-                hidden = proposer_handle.hidden_layout.remote().result(timeout_s=PROPOSER_START_S)
+                hidden = _off_the_event_loop(
+                    lambda: proposer_handle.hidden_layout.remote().result(timeout_s=PROPOSER_START_S)
+                )
             # a step carries at most max_num_batched_tokens hidden rows; a longer prompt's cross over several
             capacity = ChannelCapacity(
                 max_requests=args.max_num_seqs, max_drafts=args.num_draft,
@@ -126,7 +138,9 @@ class EngineDeployment:
     def metrics(self) -> str:
         speculator = self.engine.speculator
         stats, step_cost = (speculator.stats, speculator.step_cost) if speculator else (None, 1.0)
-        return self.loop.render_metrics(self.info_value.model_name) + render_speculation(stats, step_cost)
+        rows_in_gpu_memory = self.proposer is not None and self.proposer.rows_in_gpu_memory
+        speculation = render_speculation(stats, step_cost, rows_in_gpu_memory)
+        return self.loop.render_metrics(self.info_value.model_name) + speculation
 
     def check_health(self) -> None:
         if not self.loop.is_alive():

@@ -86,10 +86,13 @@ class ServingMetrics:
         return "\n".join(lines) + "\n"
 
 
-def render_speculation(stats: SpeculationStats | None, step_cost: float = 1.0) -> str:
-    """Speculative decoding's counters and the measured cost of a step with drafts; present (0, and a
-    cost of 1) without a proposer, so that dashboards and alerts need not know whether this server
-    speculates. Acceptance = accepted / proposed."""
+def render_speculation(
+    stats: SpeculationStats | None, step_cost: float = 1.0, rows_in_gpu_memory: bool = False
+) -> str:
+    """Speculative decoding's counters, the measured cost of a step with drafts, and whether DFlash's
+    hidden rows reach the proposer in GPU memory; present (0, and a cost of 1) without a proposer, so
+    that dashboards and alerts need not know whether this server speculates. Acceptance = accepted /
+    proposed."""
     counters = {
         "spec_steps_total": (stats.steps if stats else 0, "Sequence steps that verified drafts."),
         "spec_drafts_proposed_total": (stats.drafts_proposed if stats else 0, "Draft tokens verified."),
@@ -102,10 +105,16 @@ def render_speculation(stats: SpeculationStats | None, step_cost: float = 1.0) -
     for name, (value, help_text) in counters.items():
         lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} counter"]
         lines.append(f"{PREFIX}_{name} {value}")
-    name = f"{PREFIX}_spec_step_cost"
-    lines += [
-        f"# HELP {name} A step that verifies drafts over a plain decode step, measured (1 until both ran).",
-        f"# TYPE {name} gauge",
-        f"{name} {step_cost:.4g}",
-    ]
+    gauges = {
+        "spec_step_cost": (
+            f"{step_cost:.4g}",
+            "A step that verifies drafts over a plain decode step, measured (1 until both ran).",
+        ),
+        "spec_hidden_rows_in_gpu_memory": (
+            int(rows_in_gpu_memory), "1: DFlash's hidden rows cross to the proposer in GPU memory (CUDA IPC)."
+        ),
+    }  # fmt: skip
+    for name, (value, help_text) in gauges.items():
+        lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} gauge"]
+        lines.append(f"{PREFIX}_{name} {value}")
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """Starts the real application for the tests: Ray on 127.0.0.1, then `serve run` on a copy of
-serve_config.yaml, plus a second, guarded application (API key, a tiny queue, a small body limit) and a
-third, speculative one (an n-gram proposer in its own actor)."""
+serve_config.yaml, plus a second, guarded application (API key, a tiny queue, a small body limit), a
+third, speculative one (an n-gram proposer in its own actor) and a fourth with a DFlash proposer (a
+random checkpoint shaped for SmolLM2: it drafts badly, but its drafts cross and are verified)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from bench.random_dflash import smollm2_135m_config, write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -36,12 +39,15 @@ SPECULATIVE_ARGS = {
     "kv_cache_tokens": 4096,
 }
 
+DFLASH_ARGS = {**SPECULATIVE_ARGS, "proposer": "dflash", "num_draft": 3}  # draft_model: written at start
+
 
 @dataclasses.dataclass
 class Served:
     base_url: str  # the main application, at /
     guarded_url: str  # the guarded one, at /guarded
     speculative_url: str  # the speculative one, at /speculative
+    dflash_url: str  # the DFlash one, at /dflash
     ray_address: str
     ray_client_address: str  # ray://..., the cluster's Ray Client server
     model: str
@@ -81,8 +87,8 @@ def serve_application(workdir: Path) -> Iterator[Served]:
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # makes Ray take 127.0.0.1 as this node's address
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
-        # a Ray Client connection starts a server process; on a busy two-core machine (three apps and a
-        # proposer actor) that has taken more than Ray's default 30 s
+        # a Ray Client connection starts a server process; on a busy two-core machine (four apps and two
+        # proposer actors) that has taken more than Ray's default 30 s
         "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "180",
         # the Ray Client proxy forks a server per connection; with gRPC's fork handlers on, the child
         # once segfaulted in gRPC's event engine before exec (seen in dmesg in a CI run)
@@ -91,12 +97,15 @@ def serve_application(workdir: Path) -> Iterator[Served]:
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = http_port
     main_app = config["applications"][0]
-    main_app["args"]["engine_num_cpus"] = 0  # two engines on a two-core machine
+    main_app["args"]["engine_num_cpus"] = 0  # four engines on a two-core machine
     guarded = {**main_app, "name": "guarded", "route_prefix": "/guarded"}
     guarded["args"] = {**main_app["args"], **GUARDED_ARGS}
     speculative = {**main_app, "name": "speculative", "route_prefix": "/speculative"}
     speculative["args"] = {**main_app["args"], **SPECULATIVE_ARGS}
-    config["applications"] += [guarded, speculative]
+    dflash = {**main_app, "name": "dflash", "route_prefix": "/dflash"}
+    checkpoint = write_checkpoint(workdir / "dflash-checkpoint", smollm2_135m_config())
+    dflash["args"] = {**main_app["args"], **DFLASH_ARGS, "draft_model": str(checkpoint)}
+    config["applications"] += [guarded, speculative, dflash]
     config_path = workdir / "serve_config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     log = workdir / "serve.log"
@@ -114,10 +123,10 @@ def serve_application(workdir: Path) -> Iterator[Served]:
         )  # fmt: skip
     base_url = f"http://127.0.0.1:{http_port}"
     try:
-        _wait_healthy([base_url, base_url + "/guarded", base_url + "/speculative"], process, log)
+        app_urls = tuple(base_url + route for route in ("", "/guarded", "/speculative", "/dflash"))
+        _wait_healthy(list(app_urls), process, log)
         client_address = f"ray://127.0.0.1:{client_port}"
         model = main_app["args"]["served_model_name"]
-        app_urls = (base_url, base_url + "/guarded", base_url + "/speculative")
         yield Served(*app_urls, ray_address, client_address, model, env, log)
     finally:
         process.terminate()

@@ -1,6 +1,7 @@
 """The n-gram proposer in its own Serve actor (the `speculative` app of tests/serving.py) over HTTP with
 the real openai client: the same greedy text as the app without a proposer, accepted drafts in /metrics,
-and a proposer actor killed mid-stream that costs nothing but speed and is used again once restarted."""
+and a proposer actor killed mid-stream that costs nothing but speed and is used again once restarted.
+Also the DFlash proposer in its own actor (the `dflash` app): the same greedy text, its drafts verified."""
 
 from __future__ import annotations
 
@@ -76,6 +77,22 @@ def test_speculative_text_equals_plain_and_drafts_are_accepted(served: Served) -
     assert after["tileinfer_spec_drafts_proposed_total"] >= after["tileinfer_spec_drafts_accepted_total"]
     assert after["tileinfer_spec_proposer_failures_total"] == before["tileinfer_spec_proposer_failures_total"]
     assert after["tileinfer_spec_step_cost"] != 1  # measured: both kinds of step ran and were timed
+    assert after["tileinfer_spec_hidden_rows_in_gpu_memory"] == 0  # n-gram reads no hidden rows
+
+
+def test_dflash_actor_text_equals_plain_and_its_drafts_are_verified(served: Served) -> None:
+    """The engine asks the DFlash proposer which hidden rows it reads, then sends them each step (in host
+    memory on the CPU). A random checkpoint drafts badly: the point is that its drafts cross and are
+    verified, and that the text does not change."""
+    before = _counters(served.dflash_url)
+    for messages in (REPEAT, CAPITAL):
+        assert _chat(served.dflash_url, served.model, messages, 32) == _chat(
+            served.base_url, served.model, messages, 32
+        )
+    after = _counters(served.dflash_url)
+    assert after["tileinfer_spec_drafts_proposed_total"] > before["tileinfer_spec_drafts_proposed_total"]
+    assert after["tileinfer_spec_proposer_failures_total"] == before["tileinfer_spec_proposer_failures_total"]
+    assert after["tileinfer_spec_hidden_rows_in_gpu_memory"] == 0
 
 
 def test_proposer_killed_mid_stream_changes_nothing_and_comes_back(served: Served) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
 
+from bench import random_dflash
 from engine.engine import Engine, EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.loader import LoadedModel
@@ -24,65 +24,22 @@ TARGET_LAYERS, DRAFT_LAYERS, TARGET_LAYER_IDS = 4, 2, [0, 2]
 BLOCK_SIZE, MASK_TOKEN_ID, ROPE_THETA, EPS = 5, 151, 10000.0, 1e-6
 MAX_POSITIONS = 64
 
-DRAFT_CONFIG = {
-    "architectures": ["DFlashDraftModel"],
-    "model_type": "qwen3",
-    "block_size": BLOCK_SIZE,
-    "dflash_config": {"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": TARGET_LAYER_IDS},
-    "hidden_size": HIDDEN,
-    "intermediate_size": INTERMEDIATE,
-    "num_hidden_layers": DRAFT_LAYERS,
-    "num_attention_heads": HEADS,
-    "num_key_value_heads": KV_HEADS,
-    "head_dim": HEAD_DIM,
-    "num_target_layers": TARGET_LAYERS,
-    "rms_norm_eps": EPS,
-    "rope_theta": ROPE_THETA,
-    "max_position_embeddings": 512,
-    "attention_bias": False,
-    "tie_word_embeddings": False,
-    "vocab_size": VOCAB,
-}
+DRAFT_CONFIG = random_dflash.draft_config(
+    vocab_size=VOCAB, hidden_size=HIDDEN, num_target_layers=TARGET_LAYERS, target_layer_ids=TARGET_LAYER_IDS,
+    num_layers=DRAFT_LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+    intermediate_size=INTERMEDIATE, block_size=BLOCK_SIZE, mask_token_id=MASK_TOKEN_ID, rope_theta=ROPE_THETA,
+    rms_norm_eps=EPS,
+)  # fmt: skip
 
 
 def random_draft_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     """The published tensor names (no embedding, no LM head), random values."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def matrix(rows: int, columns: int) -> torch.Tensor:
-        return torch.randn(rows, columns, generator=generator) * columns**-0.5
-
-    def norm(size: int) -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(size, generator=generator)
-
-    weights = {
-        "fc.weight": matrix(HIDDEN, len(TARGET_LAYER_IDS) * HIDDEN),
-        "hidden_norm.weight": norm(HIDDEN),
-        "norm.weight": norm(HIDDEN),
-    }
-    for layer in range(DRAFT_LAYERS):
-        prefix = f"layers.{layer}."
-        weights |= {
-            prefix + "input_layernorm.weight": norm(HIDDEN),
-            prefix + "post_attention_layernorm.weight": norm(HIDDEN),
-            prefix + "self_attn.q_proj.weight": matrix(HEADS * HEAD_DIM, HIDDEN),
-            prefix + "self_attn.k_proj.weight": matrix(KV_HEADS * HEAD_DIM, HIDDEN),
-            prefix + "self_attn.v_proj.weight": matrix(KV_HEADS * HEAD_DIM, HIDDEN),
-            prefix + "self_attn.o_proj.weight": matrix(HIDDEN, HEADS * HEAD_DIM),
-            prefix + "self_attn.q_norm.weight": norm(HEAD_DIM),
-            prefix + "self_attn.k_norm.weight": norm(HEAD_DIM),
-            prefix + "mlp.gate_proj.weight": matrix(INTERMEDIATE, HIDDEN),
-            prefix + "mlp.up_proj.weight": matrix(INTERMEDIATE, HIDDEN),
-            prefix + "mlp.down_proj.weight": matrix(HIDDEN, INTERMEDIATE),
-        }
-    return weights
+    return random_dflash.random_draft_weights(DRAFT_CONFIG, seed)
 
 
 def write_checkpoint(folder: Path, config: dict | None = None, weights: dict | None = None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config or DRAFT_CONFIG))
-    save_file(weights or random_draft_weights(), str(folder / "model.safetensors"))
-    return folder
+    """DRAFT_CONFIG's random weights unless given, also beside another (a broken) config."""
+    return random_dflash.write_checkpoint(folder, config or DRAFT_CONFIG, weights or random_draft_weights())
 
 
 @pytest.fixture(scope="module")
