@@ -15,11 +15,13 @@
 #   bash bench/device_run.sh first    # part0, the two failing attention tests, the channel's GPU test
 #   bash bench/device_run.sh second   # part1, spec_exactness, run-ahead tests (right after `first`)
 #   bash bench/device_run.sh placement  # proposer on the engine's GPU or a second one (kind nvidia-h200-x2)
+#   bash bench/device_run.sh link     # DFlash rows between two GPUs, and the channel's tests (nvidia-h200-x2)
+#   bash bench/device_run.sh serve2   # the app with a DFlash proposer on a second GPU, through Ray Serve (x2)
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
 set -u
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
-export TILEINFER_CACHE=/tmp/tc PYTHONPATH=/tmp/site:$PWD
+export TILEINFER_CACHE=/tmp/tc PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0  # never NVLink multicast (shared host)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/tc/models
 for wheel in .whl/gguf-*.whl; do
@@ -39,7 +41,7 @@ sharded() {  # sharded SHARDS LIMIT_S FILE...: the files' GPU-machine tests spre
     echo "== $(wc -l < /tmp/ids) tests from $* in $shards shards (limit ${limit}s)"
     rm -f /tmp/shard.*; split -n "r/$shards" -d /tmp/ids /tmp/shard.
     for ids in /tmp/shard.*; do  # node ids may hold spaces: one argument per line
-        xargs -d '\n' -a "$ids" timeout "$limit" python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+        xargs -d '\n' -a "$ids" timeout "$limit" python3 -m pytest -v -rf --tb=short -p no:cacheprovider \
             > "$ids.log" 2>&1 &
     done
     wait
@@ -47,7 +49,8 @@ sharded() {  # sharded SHARDS LIMIT_S FILE...: the files' GPU-machine tests spre
     grep -h -E "^FAILED|^ERROR" /tmp/shard.*.log | head -40
     grep -h -E "^E " /tmp/shard.*.log | head -20
     grep -h -E "(passed|failed|error|skipped).* in [0-9.]+s" /tmp/shard.*.log
-    echo "shards that reported no summary (cut at the limit): $(grep -L -E " in [0-9.]+s" /tmp/shard.*.log | wc -l)"
+    echo "shards cut at the limit, with the tests they finished: $(grep -L -E " in [0-9.]+s" /tmp/shard.*.log | wc -l)"
+    for log in $(grep -L -E " in [0-9.]+s" /tmp/shard.*.log); do grep -E "PASSED|FAILED" "$log"; done
 }
 
 case "${1:-}" in
@@ -104,6 +107,23 @@ second)  # part 1 (joins the GGUF), where speculative output parts from plain, t
         > "$OUT/test_run_ahead.log" 2>&1
     grep -E "^FAILED|^E |passed|failed" "$OUT/test_run_ahead.log" | head -12
     ;;
+link)  # (kind nvidia-h200-x2) DFlash rows between two GPUs: host memory, a peer mapping, NCCL; the tests
+    nvidia-smi topo -m | head -4
+    timeout 120 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/test_channel.py \
+        > "$OUT/test_channel.log" 2>&1
+    echo "== tests/test_channel.py"; grep -E "^FAILED|^E |passed|failed" "$OUT/test_channel.log" | head -12
+    run 240 python3 bench/bench_handoff.py "$OUT"
+    ;;
+serve2)  # (kind nvidia-h200-x2, after part0 and part1, carrying all of .whl: Ray) the app with DFlash on two GPUs
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        > /dev/null 2>&1 || { echo "the wheels did not install"; exit 1; }
+    # beside it (correctness only): the GPU engine tests that `check` left unfinished at its limit
+    timeout 420 python3 -m pytest -v -rf --tb=short -p no:cacheprovider -m gpu tests/test_run_ahead.py \
+        tests/test_engine_cuda.py::test_cuda_float32_greedy_equals_cpu > "$OUT/leftover.log" 2>&1 &
+    RAY_USAGE_STATS_ENABLED=0 run 400 python3 bench/serve_two_gpus.py "$OUT"
+    wait
+    echo "== leftover GPU tests"; grep -E "PASSED|FAILED|^E |passed|failed" "$OUT/leftover.log" | head -20
+    ;;
 placement) run 560 python3 bench/bench_placement.py "$OUT" --draft-layers 30 --max-tokens 128 ;;
 grid)  # the attention kernels' whole grid, compiled, in parallel shards (compiling is most of the time)
     sharded 12 420 tests/test_kernels_prefill_attention.py tests/test_kernels_attention.py
@@ -112,5 +132,5 @@ check)  # `grid` and the engine's GPU tests together, in parallel shards: correc
     sharded 14 480 tests/test_kernels_prefill_attention.py tests/test_kernels_attention.py \
         tests/test_engine_cuda.py tests/test_graphs_cuda.py tests/test_run_ahead.py tests/test_channel.py
     ;;
-*) echo "usage: bash bench/device_run.sh part0|part1|tests|kernels|engine|spec|profile|linear|sweep|placement|extra|grid|check"; exit 2 ;;
+*) echo "usage: bash bench/device_run.sh part0|part1|tests|kernels|engine|spec|profile|linear|sweep|placement|link|serve2|extra|grid|check"; exit 2 ;;
 esac

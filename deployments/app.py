@@ -14,7 +14,7 @@ from ray.serve import Application
 from deployments.config import AppArgs, parse_app_args
 from deployments.engine import EngineDeployment
 from deployments.ingress import OpenAIIngress
-from deployments.proposer import ProposerDeployment
+from deployments.proposer import SEE_ALL_GPUS, ProposerDeployment
 
 # Calls beyond the request streams (info, metrics, health) that the engine actor must still take.
 _CONTROL_CALLS = 32
@@ -46,6 +46,15 @@ def gpu_shares(app_args: AppArgs, cluster_gpus: float) -> tuple[float, float]:
     return engine_gpus, proposer_gpus
 
 
+def proposer_actor_options(app_args: AppArgs, proposer_gpus: float) -> dict[str, Any]:
+    """The proposer actor's Ray options. With a GPU of its own it also sees the engine's GPU, so that it
+    can map the engine's buffer of DFlash rows as a peer (deployments/proposer.py picks its own GPU)."""
+    options: dict[str, Any] = {"num_cpus": app_args.proposer_num_cpus, "num_gpus": proposer_gpus}
+    if proposer_gpus >= 1:
+        options["runtime_env"] = {"env_vars": {SEE_ALL_GPUS: "1"}}
+    return options
+
+
 def resolve_device(requested: str) -> str:
     """auto: cuda when the Ray cluster (or, outside Ray, this machine) has a GPU."""
     has_gpu = _cluster_gpus() >= 1
@@ -67,7 +76,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     draft_ahead = app_args.proposer_actor and app_args.proposer_draft_ahead(device, proposer_gpus)
     if app_args.proposer_actor:
         proposer = ProposerDeployment.options(
-            ray_actor_options={"num_cpus": app_args.proposer_num_cpus, "num_gpus": proposer_gpus}
+            ray_actor_options=proposer_actor_options(app_args, proposer_gpus)
         ).bind(app_args, device, dtype, draft_ahead)
     engine = EngineDeployment.options(
         ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": engine_gpus},

@@ -5,6 +5,10 @@ after a failure); from then on every step crosses the channel, served here on a 
 For DFlash the engine first asks `hidden_layout()` once, to make a channel that carries the target's
 hidden states in this proposer's layout. The channel is host memory, so this replica must run on the
 engine's node.
+
+With a GPU of its own, the replica sees every GPU of the node (build_app sets SEE_ALL_GPUS), so that it
+can map the engine's buffer of DFlash rows as a peer (proposers/device_rows.py), and works on the GPU
+that Ray assigned it: each thread that runs CUDA work here selects that GPU first.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 
+import ray
 import torch
 from ray import serve
 
@@ -20,11 +25,27 @@ from engine.loader import load_model
 from proposers.factory import build_proposer
 from proposers.remote import HiddenLayout, ProposerServer, hidden_layout
 
+# Ray leaves CUDA_VISIBLE_DEVICES alone in an actor whose environment sets this.
+SEE_ALL_GPUS = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def assigned_gpu_index(gpu_ids: list[int | str], visible: str | None) -> int:
+    """The CUDA index of the first GPU Ray assigned, in a process that sees the node's GPUs: Ray's ids
+    are entries of the node's CUDA_VISIBLE_DEVICES when that was set (`visible`), else indices."""
+    if not gpu_ids:
+        raise RuntimeError("the proposer sees every GPU but Ray assigned it none")
+    first = str(gpu_ids[0])
+    return visible.split(",").index(first) if visible else int(first)
+
 
 @serve.deployment(name="Proposer", health_check_period_s=5)
 class ProposerDeployment:
     def __init__(self, args: AppArgs, device: str, dtype: str, draft_ahead: bool = False) -> None:
         """draft_ahead: draft the next block after each answer (build_app decides: a GPU of its own)."""
+        self._gpu: int | None = None  # set when this process sees more GPUs than its own
+        if device == "cuda" and os.environ.get(SEE_ALL_GPUS):
+            self._gpu = assigned_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self._select_gpu()
         if device == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)  # Ray sets one thread per reserved CPU
         config = args.engine_config(device, dtype)
@@ -37,12 +58,22 @@ class ProposerDeployment:
         self._lock = threading.Lock()  # one server at a time calls the proposer
         self._server: ProposerServer | None = None
 
+    def _select_gpu(self) -> None:
+        """Make this thread's current GPU the replica's own (the CUDA device is per thread)."""
+        if self._gpu is not None:
+            torch.cuda.set_device(self._gpu)
+
+    def _serve(self, server: ProposerServer) -> None:
+        self._select_gpu()
+        server.serve()
+
     def hidden_layout(self) -> HiddenLayout:
         """The target hidden states this proposer reads (none but for DFlash), asked once at start."""
         return hidden_layout(self.proposer)
 
     def attach(self, channel_name: str) -> None:
         """Serve the engine's channel `channel_name` from now on, in place of any earlier one."""
+        self._select_gpu()  # the server maps the engine's GPU buffer for the current GPU
         try:
             server = ProposerServer(self.proposer, channel_name, self._lock, self.draft_ahead)
         except FileNotFoundError:
@@ -53,7 +84,7 @@ class ProposerDeployment:
         previous, self._server = self._server, server
         if previous is not None:
             previous.stop()  # an engine that re-attached has given up on that channel
-        threading.Thread(target=server.serve, name="tileinfer-proposer", daemon=True).start()
+        threading.Thread(target=self._serve, args=(server,), name="tileinfer-proposer", daemon=True).start()
 
     def __del__(self) -> None:
         server = getattr(self, "_server", None)

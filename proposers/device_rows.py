@@ -4,8 +4,11 @@ steps.
 
 The engine's end (DeviceRowsExport) allocates the row buffer and an interprocess event on its GPU once,
 and describes them in JSON: that GPU's UUID and the IPC handles of the memory and the event (no pickle
-crosses). The proposer's end (DeviceRowsImport.open) maps them when its process sees that GPU, as when
-both actors share one; otherwise it gets None and the rows cross in the channel's host memory.
+crosses). The proposer's end (DeviceRowsImport.open) maps them when its process sees that GPU: on the
+same GPU when both actors share one; when the proposer's own GPU (its current device) is another one
+that can reach the engine's as a peer (NVLink), it maps the buffer into its own GPU, so reading the rows
+is one peer copy. A process that does not see the engine's GPU gets None, and the rows cross in the
+channel's host memory.
 
 Each step the engine copies the rows into the buffer on its stream, records the event and waits for it
 before it signals the step; the proposer's stream also waits for the event before it reads them. The
@@ -16,6 +19,7 @@ are in this buffer: the proposer may map it between two steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
@@ -76,28 +80,41 @@ class DeviceRowsImport:
 
     @classmethod
     def open(cls, descriptor: bytes) -> DeviceRowsImport | None:
-        """Map the buffer a DeviceRowsExport described; None if this process does not see its GPU or
-        the mapping fails (the rows then cross in host memory)."""
+        """Map the buffer a DeviceRowsExport described, into this process's current GPU when that is a
+        peer of the buffer's GPU, else into the buffer's GPU; None if this process does not see that GPU
+        or the mapping fails (the rows then cross in host memory)."""
         if not torch.cuda.is_available():
             return None
         try:
             description = json.loads(descriptor.decode())
-            index = next(
-                (i for i in range(torch.cuda.device_count()) if _gpu_uuid(i) == description["gpu"]), None
-            )
-            if index is None:
-                return None
-            event_handle = description["event_handle"]
-            buffer = rebuild_cuda_tensor(
-                torch.Tensor, torch.Size(description["size"]), tuple(description["stride"]),
-                description["offset"], torch.UntypedStorage, getattr(torch, description["dtype"]), index,
-                bytes.fromhex(description["handle"]), description["size_bytes"], description["offset_bytes"],
-                False, bytes.fromhex(description["ref_handle"]), description["ref_offset"],
-                bytes.fromhex(event_handle) if event_handle else None, description["event_sync"],
-            )  # fmt: skip
-            event = torch.cuda.Event.from_ipc_handle(index, bytes.fromhex(description["step_event"]))
-        except Exception:  # noqa: BLE001 - any failure to map means: use host memory
+        except ValueError:
             return None
+        owner = next(
+            (i for i in range(torch.cuda.device_count()) if _gpu_uuid(i) == description["gpu"]), None
+        )
+        if owner is None:
+            return None
+        current = torch.cuda.current_device()
+        candidates = [owner]
+        if current != owner and torch.cuda.can_device_access_peer(current, owner):
+            candidates.insert(0, current)
+        for index in candidates:
+            with contextlib.suppress(Exception):  # any failure to map means: try the next, then host memory
+                return cls._map(description, index)
+        return None
+
+    @classmethod
+    def _map(cls, description: dict, index: int) -> DeviceRowsImport:
+        """Open the IPC handles in GPU `index`'s context (the buffer's own GPU, or a peer of it)."""
+        event_handle = description["event_handle"]
+        buffer = rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(description["size"]), tuple(description["stride"]),
+            description["offset"], torch.UntypedStorage, getattr(torch, description["dtype"]), index,
+            bytes.fromhex(description["handle"]), description["size_bytes"], description["offset_bytes"],
+            False, bytes.fromhex(description["ref_handle"]), description["ref_offset"],
+            bytes.fromhex(event_handle) if event_handle else None, description["event_sync"],
+        )  # fmt: skip
+        event = torch.cuda.Event.from_ipc_handle(index, bytes.fromhex(description["step_event"]))
         return cls(buffer, event)
 
     def read(self, row_offset: int, num_rows: int) -> torch.Tensor:

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.app import gpu_shares
+from deployments.app import gpu_shares, proposer_actor_options
 from deployments.config import AppArgs, parse_app_args
+from deployments.proposer import SEE_ALL_GPUS, assigned_gpu_index
 
 
 @pytest.mark.parametrize(
@@ -28,6 +29,17 @@ from deployments.config import AppArgs, parse_app_args
 )
 def test_gpu_shares(args: dict, cluster_gpus: float, shares: tuple[float, float]) -> None:
     assert gpu_shares(parse_app_args(args), cluster_gpus) == shares
+
+
+def test_a_proposer_with_a_gpu_of_its_own_sees_every_gpu_and_picks_its_own() -> None:
+    args = parse_app_args({"proposer": "ngram"})
+    assert proposer_actor_options(args, 1.0)["runtime_env"] == {"env_vars": {SEE_ALL_GPUS: "1"}}
+    assert "runtime_env" not in proposer_actor_options(args, 0.5)  # shared: Ray narrows it to that GPU
+    assert proposer_actor_options(args, 0.5)["num_gpus"] == 0.5
+    assert assigned_gpu_index([1], None) == 1  # Ray's ids are CUDA indices...
+    assert assigned_gpu_index(["3"], "2,3") == 1  # ...or entries of the node's CUDA_VISIBLE_DEVICES
+    with pytest.raises(RuntimeError, match="assigned it none"):
+        assigned_gpu_index([], None)
 
 
 def test_drafting_ahead_defaults_to_a_proposer_with_a_gpu_of_its_own() -> None:

@@ -76,15 +76,19 @@ def _serve_raw(name: str) -> None:
     server.close()
 
 
-def _echo_rows(name: str) -> None:
-    """Answer each request with its hidden rows' bits (as int32 words, float32 or two 16-bit values per
-    word), so that the client can check every value that crossed exactly."""
+def _echo_rows(name: str, gpu: int | None) -> None:
+    """Answer each request with the GPU its hidden rows are on (-1: host memory) and their bits (as
+    int32 words, float32 or two 16-bit values per word), so that the client can check every value that
+    crossed exactly. The server works on `gpu` (None: no GPU of its own)."""
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
     server = ChannelServer(name)
     while (step := server.next_step(threading.Event())) is not None:
         answers = []
         for request in step.requests:
             rows = request.hidden if request.hidden is not None else torch.empty(0)
-            answers.append(rows.contiguous().view(torch.int32).flatten().tolist())
+            where = rows.device.index if rows.is_cuda else -1
+            answers.append([where, *rows.contiguous().view(torch.int32).flatten().tolist()])
         server.respond(answers)
     server.close()
 
@@ -167,17 +171,33 @@ def test_steps_beyond_the_capacity_raise_before_anything_crosses() -> None:
         client.close()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+TWO_GPUS = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.gpu),
+        pytest.param("cuda-peer", marks=[pytest.mark.gpu, TWO_GPUS]),
+    ],
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_hidden_rows_cross_exactly_once(dtype: str, device: str) -> None:
-    """On a GPU the rows cross in GPU memory (CUDA IPC) when the server's process maps it."""
+def test_hidden_rows_cross_exactly_once(dtype: str, placement: str) -> None:
+    """On a GPU the rows cross in GPU memory (CUDA IPC) when the server's process maps it; a server on
+    a second GPU (cuda-peer) maps the engine's buffer into its own GPU and reads the rows there."""
     width, max_rows = 6, 5
     capacity = ChannelCapacity(
-        max_requests=3, max_step_tokens=16, max_drafts=max_rows * width, max_step_rows=max_rows,
+        max_requests=3, max_step_tokens=16, max_drafts=1 + max_rows * width, max_step_rows=max_rows,
         hidden_width=width, hidden_dtype=dtype,
     )  # fmt: skip
+    device = "cpu" if placement == "cpu" else "cuda:0"
+    server_gpu = {"cpu": None, "cuda": 0, "cuda-peer": 1}[placement]
+    rows_seen_on = -1 if server_gpu is None else server_gpu
     client = ChannelClient(capacity, torch.device(device))
-    process = CONTEXT.Process(target=_echo_rows, args=(client.name,))
+    process = CONTEXT.Process(target=_echo_rows, args=(client.name, server_gpu))
     process.start()
     generator = torch.Generator().manual_seed(3)
 
@@ -186,18 +206,20 @@ def test_hidden_rows_cross_exactly_once(dtype: str, device: str) -> None:
 
     try:
         steps = [
-            [ChannelRequest(0, 0, [1, 2, 3], 30, rows(2)), ChannelRequest(1, 0, [4], 30, rows(3))],  # full
-            [ChannelRequest(0, 3, [5], 30, rows(1)), ChannelRequest(1, 1, [], 30)],  # one sequence, no rows
-            [ChannelRequest(2, 0, [6, 7], 30, rows(5))],  # the whole area, after smaller steps
-            [ChannelRequest(2, 2, [8], 30, rows(0)), ChannelRequest(0, 4, [9], 30, rows(4))],
+            [ChannelRequest(0, 0, [1, 2, 3], 31, rows(2)), ChannelRequest(1, 0, [4], 31, rows(3))],  # full
+            [ChannelRequest(0, 3, [5], 31, rows(1)), ChannelRequest(1, 1, [], 31)],  # one sequence, no rows
+            [ChannelRequest(2, 0, [6, 7], 31, rows(5))],  # the whole area, after smaller steps
+            [ChannelRequest(2, 2, [8], 31, rows(0)), ChannelRequest(0, 4, [9], 31, rows(4))],
         ]
         for requests in steps:
             answers = client.exchange(requests, [], timeout_s=60)
             for request, answer in zip(requests, answers, strict=True):
                 # what the server read: the rows in the channel's dtype, bit for bit
                 sent = torch.empty(0) if not request.num_rows else request.hidden.to(getattr(torch, dtype))
-                assert answer == sent.cpu().contiguous().view(torch.int32).flatten().tolist()
-        assert client.rows_in_gpu_memory == (device == "cuda")
+                if request.num_rows:
+                    assert answer[0] == rows_seen_on
+                assert answer[1:] == sent.cpu().contiguous().view(torch.int32).flatten().tolist()
+        assert client.rows_in_gpu_memory == (placement != "cpu")
         with pytest.raises(ChannelCapacityError, match="6 hidden rows"):
             client.exchange(
                 [ChannelRequest(0, 5, [], 1, rows(3)), ChannelRequest(1, 1, [], 1, rows(3))], [], 60
@@ -205,7 +227,7 @@ def test_hidden_rows_cross_exactly_once(dtype: str, device: str) -> None:
         with pytest.raises(ChannelCapacityError, match="the channel's rows have 6 values"):
             client.exchange([ChannelRequest(0, 5, [], 1, torch.zeros(1, width + 1))], [], 60)
         zeros = torch.zeros(1, width, device=device)
-        assert client.exchange([ChannelRequest(0, 5, [], 1, zeros)], [], 60) == [[0]]
+        assert client.exchange([ChannelRequest(0, 5, [], 2, zeros)], [], 60) == [[rows_seen_on, 0]]
     finally:
         client.close()
         process.join(timeout=60)
