@@ -54,6 +54,9 @@ class ProposerDeployment:
         if args.proposer != "ngram":
             target = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
         self.proposer = build_proposer(config, target)
+        warm_up = getattr(self.proposer, "warm_up", None)
+        if warm_up is not None:  # before serving: a first step must not wait out first calls' set-up
+            warm_up(args.num_draft)
         self.draft_ahead = draft_ahead
         self._lock = threading.Lock()  # one server at a time calls the proposer
         self._server: ProposerServer | None = None

@@ -12,8 +12,10 @@ drafts, and the proposer is tried again after a pause.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -28,7 +30,10 @@ from proposers.base import DraftRequest, Proposer, ProposerUnavailableError
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5.0  # after a proposer failure, plain decoding for this long
-STEP_TIME_SMOOTHING = 0.1  # weight of the newest step in the step-time averages
+# Step times are the median of each kind's latest steps: one step that compiled a kernel, or waited out
+# a stalled proposer, must not set the cost (an average once took 50x from a first verify step that
+# compiled, and the controller then hardly asked for drafts again).
+STEP_TIME_WINDOW = 9
 
 
 @dataclasses.dataclass
@@ -56,8 +61,10 @@ class Speculator:
         self.adaptive = adaptive
         self.draft_cost = draft_cost
         self.fixed_step_cost = step_cost
-        # moving averages of step wall times: steps that verified drafts, and plain decode steps
-        self._step_seconds: dict[bool, float | None] = {True: None, False: None}
+        # the latest wall times of steps that verified drafts, and of plain decode steps
+        self._step_seconds: dict[bool, collections.deque[float]] = {
+            kind: collections.deque(maxlen=STEP_TIME_WINDOW) for kind in (True, False)
+        }
         self.controllers: dict[str, DraftLengthController] = {}
         self.stats = SpeculationStats()
         self._paused_until = 0.0
@@ -90,20 +97,18 @@ class Speculator:
 
     def record_step(self, seconds: float, verified_drafts: bool) -> None:
         """The wall time of an engine step: one that verified drafts, or a plain decode step."""
-        last = self._step_seconds[verified_drafts]
-        average = seconds if last is None else last + STEP_TIME_SMOOTHING * (seconds - last)
-        self._step_seconds[verified_drafts] = average
+        self._step_seconds[verified_drafts].append(seconds)
 
     @property
     def step_cost(self) -> float:
-        """A step with drafts over a plain decode step: the fixed one if given, else as measured (1 until
-        both have run)."""
+        """A step with drafts over a plain decode step: the fixed one if given, else the ratio of their
+        median latest times (1 until both have run)."""
         if self.fixed_step_cost is not None:
             return self.fixed_step_cost
         speculative, plain = self._step_seconds[True], self._step_seconds[False]
-        if speculative is None or not plain:
+        if not speculative or not plain or statistics.median(plain) <= 0:
             return 1.0
-        return speculative / plain
+        return statistics.median(speculative) / statistics.median(plain)
 
     def plan(
         self,

@@ -2,16 +2,15 @@
 processes through CUDA IPC, beside the shared-memory channel (proposers/channel.py) that signals the
 steps.
 
-The engine's end (DeviceRowsExport) allocates the row buffer and an interprocess event on its GPU once,
-and describes them in JSON: that GPU's UUID and the IPC handles of the memory and the event (no pickle
-crosses). The proposer's end (DeviceRowsImport.open) maps them when its process sees that GPU: on the
-same GPU when both actors share one; when the proposer's own GPU (its current device) is another one
-that can reach the engine's as a peer (NVLink), it maps the buffer into its own GPU, so reading the rows
-is one peer copy. A process that does not see the engine's GPU gets None, and the rows cross in the
-channel's host memory.
+The engine's end (DeviceRowsExport) allocates the row buffer on its GPU once, and describes it in JSON:
+that GPU's UUID and the buffer's IPC handle (no pickle crosses). The proposer's end
+(DeviceRowsImport.open) maps it when its process sees that GPU: on the same GPU when both actors share
+one; when the proposer's own GPU (its current device) is another one that can reach the engine's as a
+peer (NVLink), it maps the buffer into its own GPU, so reading the rows is one peer copy. A process that
+does not see the engine's GPU gets None, and the rows cross in the channel's host memory.
 
-Each step the engine copies the rows into the buffer on its stream, records the event and waits for it
-before it signals the step; the proposer's stream also waits for the event before it reads them. The
+Each step the engine copies the rows into the buffer on its stream and waits for the copies on the
+host before it signals the step, so the proposer reads complete rows without waiting on an event. The
 buffer is reused only after the proposer has answered, and it answers after its drafts are on the host
 (which needs its reads done), so one buffer suffices. The channel says with each step whether its rows
 are in this buffer: the proposer may map it between two steps.
@@ -37,11 +36,10 @@ class DeviceRowsExport:
 
     def __init__(self, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.buffer = torch.empty(rows, width, dtype=dtype, device=device)
-        self.event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
-        self.event.record()  # an interprocess event must be recorded before its handle is taken
+        self.copied = torch.cuda.Event()
 
     def descriptor(self) -> bytes:
-        """The buffer's and the event's IPC handles, and the GPU's UUID, as JSON."""
+        """The buffer's IPC handle and the GPU's UUID, as JSON."""
         _, args = reduce_tensor(self.buffer)
         (_, size, stride, offset, _, dtype, device, handle, size_bytes, offset_bytes, _,
          ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
@@ -51,7 +49,6 @@ class DeviceRowsExport:
             "handle": handle.hex(), "size_bytes": size_bytes, "offset_bytes": offset_bytes,
             "ref_handle": ref_handle.hex(), "ref_offset": ref_offset,
             "event_handle": event_handle.hex() if event_handle else None, "event_sync": event_sync,
-            "step_event": bytes(self.event.ipc_handle()).hex(),
         }  # fmt: skip
         encoded = json.dumps(description).encode()
         if len(encoded) > DESCRIPTOR_BYTES:
@@ -65,18 +62,17 @@ class DeviceRowsExport:
         self.buffer[row_offset : row_offset + rows.shape[0]].copy_(rows, non_blocking=True)
 
     def publish(self) -> None:
-        """Mark the end of this step's copies (the proposer's reads wait for this point) and wait for
-        them on the host too, before the step is signalled: they are small, and they follow a step whose
-        tokens the host has read already."""
-        self.event.record()
-        self.event.synchronize()
+        """Wait on the host for this step's copies, before the step is signalled: they are small, and
+        they follow a step whose tokens the host has read already."""
+        self.copied.record()
+        self.copied.synchronize()
 
 
 class DeviceRowsImport:
     """The proposer's end: the engine's buffer mapped into this process."""
 
-    def __init__(self, buffer: torch.Tensor, event: torch.cuda.Event) -> None:
-        self.buffer, self.event = buffer, event
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
 
     @classmethod
     def open(cls, descriptor: bytes) -> DeviceRowsImport | None:
@@ -105,7 +101,7 @@ class DeviceRowsImport:
 
     @classmethod
     def _map(cls, description: dict, index: int) -> DeviceRowsImport:
-        """Open the IPC handles in GPU `index`'s context (the buffer's own GPU, or a peer of it)."""
+        """Open the IPC handle in GPU `index`'s context (the buffer's own GPU, or a peer of it)."""
         event_handle = description["event_handle"]
         buffer = rebuild_cuda_tensor(
             torch.Tensor, torch.Size(description["size"]), tuple(description["stride"]),
@@ -114,10 +110,8 @@ class DeviceRowsImport:
             False, bytes.fromhex(description["ref_handle"]), description["ref_offset"],
             bytes.fromhex(event_handle) if event_handle else None, description["event_sync"],
         )  # fmt: skip
-        event = torch.cuda.Event.from_ipc_handle(index, bytes.fromhex(description["step_event"]))
-        return cls(buffer, event)
+        return cls(buffer)
 
     def read(self, row_offset: int, num_rows: int) -> torch.Tensor:
-        """This step's rows from row_offset, copied (on the current stream, after the engine's copies)."""
-        torch.cuda.current_stream(self.buffer.device).wait_event(self.event)
+        """This step's rows from row_offset, copied (the engine's copies ended before the step came)."""
         return self.buffer[row_offset : row_offset + num_rows].clone()

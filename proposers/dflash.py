@@ -43,6 +43,7 @@ from kernels.rope import apply_rope_reference
 from proposers.base import DraftRequest
 
 ARCHITECTURE = "DFlashDraftModel"
+WARM_UP_ID, WARM_UP_TOKENS = "tileinfer-warm-up", 16  # DFlashProposer.warm_up's throwaway request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,6 +403,15 @@ class DFlashProposer:
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         with torch.inference_mode():
             return [self._propose_one(request) for request in requests]
+
+    def warm_up(self, num_drafts: int) -> None:
+        """One throwaway proposal, leaving no context behind: on a GPU the first calls set up libraries
+        and allocate (once longer than an engine's wait for a step's drafts)."""
+        tokens = list(range(WARM_UP_TOKENS))
+        hidden = torch.zeros(len(tokens) - 1, self.hidden_width, dtype=self.hidden_dtype)
+        self.propose([DraftRequest(WARM_UP_ID, tokens, num_drafts, hidden, hidden_start=0)])
+        self._caches.pop(WARM_UP_ID)
+        self._token_ids.pop(WARM_UP_ID)
 
     def forget(self, request_id: str) -> None:
         cache = self._caches.pop(request_id, None)

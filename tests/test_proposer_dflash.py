@@ -411,3 +411,14 @@ def test_a_chats_next_turn_drafts_from_the_last_turns_context(
     assert [t for output in outputs for t in output.new_token_ids] == plain.generate(second, params)[0]
     assert proposer.contexts_reused == 1
     assert speculative.speculator.stats.drafts_proposed > drafted_before
+
+
+def test_warm_up_leaves_no_context_behind(checkpoint: Path, target: transformers.Qwen3ForCausalLM) -> None:
+    """The proposer actor warms DFlash up before serving; a request with the same tokens afterwards
+    starts from an empty context, not from the warm-up's zero rows."""
+    proposer = make_proposer(checkpoint, target)
+    proposer.warm_up(num_drafts=3)
+    tokens = list(range(16))
+    hidden = torch.randn(len(tokens) - 1, len(TARGET_LAYER_IDS) * HIDDEN)
+    proposer.propose([DraftRequest("r", tokens, 3, hidden, hidden_start=0)])
+    assert proposer.contexts_reused == 0

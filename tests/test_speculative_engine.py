@@ -11,7 +11,9 @@ import pytest
 from engine.engine import Engine, EngineConfig
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
+from engine.speculator import Speculator
 from proposers.base import DraftRequest
+from proposers.ngram import NgramProposer
 
 CODE_EDIT = (
     "Rename the variable `total` to `running_sum` in this function and return the whole function.\n\n"
@@ -163,3 +165,17 @@ def test_a_fixed_draft_count_drafts_every_step(
     assert fixed_stats.drafts_proposed >= 4 * (fixed_stats.steps - 2)
     assert fixed_stats.steps <= 10
     assert fixed_stats.drafts_accepted == fixed_stats.drafts_proposed
+
+
+def test_one_slow_step_does_not_set_the_step_cost() -> None:
+    """A first verify step that compiled kernels (or waited out a stalled proposer) takes 100x a normal
+    one; once a few normal steps follow, the cost is theirs again."""
+    speculator = Speculator(NgramProposer(), max_drafts=4)
+    assert speculator.step_cost == 1.0  # nothing measured yet
+    speculator.record_step(2.0, verified_drafts=True)  # compiled
+    for _ in range(3):
+        speculator.record_step(0.010, verified_drafts=False)
+    assert speculator.step_cost == 200.0
+    for _ in range(2):
+        speculator.record_step(0.025, verified_drafts=True)
+    assert speculator.step_cost == pytest.approx(2.5)
