@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("out", nargs="?", default=os.environ.get("OUT", "bench_out"))
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--dtype", default="auto", help="float32: no bf16 near-ties between kernel paths")
     args = parser.parse_args()
     on_gpu = args.device == "cuda"
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on a shared host
@@ -111,6 +112,7 @@ def main() -> None:
         "kv_cache_tokens": 8192,
         "max_num_seqs": 8,
         "device": args.device,
+        "dtype": args.dtype,
     } | ({"engine_num_gpus": 0.5} if on_gpu else {"engine_num_cpus": 0, "proposer_num_cpus": 0})
     serve.run(build_app(base), name="plain", route_prefix="/plain")
     dflash_args = base | {"proposer": "dflash", "draft_model": str(checkpoint), "num_draft": 3}
