@@ -132,7 +132,6 @@ def measure(
     finally:
         remote.close()
         process.kill()
-    times.sort()
     return _timing(times) | {
         "num_seqs": num_seqs,
         "hidden_width": hidden_width,

@@ -106,9 +106,10 @@ class Speculator:
         if self.fixed_step_cost is not None:
             return self.fixed_step_cost
         speculative, plain = self._step_seconds[True], self._step_seconds[False]
-        if not speculative or not plain or statistics.median(plain) <= 0:
+        plain_seconds = statistics.median(plain) if plain else 0.0
+        if not speculative or plain_seconds <= 0:
             return 1.0
-        return statistics.median(speculative) / statistics.median(plain)
+        return statistics.median(speculative) / plain_seconds
 
     def plan(
         self,
