@@ -13,6 +13,7 @@ that Ray assigned it: each thread that runs CUDA work here selects that GPU firs
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -24,6 +25,8 @@ from deployments.config import AppArgs
 from engine.loader import load_model
 from proposers.factory import build_proposer
 from proposers.remote import HiddenLayout, ProposerServer, hidden_layout
+
+logger = logging.getLogger(__name__)
 
 # Ray leaves CUDA_VISIBLE_DEVICES alone in an actor whose environment sets this.
 SEE_ALL_GPUS = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -56,7 +59,10 @@ class ProposerDeployment:
         self.proposer = build_proposer(config, target)
         warm_up = getattr(self.proposer, "warm_up", None)
         if warm_up is not None:  # before serving: a first step must not wait out first calls' set-up
-            warm_up(args.num_draft)
+            try:
+                warm_up(args.num_draft)
+            except Exception:  # noqa: BLE001 - only a speed-up: a step that fails the same way costs drafts
+                logger.exception("warming the proposer up failed; serving anyway")
         self.draft_ahead = draft_ahead
         self._lock = threading.Lock()  # one server at a time calls the proposer
         self._server: ProposerServer | None = None

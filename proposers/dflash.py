@@ -409,9 +409,11 @@ class DFlashProposer:
         and allocate (once longer than an engine's wait for a step's drafts)."""
         tokens = list(range(WARM_UP_TOKENS))
         hidden = torch.zeros(len(tokens) - 1, self.hidden_width, dtype=self.hidden_dtype)
-        self.propose([DraftRequest(WARM_UP_ID, tokens, num_drafts, hidden, hidden_start=0)])
-        self._caches.pop(WARM_UP_ID)
-        self._token_ids.pop(WARM_UP_ID)
+        try:
+            self.propose([DraftRequest(WARM_UP_ID, tokens, num_drafts, hidden, hidden_start=0)])
+        finally:
+            self._caches.pop(WARM_UP_ID, None)
+            self._token_ids.pop(WARM_UP_ID, None)
 
     def forget(self, request_id: str) -> None:
         cache = self._caches.pop(request_id, None)
