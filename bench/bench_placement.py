@@ -1,12 +1,16 @@
 """Where the draft-model proposer runs (issue 6): in a process of its own on the engine's GPU, or on a
-second GPU, and with or without drafting ahead, each beside plain decoding in the same run.
+second GPU; its drafts crossing in host memory or in the draft ring (proposers/draft_ring.py); with or
+without drafting ahead; each beside plain decoding in the same run.
 
     python bench/bench_placement.py [OUT_DIR] [--draft-layers 15,30] [--max-tokens 256] [--device cpu]
 
 The engine runs in this process on GPU 0 (SmolLM2-135M-Instruct, greedy, bf16). The proposer, a
 self-draft of the target's first N layers, runs in a spawned process that attaches to the engine's
 shared-memory channel (as the proposer actor does under Serve) on GPU 0 ("one GPU") or GPU 1 ("two
-GPUs"); with draft-ahead it drafts the next block while the engine verifies. Every placement asks for
+GPUs"; the process sees both GPUs, as the actor does, so that it maps the engine's ring as a peer);
+with draft-ahead it drafts the next block while the engine verifies. "host drafts": the engine's host
+waits for the drafts and sends them with the step; "ring": it launches the verify step at once, and the
+GPU waits for the proposer's drafts in the ring. Every placement asks for
 drafts at every step (NUM_DRAFT, adapt_num_draft off), so that only the placement differs. Uses
 bench_spec's prompt sets. Needs two GPUs for the two-GPU rows (they are skipped on one); --device cpu
 runs the proposer in its own process on the CPU (a smoke run). Writes OUT_DIR/bench_placement.json and
@@ -22,7 +26,7 @@ import multiprocessing
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,6 +45,7 @@ NUM_DRAFT = 6
 
 def _serve(
     config: EngineConfig,
+    gpu: int | None,
     draft_ahead: bool,
     channel_names: multiprocessing.Queue,
     attached: multiprocessing.Queue,
@@ -49,40 +54,40 @@ def _serve(
     """The proposer process: a self-draft on this process's GPU, serving each channel that arrives."""
     from proposers.factory import build_proposer
 
+    def on_gpu(serve: Callable[[], None]) -> None:  # the current GPU is per thread
+        if gpu is not None:
+            torch.cuda.set_device(gpu)
+        serve()
+
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
     target = load_model(str(default_model_path()), dtype=config.torch_dtype(), device=config.torch_device())
     proposer = build_proposer(config, target)
     lock = threading.Lock()
     while (name := channel_names.get()) is not None:
         server = ProposerServer(proposer, name, lock, draft_ahead=draft_ahead)
-        threading.Thread(target=server.serve, daemon=True).start()
+        threading.Thread(target=on_gpu, args=(server.serve,), daemon=True).start()
         attached.put(True)
     stats.put(vars(proposer.ahead_stats))
 
 
 @contextlib.contextmanager
 def remote_proposer(
-    config: EngineConfig, gpu: int | None, draft_ahead: bool
+    config: EngineConfig, gpu: int | None, draft_ahead: bool, use_ring: bool
 ) -> Iterator[tuple[RemoteProposer, dict]]:
     """A proposer process on GPU `gpu` (None: as this process's device) and the RemoteProposer attached
     to it; on exit, the dict holds the proposer's drafting-ahead counts."""
     channel_names, attached, stats = CONTEXT.Queue(), CONTEXT.Queue(), CONTEXT.Queue()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # the child sees one GPU, as a Ray actor does
-    try:
-        process = CONTEXT.Process(target=_serve, args=(config, draft_ahead, channel_names, attached, stats))
-        process.start()
-    finally:
-        if visible is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    process = CONTEXT.Process(target=_serve, args=(config, gpu, draft_ahead, channel_names, attached, stats))
+    process.start()
 
     def connect(name: str) -> None:
         channel_names.put(name)
         attached.get(timeout=300)
 
-    remote = RemoteProposer(connect, timeout_s=5.0, connect_timeout_s=300)
+    remote = RemoteProposer(
+        connect, timeout_s=5.0, connect_timeout_s=300, device=config.torch_device(), use_ring=use_ring
+    )
     counts: dict = {}
     try:
         if not remote.wait_attached(300):
@@ -104,6 +109,7 @@ def main() -> None:
     parser.add_argument("--draft-layers", default="15,30", help="self-drafts: the target's first N layers")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--placements", default="", help="comma-separated words a placement's name must hold")
     args = parser.parse_args()
     num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -115,20 +121,25 @@ def main() -> None:
         "code edit": [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CODE_EDIT],
     }
     plain_engine = Engine(model, base)
-    placements: list[tuple[str, int | None, bool]] = [
-        ("one GPU", 0, False), ("one GPU, draft ahead", 0, True),
-        ("two GPUs", 1, False), ("two GPUs, draft ahead", 1, True),
+    placements: list[tuple[str, int | None, bool, bool]] = [  # name, GPU, draft ahead, ring
+        ("one GPU, host drafts", 0, False, False), ("one GPU, ring", 0, False, True),
+        ("two GPUs, host drafts", 1, False, False), ("two GPUs, ring", 1, False, True),
+        ("two GPUs, ring, draft ahead", 1, True, True),
     ]  # fmt: skip
     if args.device == "cpu":
-        placements = [("own process", None, False), ("own process, draft ahead", None, True)]
+        placements = [
+            ("own process, host drafts", None, False, False), ("own process, ring", None, False, True)
+        ]  # fmt: skip
+    for word in filter(None, args.placements.split(",")):
+        placements = [placement for placement in placements if word in placement[0]]
     rows = []
     for layers in [int(n) for n in args.draft_layers.split(",")]:
         proposer_config = EngineConfig(**{**vars(base), "proposer": "draft", "draft_layers": layers})
-        for placement, gpu, draft_ahead in placements:
+        for placement, gpu, draft_ahead, use_ring in placements:
             if gpu is not None and gpu >= num_gpus:
                 print(f"skipped: {placement} needs {gpu + 1} GPUs, this machine has {num_gpus}")
                 continue
-            with remote_proposer(proposer_config, gpu, draft_ahead) as (remote, ahead):
+            with remote_proposer(proposer_config, gpu, draft_ahead, use_ring) as (remote, ahead):
                 # every placement asks for NUM_DRAFT drafts at every step: the placement is what differs
                 config = EngineConfig(**{**vars(base), "num_draft": NUM_DRAFT, "adapt_num_draft": False})
                 engine = Engine(model, config, proposer=remote)
@@ -144,6 +155,7 @@ def main() -> None:
                         "spec_tok_s": spec["tokens"] / spec["seconds"],
                         "speedup": plain["seconds"] / spec["seconds"],
                         "same_output": spec["outputs"] == plain["outputs"],
+                        "ring_steps": engine.speculator.stats.ring_steps,
                     })  # fmt: skip
                     print(json.dumps(rows[-1]), flush=True)
                 del engine
@@ -152,7 +164,9 @@ def main() -> None:
                     row["ahead"] = ahead  # drafts made ahead and reused, over both prompt sets
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_placement.json").write_text(json.dumps({"gpus": num_gpus, "rows": rows}, indent=2))
+    words = [word.replace(" ", "_") for word in args.placements.split(",") if word]
+    name = "_".join(["bench_placement", *words])
+    (out / f"{name}.json").write_text(json.dumps({"gpus": num_gpus, "rows": rows}, indent=2))
     print(f"\nproposer placement, SmolLM2-135M self-draft, greedy, {args.max_tokens} tokens a prompt")
     print("(drafts made ahead / reused: over both prompt sets of that placement)")
     print(

@@ -16,6 +16,9 @@
 #   bash bench/device_run.sh placement  # proposer on the engine's GPU or a second one (kind nvidia-h200-x2)
 #   bash bench/device_run.sh link     # DFlash rows between two GPUs, and the channel's tests (nvidia-h200-x2)
 #   bash bench/device_run.sh serve2   # the app with a DFlash proposer on a second GPU, through Ray Serve (x2)
+#   bash bench/device_run.sh ring     # (x2) the draft ring's and the channel's GPU tests
+#   bash bench/device_run.sh ring1    # (x2, after part0, carrying part 1) one-GPU placements, host drafts or ring
+#   bash bench/device_run.sh ring2    # (x2, after ring1) the two-GPU placements, host drafts against the ring
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
 set -u
@@ -111,6 +114,17 @@ serve2)  # (kind nvidia-h200-x2, after part0 and part1, carrying all of .whl: Ra
     RAY_USAGE_STATS_ENABLED=0 run 400 python3 bench/serve_two_gpus.py "$OUT" --dtype float32
     ;;
 placement) run 560 python3 bench/bench_placement.py "$OUT" --draft-layers 30 --max-tokens 128 ;;
+ring)  # (kind nvidia-h200-x2, after part0) the draft ring's and the channel's GPU tests
+    nvidia-smi topo -m | head -3
+    timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/test_draft_ring.py \
+        tests/test_channel.py > "$OUT/test_ring.log" 2>&1
+    echo "== ring and channel GPU tests"; grep -E "^FAILED|^E |passed|failed" "$OUT/test_ring.log" | head -20
+    ;;
+ring1)  # (x2, after part0, carrying part 1) the one-GPU placements, host drafts against the ring
+    bash "$0" part1
+    run 400 python3 bench/bench_placement.py "$OUT" --draft-layers 30 --max-tokens 128 --placements "one GPU"
+    ;;
+ring2) run 560 python3 bench/bench_placement.py "$OUT" --draft-layers 30 --max-tokens 128 --placements "two GPUs" ;;
 grid)  # the attention kernels' whole grid, compiled, in parallel shards (compiling is most of the time)
     sharded 12 420 tests/test_kernels_prefill_attention.py tests/test_kernels_attention.py
     ;;
@@ -118,5 +132,5 @@ check)  # `grid` and the engine's GPU tests together, in parallel shards: correc
     sharded 14 480 tests/test_kernels_prefill_attention.py tests/test_kernels_attention.py \
         tests/test_engine_cuda.py tests/test_graphs_cuda.py tests/test_run_ahead.py tests/test_channel.py
     ;;
-*) echo "usage: bash bench/device_run.sh part0|part1|kernels|engine|spec|profile|linear|sweep|placement|link|serve2|extra|grid|check"; exit 2 ;;
+*) echo "usage: bash bench/device_run.sh part0|part1|kernels|engine|spec|profile|linear|sweep|placement|link|serve2|ring|ring1|ring2|extra|grid|check"; exit 2 ;;
 esac

@@ -272,7 +272,10 @@ class Engine:
     ) -> list[RequestOutput]:
         """Verify the drafts; each sequence keeps its accepted drafts and the target's next token (its KV
         stops at the last accepted draft: rolling back only moves num_computed_tokens)."""
-        sampled, verifications = self.runner.execute_speculative(scheduled, drafts)
+        ring = self.speculator.ring_step
+        sampled, verifications = self.runner.execute_speculative(scheduled, drafts, ring)
+        if ring is not None:
+            self.speculator.took_ring_drafts(ring, drafts)
         verified = {verification.seq: verification for verification in verifications}
         self._keep_hidden(scheduled, {seq: v.num_accepted for seq, v in verified.items()})
         for item in scheduled:

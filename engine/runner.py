@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,11 +33,18 @@ from kernels.sampling import (
     seed_to_int64,
     top_logprobs,
 )
+from proposers.draft_ring import RingRead
+
+if TYPE_CHECKING:
+    from engine.speculator import RingStep
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 # In Sequence.token_ids: a token sampled on the device by a launched step, not yet read by the host.
 PENDING_TOKEN = -1
+# In Sequence.token_ids: a draft that the proposer writes into the draft ring, read by the verify step
+# (engine/speculator.py RingStep); the host learns it with the step's results.
+PENDING_DRAFT = -2
 
 
 @dataclasses.dataclass
@@ -157,27 +165,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_speculative(
-        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
+        self,
+        scheduled: list[ScheduledSequence],
+        drafts: dict[Sequence, list[int]],
+        ring: RingStep | None = None,
     ) -> tuple[list[SampledToken], list[Verification]]:
         """As execute, for a step in which some sequences end with drafts (already in their tokens):
         the target scores [last token, drafts] of those in the same forward pass, and their drafts are
-        verified exactly (greedy: the target's argmax; sampled: rejection sampling). Eager."""
-        logits = self.forward_eager(scheduled, num_logits={seq: len(d) + 1 for seq, d in drafts.items()})
+        verified exactly (greedy: the target's argmax; sampled: rejection sampling). Eager, or a step
+        graph. With a `ring`, its sequences' drafts are PENDING_DRAFT here: the step reads them from the
+        draft ring, and they replace the placeholders (and their entries in `drafts`, as many as the
+        proposer wrote) before verification."""
+        num_logits = {seq: len(d) + 1 for seq, d in drafts.items()}
+        # (before the ring's drafts replace the placeholders, which may shorten the sequences)
+        completes = [
+            item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens for item in scheduled
+        ]
+        ring_read, covered = self._ring_read(scheduled, ring) if ring is not None else (None, [])
+        logits = self.forward_eager(scheduled, num_logits=num_logits, ring_read=ring_read)
+        if ring is not None:
+            self._take_ring_drafts(ring, ring_read, covered, drafts)
         plain_seqs: list[Sequence] = []
         plain_rows: list[int] = []
         greedy: list[tuple[Sequence, int]] = []  # (sequence, its first logits row)
         verifications: list[Verification] = []
         row = 0
-        for item in scheduled:
+        for item, complete in zip(scheduled, completes, strict=True):
             seq = item.seq
-            if seq.num_computed_tokens + item.num_new_tokens != seq.num_tokens:
+            if not complete:
                 continue  # a prompt chunk: no logits
             if seq not in drafts:
                 plain_seqs.append(seq)
                 plain_rows.append(row)
                 row += 1
                 continue
-            count = len(drafts[seq]) + 1
+            count = num_logits[seq]
             if seq.params.is_greedy:
                 greedy.append((seq, row))
             else:
@@ -190,6 +212,46 @@ class ModelRunner:
             plain_logits = logits[torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)]
             results = self._results(plain_seqs, self._sample_eager(plain_logits, plain_seqs), plain_logits)
         return results, verifications
+
+    def _ring_read(
+        self, scheduled: list[ScheduledSequence], ring: RingStep
+    ) -> tuple[RingRead | None, list[Sequence]]:
+        """Where the step's packed input ids take the ring's drafts (each ring sequence's last tokens),
+        and the ring sequences the step runs, in that order."""
+        token_rows: list[int] = []
+        slots: list[tuple[int, int]] = []
+        covered: list[Sequence] = []
+        end = 0
+        for item in scheduled:
+            end += item.num_new_tokens
+            row = ring.rows.get(item.seq)
+            if row is not None:
+                count = ring.num_drafts[item.seq]
+                token_rows += range(end - count, end)
+                slots += [(row, j) for j in range(count)]
+                covered.append(item.seq)
+        if not token_rows:
+            return None, covered
+        return RingRead(ring.drafts, token_rows, slots, self.device), covered
+
+    @staticmethod
+    def _take_ring_drafts(
+        ring: RingStep, ring_read: RingRead | None, covered: list[Sequence], drafts: dict[Sequence, list[int]]
+    ) -> None:
+        """Put the drafts the step read from the ring in place of each sequence's placeholders (only as
+        many as the proposer wrote: the rest were padding; a sequence the step did not run gets none)."""
+        used, lengths = ring_read.finish() if ring_read is not None else ([], {})
+        read: dict[Sequence, list[int]] = {}
+        offset = 0
+        for seq in covered:
+            count = ring.num_drafts[seq]
+            read[seq] = used[offset : offset + count][: lengths[ring.rows[seq]]]
+            offset += count
+        for seq in ring.rows:
+            count = ring.num_drafts[seq]
+            del seq.token_ids[len(seq.token_ids) - count :]
+            drafts[seq] = read.get(seq, [])
+            seq.token_ids += drafts[seq]
 
     @staticmethod
     def _verify_greedy(
@@ -268,10 +330,12 @@ class ModelRunner:
         is_decode: bool = False,
         last_token_ids: list[int] | None = None,
         num_logits: dict[Sequence, int] | None = None,
+        ring_read: RingRead | None = None,
     ) -> torch.Tensor:
         """The float32 logits [num_rows, vocab_size] of each sequence whose tokens are all computed
         after this step, without sampling: its last token's row, or its last num_logits[seq] rows.
-        last_token_ids: a decode step's input tokens, where the sequences' own lists hold PENDING_TOKEN."""
+        last_token_ids: a decode step's input tokens, where the sequences' own lists hold PENDING_TOKEN.
+        ring_read: input ids that come from the draft ring (PENDING_DRAFT in the sequences' lists)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -295,13 +359,18 @@ class ModelRunner:
         if last_token_ids is not None:
             assert is_decode and len(last_token_ids) == len(input_ids)
             input_ids = last_token_ids
+        gather_drafts = None
+        if ring_read is not None:
+            for row in ring_read.token_rows:  # a valid id, should the proposer never answer
+                input_ids[row] = 0
+            gather_drafts = ring_read.gather_into
         if self.step_graphs is not None and not self.capture_layers and logit_rows:
             inputs = StepInputs(
                 input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                 [item.seq.block_table for item in scheduled], logit_rows,
             )  # fmt: skip
             if self.step_graphs.fits(inputs):
-                return self.step_graphs.forward(inputs)
+                return self.step_graphs.forward(inputs, gather_drafts)
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
         block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
         for row, item in enumerate(scheduled):
@@ -318,8 +387,11 @@ class ModelRunner:
         capture: dict[int, torch.Tensor | None] | None = (
             dict.fromkeys(self.capture_layers) if self.capture_layers else None
         )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        if gather_drafts is not None:
+            gather_drafts(ids)
         hidden, residual = self.decoder(
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            ids,
             torch.tensor(positions, dtype=torch.int64, device=device),
             self.kv_cache,
             metadata,

@@ -8,6 +8,10 @@ token history per position (penalties) or logprobs decode plainly.
 
 A proposer that fails (a dead or stalled actor raises) costs nothing but speed: the step goes on without
 drafts, and the proposer is tried again after a pause.
+
+A proposer in another process whose drafts cross in the draft ring (RemoteProposer.launch) is asked
+without waiting: each sequence gets its k drafts as PENDING_DRAFT placeholders, and the verify step reads
+the real ones from the ring (ModelRunner.execute_speculative with the RingStep of `ring_step`).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from collections.abc import Sequence as Seq
 import torch
 
 from engine.block_manager import BlockManager
+from engine.runner import PENDING_DRAFT
 from engine.sequence import Sequence
 from engine.speculative import DraftLengthController
 from proposers.base import DraftRequest, Proposer, ProposerUnavailableError
+from proposers.draft_ring import RingDrafts
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,16 @@ class SpeculationStats:
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     proposer_failures: int = 0
+    ring_steps: int = 0  # steps whose drafts crossed in the draft ring (proposers/draft_ring.py)
+
+
+@dataclasses.dataclass
+class RingStep:
+    """A step's drafts in the draft ring: each sequence's ring row and number of placeholders."""
+
+    drafts: RingDrafts
+    rows: dict[Sequence, int]
+    num_drafts: dict[Sequence, int]
 
 
 class Speculator:
@@ -67,6 +83,7 @@ class Speculator:
         }
         self.controllers: dict[str, DraftLengthController] = {}
         self.stats = SpeculationStats()
+        self.ring_step: RingStep | None = None  # the last plan's drafts, when they cross in the ring
         self._paused_until = 0.0
         # A proposer that reads the target's hidden states (DFlash) names the layers; the engine hands
         # over the rows of each request's newly kept tokens, sent with its next DraftRequest.
@@ -123,7 +140,9 @@ class Speculator:
         drafts per sequence (only non-empty ones). Never asks for more than the cache, the token budget
         and each sequence's limits can take, so that the step needs no preemption.
         before_proposing: called once some sequence wants drafts, before the proposer sees any tokens
-        (the engine reads a launched step's tokens there); sequences that finished meanwhile get none."""
+        (the engine reads a launched step's tokens there); sequences that finished meanwhile get none.
+        Drafts that cross in the ring are PENDING_DRAFT placeholders here (self.ring_step)."""
+        self.ring_step = None
         if time.monotonic() < self._paused_until:
             return {}
         step_cost = self.step_cost
@@ -165,18 +184,19 @@ class Speculator:
         for seq, k in wanted.items():
             hidden, hidden_start = self._target_hidden(seq.request_id)
             requests.append(DraftRequest(seq.request_id, seq.token_ids, k, hidden, hidden_start))
+        launch = getattr(self.proposer, "launch", None)
         try:
-            proposals = self.proposer.propose(requests)
+            ring = launch(requests) if launch is not None else None
+            proposals = self.proposer.propose(requests) if ring is None else []
         except ProposerUnavailableError:
             return {}  # e.g. a restarted proposer actor that has not attached yet: not a failure
         except Exception:  # noqa: BLE001 - any proposer fault means: decode without drafts for a while
-            logger.warning("proposer failed; decoding without speculation for %.0f s", RETRY_AFTER_S,
-                           exc_info=True)  # fmt: skip
-            self.stats.proposer_failures += 1
-            self._paused_until = time.monotonic() + RETRY_AFTER_S
+            self.proposer_failed()
             return {}
         for seq in wanted:
             self._unsent_hidden.pop(seq.request_id, None)  # the proposer has them now
+        if ring is not None:
+            return self._await_ring(list(wanted), ring)
         drafts: dict[Sequence, list[int]] = {}
         for (seq, k), proposal in zip(wanted.items(), proposals, strict=True):
             proposal = [int(token) for token in proposal[:k]]
@@ -187,7 +207,37 @@ class Speculator:
                 self.controllers[seq.request_id].record_no_proposal()
         return drafts
 
+    def _await_ring(self, seqs: list[Sequence], ring: RingDrafts) -> dict[Sequence, list[int]]:
+        """Placeholders for the drafts that will be in the ring, recorded in self.ring_step."""
+        drafts: dict[Sequence, list[int]] = {}
+        step = RingStep(ring, {}, {})
+        for seq, row, count in zip(seqs, ring.rows, ring.num_drafts, strict=True):
+            if row is not None and count > 0:
+                drafts[seq] = [PENDING_DRAFT] * count
+                seq.token_ids.extend(drafts[seq])
+                step.rows[seq], step.num_drafts[seq] = row, count
+        self.ring_step = step if drafts else None
+        return drafts
+
+    def took_ring_drafts(self, step: RingStep, drafts: dict[Sequence, list[int]]) -> None:
+        """A step read its drafts from the ring (`drafts`: what it found per sequence)."""
+        self.stats.ring_steps += 1
+        if step.drafts.timed_out:
+            self.proposer_failed()
+        for seq in step.rows:
+            if not drafts.get(seq) and self.adaptive and seq.request_id in self.controllers:
+                self.controllers[seq.request_id].record_no_proposal()
+
+    def proposer_failed(self) -> None:
+        """The proposer raised, or never answered a step in the ring: decode plainly for a while."""
+        logger.warning("proposer failed; decoding without speculation for %.0f s", RETRY_AFTER_S,
+                       exc_info=True)  # fmt: skip
+        self.stats.proposer_failures += 1
+        self._paused_until = time.monotonic() + RETRY_AFTER_S
+
     def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        if num_proposed == 0:  # the ring held no drafts for it
+            return
         self.stats.steps += 1
         self.stats.drafts_proposed += num_proposed
         self.stats.drafts_accepted += num_accepted

@@ -141,9 +141,12 @@ class StepGraphs:
             self.pool = graph.pool()
         self.graphs[size] = graph
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
+    def forward(
+        self, inputs: StepInputs, before_replay: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
         """The float32 logits of inputs.logit_rows (a view of a static buffer, valid until the next
-        replay)."""
+        replay). before_replay(input_ids) may change the ids on the device once the inputs are there
+        (the draft ring's drafts: proposers/draft_ring.py)."""
         num_tokens, num_seqs = len(inputs.input_ids), len(inputs.seq_lens)
         size = next(bucket for bucket in self.buckets if bucket >= num_tokens)
         padding = size - num_tokens
@@ -166,5 +169,7 @@ class StepGraphs:
         self.int32s.copy_(int32s_host, non_blocking=True)
         self.block_tables.copy_(tables_host, non_blocking=True)
         self.logit_rows.copy_(rows_host, non_blocking=True)
+        if before_replay is not None:
+            before_replay(self.ints[0, :size])
         self.graphs[size].replay()
         return self.logits[:num_rows]

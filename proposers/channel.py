@@ -15,18 +15,28 @@ derives the same layout:
                drafts                              int32[max_requests, max_drafts]
                error                               uint8[ERROR_BYTES]      (utf-8, when status is 1)
     device     description                         uint8[DESCRIPTOR_BYTES] (with hidden rows only)
+    ring       ring_description                    uint8[DESCRIPTOR_BYTES] (the engine's GPU ring)
+               ring                                int64[DraftRing.size(max_requests, max_drafts)]
 
 A request names a sequence by a small integer key and says how many of the tokens the server mirrors to
 KEEP and which NEW tokens follow, so only the tokens accepted since the last step cross. For DFlash a
 request also carries NUM_ROWS new rows of the target's hidden states (rows, like tokens, cross once); a
 channel without a hidden width has no hidden area. A client on a GPU also offers the rows in GPU memory
 (proposers/device_rows.py: CUDA IPC, described in the device area); a server that can map it sets
-device_attached, and from then on the rows cross there, while the header keeps the signalling. Tokens and
-drafts are made and used on the host on both sides, so they stay in host memory.
+device_attached, and from then on the rows cross there, while the header keeps the signalling. Tokens
+cross in host memory: both sides need them on the host.
+
+Drafts made by a model on the proposer's GPU (ring_drafts, set by the server) can cross in a draft ring
+instead (proposers/draft_ring.py): a step sent with to_ring is answered in the ring, which the engine's
+verify step reads without the engine's host waiting for the answer. A client on a GPU offers a ring in its
+GPU memory (ring_description); a server that maps it sets ring_attached to RING_ON_GPU, else it answers in
+the segment's host ring (RING_IN_HOST). Either way the ring's flag is the header's ring_flag: the
+header's page is registered with CUDA on both sides of a GPU ring (proposers/stream_signal.py).
 
 Signalling: the client writes a request, then bumps request_seq; the server polls request_seq (spinning
 briefly, then sleeping a little), answers, then sets response_seq to it; the client waits for that with a
-deadline. Stores are ordered on x86 (TSO), which is what this relies on between the writes and the bump.
+deadline (for a step answered in the ring: before it sends the next step). Stores are ordered on x86
+(TSO), which is what this relies on between the writes and the bump.
 """
 
 from __future__ import annotations
@@ -44,16 +54,22 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from proposers.device_rows import DESCRIPTOR_BYTES, DeviceRowsExport, DeviceRowsImport
+from proposers.cuda_ipc import describe, open_described
+from proposers.device_rows import DeviceRowsExport, DeviceRowsImport
+from proposers.draft_ring import DraftRing
+from proposers.stream_signal import map_host_page, unmap_host_page
 
 MAGIC = 0x54494C4543484E33  # "TILECHN3": the segment is a channel of this layout
 HEADER = (
     "magic", "request_seq", "response_seq", "closed", "num_requests", "num_new_tokens", "num_forgets",
     "status", "num_step_rows", "max_requests", "max_step_tokens", "max_drafts", "max_forgets",
     "max_step_rows", "hidden_width", "hidden_dtype", "device_rows", "device_attached", "step_rows_on_device",
+    "ring_on_gpu", "ring_attached", "ring_drafts", "step_to_ring", "ring_flag",
 )  # fmt: skip
 _FIELD = {name: index for index, name in enumerate(HEADER)}
 ERROR_BYTES = 1024
+DESCRIPTOR_BYTES = 4096  # room for a GPU buffer's JSON description (proposers/cuda_ipc.py)
+RING_ON_GPU, RING_IN_HOST = 1, 2  # ring_attached: which ring the server answers in
 SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
 STATUS_OK, STATUS_ERROR = 0, 1
 HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -176,6 +192,13 @@ class _Layout:
         self.draft_lengths = take(np.int64, capacity.max_requests)
         self.hidden: torch.Tensor | None = None  # [hidden_rows, hidden_width]
         self.description = take(np.uint8, DESCRIPTOR_BYTES if capacity.hidden_rows else 0)
+        self.ring_description = take(np.uint8, DESCRIPTOR_BYTES)
+        ring_size = DraftRing.size(capacity.max_requests, capacity.max_drafts)
+        self.ring = DraftRing(
+            torch.frombuffer(buffer, dtype=torch.int64, count=ring_size, offset=offset),
+            capacity.max_requests, capacity.max_drafts, self.header[_FIELD["ring_flag"] :][:1],
+        )  # fmt: skip
+        offset += 8 * ring_size
         if capacity.hidden_rows:
             dtype = HIDDEN_DTYPES[capacity.hidden_dtype]
             count = capacity.hidden_rows * capacity.hidden_width
@@ -192,8 +215,9 @@ class _Layout:
         int64s = len(HEADER) + 7 * capacity.max_requests + capacity.max_forgets  # 7 per-request arrays
         int32s = capacity.max_step_tokens + capacity.max_requests * capacity.max_drafts
         row_bytes = capacity.hidden_width * HIDDEN_DTYPES[capacity.hidden_dtype].itemsize
-        description = DESCRIPTOR_BYTES if capacity.hidden_rows else 0
-        return 8 * int64s + description + capacity.hidden_rows * row_bytes + 4 * int32s + ERROR_BYTES
+        int64s += DraftRing.size(capacity.max_requests, capacity.max_drafts)
+        descriptions = DESCRIPTOR_BYTES * (2 if capacity.hidden_rows else 1)
+        return 8 * int64s + descriptions + capacity.hidden_rows * row_bytes + 4 * int32s + ERROR_BYTES
 
     def get(self, field: str) -> int:
         return int(self.header[_FIELD[field]])
@@ -222,9 +246,18 @@ class ChannelClient:
                 self.capacity.hidden_rows, self.capacity.hidden_width,
                 HIDDEN_DTYPES[self.capacity.hidden_dtype], device,
             )  # fmt: skip
-            description = self._device_rows.descriptor()
-            self._layout.description[: len(description)] = np.frombuffer(description, dtype=np.uint8)
+            _write_description(self._layout.description, self._device_rows.descriptor())
             self._layout.set("device_rows", 1)
+        self._gpu_ring: DraftRing | None = None
+        if device is not None and device.type == "cuda":
+            storage = torch.zeros(
+                DraftRing.size(self.capacity.max_requests, self.capacity.max_drafts), dtype=torch.int64,
+                device=device,
+            )  # fmt: skip
+            self._gpu_ring = _gpu_ring(self._layout, storage)
+            if self._gpu_ring is not None:
+                _write_description(self._layout.ring_description, describe(storage))
+                self._layout.set("ring_on_gpu", 1)
         self._layout.set("magic", MAGIC)  # last: a server that sees it sees the capacities too
         self._seq = 0
         self._spin_s = SPIN_S
@@ -234,16 +267,53 @@ class ChannelClient:
         """Whether hidden rows cross in GPU memory: offered here, and mapped by the server."""
         return self._device_rows is not None and bool(self._layout.get("device_attached"))
 
+    @property
+    def ring(self) -> DraftRing | None:
+        """The ring the server answers to_ring steps in, once it attached and wants to (ring_drafts)."""
+        layout = self._layout
+        if not layout.get("ring_drafts"):
+            return None
+        attached = layout.get("ring_attached")
+        if attached == RING_ON_GPU and self._gpu_ring is not None:
+            return self._gpu_ring
+        return layout.ring if attached == RING_IN_HOST else None
+
     def exchange(
         self, requests: Sequence[ChannelRequest], forget_keys: Sequence[int], timeout_s: float
     ) -> list[list[int]]:
         """Send one step and wait for its drafts, one list per request. Raises ChannelCapacityError for
         a step that does not fit, TimeoutError when no answer comes within timeout_s (the server is dead
         or stalled: the channel must then be abandoned) and RemoteProposerError when the proposer raised."""
+        self.send(requests, forget_keys, timeout_s)
+        return self.receive(timeout_s)
+
+    def receive(self, timeout_s: float) -> list[list[int]]:
+        """Wait for the drafts of the step just sent (not to the ring), one list per request."""
+        self._await_answer(self._seq, time.monotonic() + timeout_s)
+        layout = self._layout
+        lengths = layout.draft_lengths[: layout.get("num_requests")].tolist()
+        return [layout.drafts[index, :length].tolist() for index, length in enumerate(lengths)]
+
+    @property
+    def last_step(self) -> int:
+        """The number of the step sent last."""
+        return self._seq
+
+    def send(
+        self,
+        requests: Sequence[ChannelRequest],
+        forget_keys: Sequence[int],
+        timeout_s: float,
+        to_ring: bool = False,
+    ) -> int:
+        """Send one step without waiting for its answer; returns its number. to_ring: answered in the
+        ring (self.ring) rather than here. Waits first (up to timeout_s) for the last step's answer, and
+        raises as exchange does."""
         self._check_fits(requests, forget_keys)
         layout = self._layout
         if layout.get("closed"):
             raise ChannelClosedError(f"channel {self.name} is closed")
+        self._await_answer(self._seq, time.monotonic() + timeout_s)
         offset = row_offset = 0
         device_rows = self._device_rows if layout.get("device_attached") else None
         for index, request in enumerate(requests):
@@ -270,23 +340,26 @@ class ChannelClient:
         # where this step's rows are: the server may attach (and map the GPU buffer) between steps
         layout.set("step_rows_on_device", int(device_rows is not None))
         layout.set("num_forgets", len(forget_keys))
+        layout.set("step_to_ring", int(to_ring))
         layout.set("status", STATUS_OK)
         self._seq += 1
         layout.set("request_seq", self._seq)  # last: this publishes the step
+        return self._seq
 
-        deadline = time.monotonic() + timeout_s
+    def _await_answer(self, seq: int, deadline: float) -> None:
+        """Wait until the server answered step `seq` (raising as exchange does)."""
+        layout = self._layout
         spin_until = time.monotonic() + SPIN_S
-        while layout.get("response_seq") < self._seq:
+        while layout.get("response_seq") < seq:
             now = time.monotonic()
             if now > deadline:
-                raise TimeoutError(f"the proposer did not answer within {timeout_s:.3f} s")
+                raise TimeoutError("the proposer did not answer in time")
             if now >= spin_until:
                 time.sleep(POLL_SLEEP_S)
-        if layout.get("status") == STATUS_ERROR:
+        if seq and layout.get("status") == STATUS_ERROR:
             message = bytes(layout.error).rstrip(b"\0").decode("utf-8", "replace")
+            layout.set("status", STATUS_OK)  # reported once
             raise RemoteProposerError(f"the proposer failed: {message}")
-        lengths = layout.draft_lengths[: len(requests)].tolist()
-        return [layout.drafts[index, :length].tolist() for index, length in enumerate(lengths)]
 
     def _check_fits(self, requests: Sequence[ChannelRequest], forget_keys: Sequence[int]) -> None:
         capacity = self.capacity
@@ -313,6 +386,9 @@ class ChannelClient:
         if self._shm is None:
             return
         self._layout.set("closed", 1)
+        if self._gpu_ring is not None:
+            unmap_host_page(self._layout.header.ctypes.data)
+            self._gpu_ring = None
         del self._layout  # the views must go before the buffer can be released
         self._shm.unlink()
         with contextlib.suppress(BufferError):  # a view alive on another thread: the mapping goes with it
@@ -342,6 +418,13 @@ class ChannelServer:
         if self._layout.get("device_rows"):
             self._device_rows = DeviceRowsImport.open(bytes(self._layout.description).rstrip(b"\0"))
             self._layout.set("device_attached", int(self._device_rows is not None))
+        self.ring = self._layout.ring
+        if self._layout.get("ring_on_gpu"):
+            storage = open_described(bytes(self._layout.ring_description).rstrip(b"\0"))
+            if storage is not None:
+                self.ring = _gpu_ring(self._layout, storage) or self.ring
+        self._layout.set("ring_attached", RING_ON_GPU if self.ring.on_gpu else RING_IN_HOST)
+        self._to_ring = False  # whether the step just read is answered in the ring
         self._seq = self._layout.get("response_seq")
         self._last_step_time = time.monotonic()
         self._spin_s = SPIN_S
@@ -356,6 +439,7 @@ class ChannelServer:
         if layout.get("closed") or stop.is_set():
             return None
         self._seq = layout.get("request_seq")
+        self._to_ring = bool(layout.get("step_to_ring"))
         now = time.monotonic()
         self._spin_s = spin_window(now - self._last_step_time)
         self._last_step_time = now
@@ -383,17 +467,27 @@ class ChannelServer:
             offset += num_new
         return ChannelStep(requests, layout.forget_keys[: layout.get("num_forgets")].tolist())
 
+    def offer_ring(self, wanted: bool) -> None:
+        """Say whether this server's drafts should cross in the ring (made by a model on its GPU)."""
+        self._layout.set("ring_drafts", int(wanted))
+
     def respond(self, drafts: Sequence[Sequence[int]]) -> None:
-        """Answer the step just read: drafts[i] for its i-th request, at most its num_drafts."""
+        """Answer the step just read: drafts[i] for its i-th request, at most its num_drafts (in the
+        ring when the step asked for that)."""
         layout = self._layout
-        for index, proposal in enumerate(drafts):
-            length = min(len(proposal), int(layout.num_drafts[index]))
-            layout.drafts[index, :length] = proposal[:length]
-            layout.draft_lengths[index] = length
+        limited = [list(proposal[: int(layout.num_drafts[index])]) for index, proposal in enumerate(drafts)]
+        if self._to_ring:
+            self.ring.publish(limited, self._seq)
+        else:
+            for index, proposal in enumerate(limited):
+                layout.drafts[index, : len(proposal)] = proposal
+                layout.draft_lengths[index] = len(proposal)
         layout.set("response_seq", self._seq)  # last: this publishes the answer
 
     def respond_error(self, message: str) -> None:
         layout = self._layout
+        if self._to_ring:  # no drafts, at once: the engine's verify step waits for the ring
+            self.ring.publish([[] for _ in range(layout.get("num_requests"))], self._seq)
         encoded = message.encode("utf-8", "replace")[: ERROR_BYTES - 1]
         layout.error[:] = 0
         layout.error[: len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
@@ -403,6 +497,27 @@ class ChannelServer:
     def close(self) -> None:
         if self._mmap is None:
             return
+        if self.ring is not None and self.ring.on_gpu:
+            unmap_host_page(self._layout.header.ctypes.data)
         del self._layout
+        self.ring = None
         self._mmap.close()
         self._mmap = None
+
+
+def _write_description(area: np.ndarray, description: bytes) -> None:
+    if len(description) > len(area):
+        raise ValueError(f"a GPU buffer's description takes {len(description)} bytes, over {len(area)}")
+    area[: len(description)] = np.frombuffer(description, dtype=np.uint8)
+
+
+def _gpu_ring(layout: _Layout, storage: torch.Tensor) -> DraftRing | None:
+    """A ring of `storage` (GPU memory) whose flag is the header's ring_flag, registered with CUDA in this
+    process; None where that fails (the host ring then carries the drafts)."""
+    try:
+        address = map_host_page(layout.header.ctypes.data)  # the header starts the segment: a page
+    except Exception:  # noqa: BLE001 - e.g. no CUDA driver: host memory will do
+        return None
+    capacity = (layout.ring.max_requests, layout.ring.max_drafts)
+    flag = layout.header[_FIELD["ring_flag"] :][:1]
+    return DraftRing(storage, *capacity, flag, address + 8 * _FIELD["ring_flag"])

@@ -18,21 +18,13 @@ are in this buffer: the proposer may map it between two steps.
 
 from __future__ import annotations
 
-import contextlib
-import json
-
 import torch
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-DESCRIPTOR_BYTES = 4096  # room for the JSON description in the channel segment
-
-
-def _gpu_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
+from proposers.cuda_ipc import describe, open_described
 
 
 class DeviceRowsExport:
-    """The engine's end: a [rows, width] buffer and an interprocess event on `device`."""
+    """The engine's end: a [rows, width] buffer on `device`."""
 
     def __init__(self, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.buffer = torch.empty(rows, width, dtype=dtype, device=device)
@@ -40,22 +32,7 @@ class DeviceRowsExport:
 
     def descriptor(self) -> bytes:
         """The buffer's IPC handle and the GPU's UUID, as JSON."""
-        _, args = reduce_tensor(self.buffer)
-        (_, size, stride, offset, _, dtype, device, handle, size_bytes, offset_bytes, _,
-         ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
-        description = {
-            "gpu": _gpu_uuid(device),
-            "size": list(size), "stride": list(stride), "offset": offset, "dtype": str(dtype).split(".")[-1],
-            "handle": handle.hex(), "size_bytes": size_bytes, "offset_bytes": offset_bytes,
-            "ref_handle": ref_handle.hex(), "ref_offset": ref_offset,
-            "event_handle": event_handle.hex() if event_handle else None, "event_sync": event_sync,
-        }  # fmt: skip
-        encoded = json.dumps(description).encode()
-        if len(encoded) > DESCRIPTOR_BYTES:
-            raise ValueError(
-                f"the device-rows description takes {len(encoded)} bytes, over {DESCRIPTOR_BYTES}"
-            )
-        return encoded
+        return describe(self.buffer)
 
     def write(self, row_offset: int, rows: torch.Tensor) -> None:
         """Copy rows (on any device) into the buffer from row_offset, on the current stream."""
@@ -76,41 +53,11 @@ class DeviceRowsImport:
 
     @classmethod
     def open(cls, descriptor: bytes) -> DeviceRowsImport | None:
-        """Map the buffer a DeviceRowsExport described, into this process's current GPU when that is a
-        peer of the buffer's GPU, else into the buffer's GPU; None if this process does not see that GPU
-        or the mapping fails (the rows then cross in host memory)."""
-        if not torch.cuda.is_available():
-            return None
-        try:
-            description = json.loads(descriptor.decode())
-        except ValueError:
-            return None
-        owner = next(
-            (i for i in range(torch.cuda.device_count()) if _gpu_uuid(i) == description["gpu"]), None
-        )
-        if owner is None:
-            return None
-        current = torch.cuda.current_device()
-        candidates = [owner]
-        if current != owner and torch.cuda.can_device_access_peer(current, owner):
-            candidates.insert(0, current)
-        for index in candidates:
-            with contextlib.suppress(Exception):  # any failure to map means: try the next, then host memory
-                return cls._map(description, index)
-        return None
-
-    @classmethod
-    def _map(cls, description: dict, index: int) -> DeviceRowsImport:
-        """Open the IPC handle in GPU `index`'s context (the buffer's own GPU, or a peer of it)."""
-        event_handle = description["event_handle"]
-        buffer = rebuild_cuda_tensor(
-            torch.Tensor, torch.Size(description["size"]), tuple(description["stride"]),
-            description["offset"], torch.UntypedStorage, getattr(torch, description["dtype"]), index,
-            bytes.fromhex(description["handle"]), description["size_bytes"], description["offset_bytes"],
-            False, bytes.fromhex(description["ref_handle"]), description["ref_offset"],
-            bytes.fromhex(event_handle) if event_handle else None, description["event_sync"],
-        )  # fmt: skip
-        return cls(buffer)
+        """Map the buffer a DeviceRowsExport described (proposers/cuda_ipc.py: into this process's GPU
+        when that is a peer of the buffer's); None if this process cannot (rows then cross in host
+        memory)."""
+        buffer = open_described(descriptor)
+        return None if buffer is None else cls(buffer)
 
     def read(self, row_offset: int, num_rows: int) -> torch.Tensor:
         """This step's rows from row_offset, copied (the engine's copies ended before the step came)."""

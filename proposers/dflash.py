@@ -343,6 +343,8 @@ class DFlashProposer:
     retired_tokens tokens in all: a new request whose tokens start with the same ones (the next turn of
     a chat, which the target serves from its prefix cache and so never runs again) takes it over."""
 
+    drafts_from_model = True  # in another process, its drafts cross in the draft ring (proposers/channel.py)
+
     def __init__(
         self,
         drafter: DFlashDrafter,

@@ -57,6 +57,8 @@ class DraftModelProposer:
     the KV capacity or max_model_len gets fewer drafts, or none; drafts only affect speed.
     """
 
+    drafts_from_model = True  # in another process, its drafts cross in the draft ring (proposers/channel.py)
+
     def __init__(
         self, draft: LoadedModel, target_vocab_size: int, config: EngineConfig | None = None
     ) -> None:

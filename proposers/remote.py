@@ -29,6 +29,7 @@ import torch
 from engine.errors import InvalidRequestError
 from proposers.base import DraftRequest, Proposer, ProposerUnavailableError
 from proposers.channel import HIDDEN_DTYPES, ChannelCapacity, ChannelClient, ChannelRequest, ChannelServer
+from proposers.draft_ring import RingDrafts
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,9 @@ class RemoteProposer:
         connect_timeout_s: float = 60.0,
         hidden: HiddenLayout | None = None,
         device: torch.device | None = None,
+        use_ring: bool = True,
     ) -> None:
+        """use_ring=False: drafts cross in host memory even where the draft ring could carry them."""
         capacity = capacity or ChannelCapacity()
         self.target_layer_ids: tuple[int, ...] = ()
         if hidden is not None and hidden.target_layer_ids:
@@ -113,6 +116,7 @@ class RemoteProposer:
         self.timeout_per_new_token_s = timeout_per_new_token_s
         self.connect_timeout_s = connect_timeout_s
         self.device = device  # where the engine's hidden rows are: on a GPU they cross in GPU memory
+        self.use_ring = use_ring
         self._connect = connect
         self._next_key = itertools.count()
         self._keys: dict[str, int] = {}  # request id -> its key on the current channel
@@ -134,6 +138,44 @@ class RemoteProposer:
         return self._connection is not None and self._connection.attached.wait(timeout_s)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        connection, items, included = self._send(requests, to_ring=False)
+        try:
+            answers = connection.channel.receive(self._timeout(items))
+        except Exception:
+            self._reconnect()
+            raise
+        drafts: list[list[int]] = [[] for _ in requests]
+        for index, answer in zip(included, answers, strict=True):
+            drafts[index] = answer
+        return drafts
+
+    def launch(self, requests: Sequence[DraftRequest]) -> RingDrafts | None:
+        """Send a step whose drafts the proposer writes into the draft ring (proposers/draft_ring.py),
+        without waiting for them; None when this channel's drafts do not cross in a ring (not attached
+        yet, or a proposer whose drafts are made on the host: call propose). Raises as propose does."""
+        connection = self._connection
+        ring = None if connection is None or not connection.attached.is_set() else connection.channel.ring
+        if ring is None or not self.use_ring:
+            return None
+        _, items, included = self._send(requests, to_ring=True)
+        rows: list[int | None] = [None] * len(requests)
+        num_drafts = [0] * len(requests)
+        for slot, (index, item) in enumerate(zip(included, items, strict=True)):
+            if item.num_drafts:
+                rows[index], num_drafts[index] = slot, item.num_drafts
+        return RingDrafts(ring, connection.channel.last_step, rows, num_drafts, self._timeout(items),
+                          self._reconnect)  # fmt: skip
+
+    def _timeout(self, items: Sequence[ChannelRequest]) -> float:
+        num_new = sum(len(item.new_tokens) + item.num_rows for item in items)
+        return self.timeout_s + num_new * self.timeout_per_new_token_s
+
+    def _send(
+        self, requests: Sequence[DraftRequest], to_ring: bool
+    ) -> tuple[_Connection, list[ChannelRequest], list[int]]:
+        """Send a step over the current channel: the connection, the channel requests, and the index in
+        `requests` of each. Records what the proposer now mirrors (after a failure the next step starts
+        over on a new channel, so an answer that never comes changes nothing)."""
         connection = self._connection
         if connection is None or not connection.attached.is_set():
             if connection is None or connection.given_up.is_set():
@@ -145,9 +187,7 @@ class RemoteProposer:
         items, included, rows_after = self._pack(requests, rows)
         forget_keys = self._forget_keys[: self.capacity.max_forgets]
         try:
-            num_new = sum(len(item.new_tokens) + item.num_rows for item in items)
-            timeout_s = self.timeout_s + num_new * self.timeout_per_new_token_s
-            answers = connection.channel.exchange(items, forget_keys, timeout_s)
+            connection.channel.send(items, forget_keys, self._timeout(items), to_ring)
         except Exception:
             self._reconnect()  # a fresh channel and fresh mirrors: its state is unknown now
             raise
@@ -158,13 +198,11 @@ class RemoteProposer:
                 self._lost.add(request_id)
             else:
                 self._rows[request_id] = state
-        drafts: list[list[int]] = [[] for _ in requests]
-        for index, item, answer in zip(included, items, answers, strict=True):
+        for index, item in zip(included, items, strict=True):
             request_id = requests[index].request_id
             self._keys[request_id] = item.key
             self._num_mirrored[request_id] = item.keep + len(item.new_tokens)
-            drafts[index] = answer
-        return drafts
+        return connection, items, included
 
     def _context_rows(self, requests: Sequence[DraftRequest]) -> dict[str, tuple[int, torch.Tensor]]:
         """Per request (not lost): (rows the server holds, [num_rows, width] the rows of the positions
@@ -316,6 +354,8 @@ class ProposerServer:
             )
         self.lock = lock
         self._reads_hidden = bool(layout.width)
+        # drafts made by a model (on the proposer's GPU) cross in the draft ring; n-gram's stay on the host
+        self.channel.offer_ring(bool(getattr(proposer, "drafts_from_model", False)))
         self.stop_event = threading.Event()
         self._mirrors: dict[int, list[int]] = {}  # key -> the request's tokens so far
         # the proposer's request ids are this server's own: a re-attached engine reuses keys

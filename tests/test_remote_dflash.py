@@ -198,7 +198,7 @@ def test_an_engine_drafts_with_a_remote_dflash_proposer(
         for prompt in prompts:
             assert speculative.generate(prompt, params)[0] == plain.generate(prompt, params)[0]
         stats = speculative.speculator.stats
-        assert stats.proposer_failures == 0 and stats.drafts_proposed > 0
+        assert stats.proposer_failures == 0 and stats.drafts_proposed > 0 and stats.ring_steps > 0
     finally:
         remote.close()
 
