@@ -111,7 +111,7 @@ serve2)  # (kind nvidia-h200-x2, after part0 and part1, carrying all of .whl: Ra
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
         > /dev/null 2>&1 || { echo "the wheels did not install"; exit 1; }
     # float32: in bf16 a verify step's kernels can break a near-tie otherwise than a decode step's
-    RAY_USAGE_STATS_ENABLED=0 run 400 python3 bench/serve_two_gpus.py "$OUT" --dtype float32
+    RAY_USAGE_STATS_ENABLED=0 run 400 python3 bench/serve_two_gpus.py "$OUT" --dtype float32 ${RING_OFF:+--no-ring}
     ;;
 placement) run 560 python3 bench/bench_placement.py "$OUT" --draft-layers 30 --max-tokens 128 ;;
 ring)  # (kind nvidia-h200-x2, after part0) the draft ring's and the channel's GPU tests

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--dtype", default="auto", help="float32: no bf16 near-ties between kernel paths")
+    parser.add_argument("--no-ring", action="store_true", help="DFlash's drafts cross in host memory")
     args = parser.parse_args()
     on_gpu = args.device == "cuda"
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on a shared host
@@ -116,25 +118,32 @@ def main() -> None:
     } | ({"engine_num_gpus": 0.5} if on_gpu else {"engine_num_cpus": 0, "proposer_num_cpus": 0})
     serve.run(build_app(base), name="plain", route_prefix="/plain")
     dflash_args = base | {"proposer": "dflash", "draft_model": str(checkpoint), "num_draft": 3}
+    dflash_args["draft_ring"] = not args.no_ring
     serve.run(build_app(dflash_args), name="dflash", route_prefix="/dflash")
 
     prompts = [*OPEN_CHAT[:2], *CODE_EDIT]
-    same = [
-        _chat("plain", prompt, args.max_tokens) == _chat("dflash", prompt, args.max_tokens)
-        for prompt in prompts
-    ]
+    seconds: dict[str, list[float]] = {"plain": [], "dflash": []}
+
+    def timed_chat(app: str, prompt: str) -> str:
+        started = time.perf_counter()
+        text = _chat(app, prompt, args.max_tokens)
+        seconds[app].append(round(time.perf_counter() - started, 3))
+        return text
+
+    same = [timed_chat("plain", prompt) == timed_chat("dflash", prompt) for prompt in prompts]
     metrics = _spec_metrics("dflash")
     pids, held = _actor_pids(), _gpus_by_process()
     placement = {name: held.get(pid, []) for name, pid in pids.items()}
     serve.shutdown()
     ray.shutdown()
 
-    report = {"same_text": same, "metrics": metrics, "gpus_held": placement}
+    report = {"same_text": same, "metrics": metrics, "gpus_held": placement, "seconds": seconds}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve_two_gpus.json").write_text(json.dumps(report, indent=2))
     print(f"greedy text equal to plain, per prompt: {same}")
     print(f"dflash metrics: {json.dumps(metrics)}")
+    print(f"seconds per request (ring {'off' if args.no_ring else 'on'}): {json.dumps(seconds)}")
     print(f"GPUs each actor's process holds memory on (NVML): {json.dumps(placement)}")
     checks = {
         "outputs equal plain decoding": all(same),

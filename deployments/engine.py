@@ -90,8 +90,9 @@ class EngineDeployment:
                 max_step_rows=args.max_num_batched_tokens,
             )  # fmt: skip
             self.proposer = RemoteProposer(
-                attach, capacity, args.proposer_timeout_s, hidden=hidden, device=config.torch_device()
-            )
+                attach, capacity, args.proposer_timeout_s, hidden=hidden, device=config.torch_device(),
+                use_ring=args.draft_ring,
+            )  # fmt: skip
         model = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
         self.engine = Engine(model, config, proposer=self.proposer)
         if self.proposer is not None and not self.proposer.wait_attached(ATTACH_AT_START_S):

@@ -100,6 +100,9 @@ def render_speculation(
         "spec_proposer_failures_total": (
             stats.proposer_failures if stats else 0, "Steps without drafts: the proposer failed or stalled."
         ),
+        "spec_ring_steps_total": (
+            stats.ring_steps if stats else 0, "Steps whose drafts crossed in the draft ring (draft_ring)."
+        ),
     }  # fmt: skip
     lines = []
     for name, (value, help_text) in counters.items():

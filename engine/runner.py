@@ -388,15 +388,10 @@ class ModelRunner:
             dict.fromkeys(self.capture_layers) if self.capture_layers else None
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        if gather_drafts is not None:
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=device)
+        if gather_drafts is not None:  # last: a copy queued behind the ring's wait would block the host
             gather_drafts(ids)
-        hidden, residual = self.decoder(
-            ids,
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            self.kv_cache,
-            metadata,
-            capture,
-        )
+        hidden, residual = self.decoder(ids, position_ids, self.kv_cache, metadata, capture)
         if capture is not None:
             self.captured_hidden = torch.cat([capture[index] for index in self.capture_layers], dim=-1)
         if not logit_rows:  # a prompt chunk that completes no sequence

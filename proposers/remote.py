@@ -100,9 +100,9 @@ class RemoteProposer:
         connect_timeout_s: float = 60.0,
         hidden: HiddenLayout | None = None,
         device: torch.device | None = None,
-        use_ring: bool = True,
+        use_ring: bool = False,
     ) -> None:
-        """use_ring=False: drafts cross in host memory even where the draft ring could carry them."""
+        """use_ring: drafts made by a model cross in the draft ring where the channel has one (launch)."""
         capacity = capacity or ChannelCapacity()
         self.target_layer_ids: tuple[int, ...] = ()
         if hidden is not None and hidden.target_layer_ids:

@@ -6,10 +6,11 @@ proposer wrote, and a stalled one costs only speed."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -58,31 +59,38 @@ def _serve_ring(name: str, gpu: int | None, answer: bool) -> None:
     server.close()
 
 
-def _attached_ring(client: ChannelClient, on_gpu: bool) -> None:
-    deadline = time.monotonic() + 120
-    while client.ring is None:
-        assert time.monotonic() < deadline, "the server never offered its ring"
-        time.sleep(0.01)
-    assert client.ring.on_gpu == on_gpu
-
-
-def _placement(placement: str) -> tuple[torch.device, int | None]:
-    return {
+@contextlib.contextmanager
+def _ring_channel(
+    placement: str, capacity: ChannelCapacity, answer: bool
+) -> Iterator[tuple[ChannelClient, torch.device]]:
+    """A channel whose server, in a spawned process (on the placement's GPU), answers in the ring (or
+    never); yields once the server offered its ring. On exit the server has stopped."""
+    device, server_gpu = {
         "cpu": (torch.device("cpu"), None),
         "cuda": (torch.device("cuda:0"), 0),
         "cuda-peer": (torch.device("cuda:0"), 1),
     }[placement]
+    client = ChannelClient(capacity, device)
+    process = CONTEXT.Process(target=_serve_ring, args=(client.name, server_gpu, answer))
+    process.start()
+    try:
+        deadline = time.monotonic() + 120
+        while client.ring is None:
+            assert time.monotonic() < deadline, "the server never offered its ring"
+            time.sleep(0.01)
+        assert client.ring.on_gpu == (device.type == "cuda")
+        yield client, device
+    finally:
+        client.close()
+        process.join(timeout=60)
+    assert process.exitcode == 0
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_a_ring_step_is_gathered_once_the_proposer_answered(placement: str) -> None:
-    device, server_gpu = _placement(placement)
-    client = ChannelClient(ChannelCapacity(max_requests=4, max_step_tokens=64, max_drafts=5), device)
-    process = CONTEXT.Process(target=_serve_ring, args=(client.name, server_gpu, True))
-    process.start()
     timed_out: list[bool] = []
-    try:
-        _attached_ring(client, on_gpu=device.type == "cuda")
+    capacity = ChannelCapacity(max_requests=4, max_step_tokens=64, max_drafts=5)
+    with _ring_channel(placement, capacity, answer=True) as (client, device):
         for step in range(3):
             requests = [ChannelRequest(2 * step, 0, [1, 2], 4), ChannelRequest(2 * step + 1, 0, [3], 5)]
             number = client.send(requests, [], timeout_s=60, to_ring=True)
@@ -99,22 +107,14 @@ def test_a_ring_step_is_gathered_once_the_proposer_answered(placement: str) -> N
             assert lengths == {0: 4, 1: 4}
             assert used[:4] == first and used[4:8] == second  # the fifth slot of request 1 is padding
             assert ids[[0, 1, 6]].tolist() == [-7, -7, -7]
-        assert not timed_out
-    finally:
-        client.close()
-        process.join(timeout=60)
-    assert process.exitcode == 0
+    assert not timed_out
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS[:2])
 def test_a_ring_step_never_answered_is_released_at_the_deadline(placement: str) -> None:
-    device, server_gpu = _placement(placement)
-    client = ChannelClient(ChannelCapacity(max_requests=2, max_step_tokens=8, max_drafts=3), device)
-    process = CONTEXT.Process(target=_serve_ring, args=(client.name, server_gpu, False))
-    process.start()
     given_up: list[bool] = []
-    try:
-        _attached_ring(client, on_gpu=device.type == "cuda")
+    capacity = ChannelCapacity(max_requests=2, max_step_tokens=8, max_drafts=3)
+    with _ring_channel(placement, capacity, answer=False) as (client, device):
         number = client.send([ChannelRequest(0, 0, [1], 3)], [], timeout_s=60, to_ring=True)
         launch = RingDrafts(client.ring, number, [0], [3], 0.3, lambda: given_up.append(True))
         read = RingRead(launch, [1, 2, 3], [(0, 0), (0, 1), (0, 2)], device)
@@ -127,9 +127,6 @@ def test_a_ring_step_never_answered_is_released_at_the_deadline(placement: str) 
         assert lengths == {0: 0} and len(used) == 3  # no drafts count; the stream went on
         if device.type == "cuda":
             torch.cuda.synchronize()
-    finally:
-        client.close()
-        process.join(timeout=60)
 
 
 class RingNgram(NgramProposer):
@@ -166,7 +163,7 @@ def _served(proposer: NgramProposer, timeout_s: float) -> tuple[RemoteProposer, 
         servers.append(ProposerServer(proposer, channel_name, lock))
         threading.Thread(target=servers[-1].serve, daemon=True).start()
 
-    remote = RemoteProposer(connect, timeout_s=timeout_s)
+    remote = RemoteProposer(connect, timeout_s=timeout_s, use_ring=True)
     assert remote.wait_attached(60)
     return remote, servers
 

@@ -269,8 +269,7 @@ def test_an_engine_with_a_remote_draft_model_drafting_ahead(model: LoadedModel, 
         prompt = engine.tokenizer.encode_chat(CHATS[1])
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         assert speculative.generate(prompt, params)[0] == engine.generate(prompt, params)[0]
-        stats = speculative.speculator.stats
-        assert stats.drafts_accepted > 0 and stats.ring_steps > 0  # the drafts crossed in the draft ring
+        assert speculative.speculator.stats.drafts_accepted > 0
         assert proposer.ahead_stats.drafts_made > 0 and proposer.ahead_stats.drafts_reused > 0
     finally:
         remote.close()
