@@ -52,7 +52,7 @@ class AppArgs(BaseModel):
     draft_ahead: bool | None = Field(
         None,
         description="the proposer drafts the next block while the engine verifies; default: on when "
-        "the proposer has a GPU of its own (draft-model proposer only)",
+        "the proposer has a GPU of its own (draft-model and DFlash proposers)",
     )
 
     def proposer_draft_ahead(self, device: str, num_gpus: float) -> bool:

@@ -31,6 +31,14 @@ class DraftRequest:
     hidden_start: int | None = None
 
 
+@dataclasses.dataclass
+class AheadStats:
+    drafts_made: int = 0  # drafts decoded ahead (draft_ahead), while the engine verified
+    # drafts a call returned without decoding them: made ahead, or left from an earlier call's drafts
+    # beyond the ones the engine accepted when its own next token agreed with the next draft
+    drafts_reused: int = 0
+
+
 class Proposer(Protocol):
     """Guesses the next tokens of each sequence so that the target can verify them in one forward pass.
 
@@ -47,8 +55,9 @@ class Proposer(Protocol):
     a proposer returns.
 
     Optional: `draft_ahead()` drafts the next block of the last call's sequences, assuming the engine
-    accepts all their drafts (the draft-model proposer has it). A proposer actor on a GPU of its own calls
-    it after answering, so that it drafts while the engine verifies.
+    accepts all their drafts (the draft-model and DFlash proposers have it; `ahead_stats` counts). A
+    proposer actor on a GPU of its own calls it after answering, so that it drafts while the engine
+    verifies.
     """
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]: ...

@@ -40,7 +40,7 @@ from kernels.embedding import embedding_reference
 from kernels.linear import linear_reference
 from kernels.rmsnorm import rms_norm_reference
 from kernels.rope import apply_rope_reference
-from proposers.base import DraftRequest
+from proposers.base import AheadStats, DraftRequest
 
 ARCHITECTURE = "DFlashDraftModel"
 WARM_UP_ID, WARM_UP_TOKENS = "tileinfer-warm-up", 16  # DFlashProposer.warm_up's throwaway request
@@ -341,7 +341,14 @@ class DFlashProposer:
 
     A forgotten request's context (the draft layers' keys and values of its tokens) is kept a while, up to
     retired_tokens tokens in all: a new request whose tokens start with the same ones (the next turn of
-    a chat, which the target serves from its prefix cache and so never runs again) takes it over."""
+    a chat, which the target serves from its prefix cache and so never runs again) takes it over.
+
+    draft_ahead() (a proposer actor on a GPU of its own calls it after answering) drafts each request's
+    next block while the engine verifies: anchored at the drafter's own guess of the target's token
+    after the drafts, as if the engine accepted them all. The target's hidden states of those tokens do
+    not exist yet, so that block sees the context without them. The next call returns it if the engine
+    did accept every draft and its token was the guess; otherwise it drafts afresh. Whether such
+    drafts are accepted often enough to pay needs a trained checkpoint to tell."""
 
     drafts_from_model = True  # in another process, its drafts cross in the draft ring (proposers/channel.py)
 
@@ -375,6 +382,11 @@ class DFlashProposer:
         )
         self.retired_tokens = retired_tokens
         self.contexts_reused = 0  # requests that took over a retired context
+        # request id -> (its token count at the last call, that call's block predictions, drafts asked)
+        self._last_blocks: dict[str, tuple[int, list[int], int]] = {}
+        # request id -> (token count, the tokens assumed after it, predictions of the block drafted ahead)
+        self._ahead: dict[str, tuple[int, list[int], list[int]]] = {}
+        self.ahead_stats = AheadStats()
 
     @classmethod
     def from_checkpoint(
@@ -416,8 +428,38 @@ class DFlashProposer:
         finally:
             self._caches.pop(WARM_UP_ID, None)
             self._token_ids.pop(WARM_UP_ID, None)
+            self._last_blocks.pop(WARM_UP_ID, None)
+
+    def draft_ahead(self) -> None:
+        """Draft the next block of each request of the last call (see the class)."""
+        config, drafter = self.drafter.config, self.drafter
+        device = drafter.fc.weight.device
+        no_rows = torch.empty(0, self.hidden_width, dtype=self.hidden_dtype, device=device)
+        no_positions = torch.empty(0, dtype=torch.int64, device=device)
+        with torch.inference_mode():
+            for request_id, (num_tokens, predictions, num_drafts) in self._last_blocks.items():
+                cache = self._caches.get(request_id)
+                if cache is None or num_drafts == 0 or len(predictions) <= num_drafts:
+                    continue  # forgotten, no drafts to build on, or no guess past them
+                assumed = predictions[: num_drafts + 1]  # the drafts, then the guess of the target's token
+                anchor = num_tokens + num_drafts  # the guess's position
+                block_len = min(config.block_size, drafter.max_positions - anchor)
+                if block_len < 2:
+                    continue
+                block_token_ids = torch.full((block_len,), config.mask_token_id, device=device)
+                block_token_ids[0] = assumed[-1]
+                block_positions = torch.arange(anchor, anchor + block_len, device=device)
+                logits = drafter(
+                    no_rows, no_positions, block_token_ids, block_positions,
+                    self.embed_weight, self.lm_head_weight, cache,
+                )  # fmt: skip
+                self._ahead[request_id] = (num_tokens, assumed, logits.argmax(dim=-1).tolist())
+                self.ahead_stats.drafts_made += block_len - 1
+        self._last_blocks.clear()
 
     def forget(self, request_id: str) -> None:
+        self._last_blocks.pop(request_id, None)
+        self._ahead.pop(request_id, None)
         cache = self._caches.pop(request_id, None)
         token_ids = self._token_ids.pop(request_id, None)
         if cache is None or token_ids is None or cache.num_tokens == 0:
@@ -457,20 +499,40 @@ class DFlashProposer:
         new_hidden = self._new_hidden(request, cache.num_tokens, num_context, hidden_start)
         device = drafter.fc.weight.device
         context_positions = torch.arange(cache.num_tokens, num_context, device=device)
+        ahead = self._ahead.pop(request.request_id, None)
         if request.num_drafts <= 0:  # still take the context, so that the next call needs only its new rows
             drafter.extend_context(cache, new_hidden, context_positions)
             return []
         block_len = min(config.block_size, drafter.max_positions - num_context)
         if block_len < 2:
             return []  # no room for a draft inside the position table
-        block_token_ids = torch.full((block_len,), config.mask_token_id, device=device)
-        block_token_ids[0] = request.token_ids[-1]
-        block_positions = torch.arange(num_context, num_context + block_len, device=device)
-        logits = drafter(
-            new_hidden, context_positions, block_token_ids, block_positions,
-            self.embed_weight, self.lm_head_weight, cache,
-        )  # fmt: skip
-        return logits[: request.num_drafts].argmax(dim=-1).tolist()
+        if ahead is not None and self._ahead_holds(ahead, request):
+            drafter.extend_context(cache, new_hidden, context_positions)
+            predictions = ahead[2]
+            self.ahead_stats.drafts_reused += request.num_drafts
+        else:
+            block_token_ids = torch.full((block_len,), config.mask_token_id, device=device)
+            block_token_ids[0] = request.token_ids[-1]
+            block_positions = torch.arange(num_context, num_context + block_len, device=device)
+            logits = drafter(
+                new_hidden, context_positions, block_token_ids, block_positions,
+                self.embed_weight, self.lm_head_weight, cache,
+            )  # fmt: skip
+            predictions = logits.argmax(dim=-1).tolist()
+        self._last_blocks[request.request_id] = (len(request.token_ids), predictions, request.num_drafts)
+        return predictions[: request.num_drafts]
+
+    @staticmethod
+    def _ahead_holds(ahead: tuple[int, list[int], list[int]], request: DraftRequest) -> bool:
+        """Whether a block drafted ahead fits the request: the engine accepted every draft it was built
+        on, then took the guessed token, and it asks for no more drafts than the block has."""
+        num_tokens, assumed, predictions = ahead
+        token_ids = request.token_ids
+        return (
+            len(token_ids) == num_tokens + len(assumed)
+            and list(token_ids[num_tokens:]) == assumed
+            and request.num_drafts <= len(predictions)
+        )
 
     def _new_hidden(
         self, request: DraftRequest, num_cached: int, num_context: int, hidden_start: int

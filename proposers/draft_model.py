@@ -27,7 +27,7 @@ from engine.runner import PENDING_TOKEN, DecodeLaunch, ModelRunner
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
-from proposers.base import DraftRequest
+from proposers.base import AheadStats, DraftRequest
 
 # Argmax drafts: deterministic, so the engine verifies them with a one-hot q (draft_probs=None).
 _GREEDY = SamplingParams(temperature=0.0)
@@ -38,14 +38,6 @@ class _DraftState:
     seq: Sequence  # token_ids: the request's tokens as of the last call, then that call's drafts
     num_request_tokens: int = 0  # how many of seq.token_ids were the request's own at the last call
     num_drafts: int = 0  # how many drafts the last call returned
-
-
-@dataclasses.dataclass
-class AheadStats:
-    drafts_made: int = 0  # drafts decoded ahead (draft_ahead), while the engine verified
-    # drafts a call returned without decoding them: made ahead, or left from an earlier call's drafts
-    # beyond the ones the engine accepted when its own next token agreed with the next draft
-    drafts_reused: int = 0
 
 
 class DraftModelProposer:

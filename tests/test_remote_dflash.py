@@ -41,13 +41,14 @@ def _serve_dflash(
     checkpoint: str, head_path: str, channel_names: multiprocessing.Queue, replies: multiprocessing.Queue
 ) -> None:
     """The proposer process: a DFlashProposer on the target's embedding and head; it says what it reads,
-    then attaches to each channel name that arrives."""
+    then attaches to each channel that arrives, (name, whether to draft ahead)."""
     head = load_file(head_path)
     proposer = DFlashProposer.from_checkpoint(checkpoint, head["embed"], head["lm_head"], MAX_POSITIONS)
     replies.put(hidden_layout(proposer))
     lock = threading.Lock()
     while True:
-        server = ProposerServer(proposer, channel_names.get(), lock)
+        name, draft_ahead = channel_names.get()
+        server = ProposerServer(proposer, name, lock, draft_ahead=draft_ahead)
         threading.Thread(target=server.serve, daemon=True).start()
         replies.put("attached")
 
@@ -63,12 +64,16 @@ class DFlashProcess:
         )
         self.process.start()
         self.layout: HiddenLayout = self.replies.get(timeout=120)  # asked once, before any channel
+        self.draft_ahead = False  # whether the next channel's server drafts ahead
 
     def connect(self, channel_name: str) -> None:
-        self.channel_names.put(channel_name)
+        self.channel_names.put((channel_name, self.draft_ahead))
         assert self.replies.get(timeout=60) == "attached"
 
-    def remote(self, max_step_rows: int = 64, use_ring: bool = False) -> RemoteProposer:
+    def remote(
+        self, max_step_rows: int = 64, use_ring: bool = False, draft_ahead: bool = False
+    ) -> RemoteProposer:
+        self.draft_ahead = draft_ahead
         capacity = ChannelCapacity(max_step_rows=max_step_rows, max_drafts=8)
         remote = RemoteProposer(self.connect, capacity, timeout_s=30, hidden=self.layout, use_ring=use_ring)
         assert remote.wait_attached(60)
@@ -182,13 +187,16 @@ def test_rows_beyond_the_step_capacity_cross_over_several_steps(
             assert got_drafts in ([], expected_drafts)
 
 
-@pytest.mark.parametrize("use_ring", [False, True], ids=["host-drafts", "draft-ring"])
+@pytest.mark.parametrize(
+    ("use_ring", "draft_ahead"), [(False, False), (True, False), (False, True)],
+    ids=["host-drafts", "draft-ring", "drafting-ahead"],
+)  # fmt: skip
 def test_an_engine_drafts_with_a_remote_dflash_proposer(
-    dflash_process: DFlashProcess, target: transformers.Qwen3ForCausalLM, use_ring: bool
+    dflash_process: DFlashProcess, target: transformers.Qwen3ForCausalLM, use_ring: bool, draft_ahead: bool
 ) -> None:
     model, config = target_engine(target)
     # the 13-token prompt's rows take two steps
-    remote = dflash_process.remote(max_step_rows=8, use_ring=use_ring)
+    remote = dflash_process.remote(max_step_rows=8, use_ring=use_ring, draft_ahead=draft_ahead)
     try:
         speculative = Engine(model, config, proposer=remote)
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
