@@ -422,3 +422,34 @@ def test_warm_up_leaves_no_context_behind(checkpoint: Path, target: transformers
     hidden = torch.randn(len(tokens) - 1, len(TARGET_LAYER_IDS) * HIDDEN)
     proposer.propose([DraftRequest("r", tokens, 3, hidden, hidden_start=0)])
     assert proposer.contexts_reused == 0
+
+
+def test_a_block_drafted_ahead_is_used_only_when_the_engine_took_all_of_its_assumptions(
+    checkpoint: Path, target: transformers.Qwen3ForCausalLM, sequence: tuple[list[int], torch.Tensor]
+) -> None:
+    """draft_ahead anchors the next block at the drafter's guess of the target's token after the drafts.
+    The next call returns that block only if the tokens are exactly the drafts and the guess; either way
+    the context it keeps is the one a proposer without drafting ahead has, so later steps draft the same."""
+    token_ids, features = sequence
+    num_drafts = 3
+    width = features.shape[1]
+    for accepted_all in (True, False):
+        ahead, plain = make_proposer(checkpoint, target), make_proposer(checkpoint, target)
+        first = DraftRequest("r", token_ids[:8], num_drafts, features[:7])
+        drafts = ahead.propose([first])[0]
+        assert plain.propose([first])[0] == drafts
+        longer = DraftRequest("g", token_ids[:8], num_drafts + 1, features[:7])
+        guess = make_proposer(checkpoint, target).propose([longer])[0][-1]
+        ahead.draft_ahead()
+        assert ahead.ahead_stats.drafts_made > 0
+        following = drafts + [guess if accepted_all else (guess + 1) % 150]
+        rows = torch.randn(len(following), width, generator=torch.Generator().manual_seed(4))
+        second = DraftRequest("r", token_ids[:8] + following, num_drafts, rows)
+        got, fresh = ahead.propose([second])[0], plain.propose([second])[0]
+        assert len(got) == num_drafts
+        assert ahead.ahead_stats.drafts_reused == (num_drafts if accepted_all else 0)
+        if not accepted_all:
+            assert got == fresh  # a miss drafts afresh
+        # the next step drafts as without drafting ahead: the context took the real rows either way
+        third = DraftRequest("r", second.token_ids + [7], num_drafts, torch.zeros(1, width))
+        assert ahead.propose([third])[0] == plain.propose([third])[0]
