@@ -3,6 +3,7 @@ second GPU; its drafts crossing in host memory or in the draft ring (proposers/d
 without drafting ahead; each beside plain decoding in the same run.
 
     python bench/bench_placement.py [OUT_DIR] [--draft-layers 15,30] [--max-tokens 256] [--device cpu]
+        [--placements WORDS] [--dflash]
 
 The engine runs in this process on GPU 0 (SmolLM2-135M-Instruct, greedy, bf16). The proposer, a
 self-draft of the target's first N layers, runs in a spawned process that attaches to the engine's
@@ -13,8 +14,11 @@ waits for the drafts and sends them with the step; "ring": it launches the verif
 GPU waits for the proposer's drafts in the ring. Every placement asks for
 drafts at every step (NUM_DRAFT, adapt_num_draft off), so that only the placement differs. Uses
 bench_spec's prompt sets. Needs two GPUs for the two-GPU rows (they are skipped on one); --device cpu
-runs the proposer in its own process on the CPU (a smoke run). Writes OUT_DIR/bench_placement.json and
-prints one table.
+runs the proposer in its own process on the CPU (a smoke run). --dflash: the proposer is DFlash with a
+random SmolLM2-shaped checkpoint (bench/random_dflash.py; its drafts are rejected, so it measures the
+path, not a speed-up), and the engine runs every step eagerly, capturing hidden states. Each row also
+gives the median times of the latest plain and verify steps and how long the host waited for ring drafts.
+Writes OUT_DIR/bench_placement*.json and prints one table.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.bench_spec import CODE_EDIT, OPEN_CHAT, run_set  # noqa: E402
+from bench.random_dflash import smollm2_135m_config, write_checkpoint  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import load_model  # noqa: E402
-from proposers.remote import ProposerServer, RemoteProposer  # noqa: E402
+from proposers.remote import ProposerServer, RemoteProposer, hidden_layout  # noqa: E402
 
 CONTEXT = multiprocessing.get_context("spawn")
 NUM_DRAFT = 6
@@ -51,6 +56,7 @@ def _serve(
     attached: multiprocessing.Queue,
     stats: multiprocessing.Queue,
 ) -> None:
+    """(attached first gets the proposer's hidden-state layout, then one True per channel served.)"""
     """The proposer process: a self-draft on this process's GPU, serving each channel that arrives."""
     from proposers.factory import build_proposer
 
@@ -63,6 +69,7 @@ def _serve(
         torch.cuda.set_device(gpu)
     target = load_model(str(default_model_path()), dtype=config.torch_dtype(), device=config.torch_device())
     proposer = build_proposer(config, target)
+    attached.put(hidden_layout(proposer))
     lock = threading.Lock()
     while (name := channel_names.get()) is not None:
         server = ProposerServer(proposer, name, lock, draft_ahead=draft_ahead)
@@ -85,9 +92,11 @@ def remote_proposer(
         channel_names.put(name)
         attached.get(timeout=300)
 
+    layout = attached.get(timeout=600)
     remote = RemoteProposer(
-        connect, timeout_s=5.0, connect_timeout_s=300, device=config.torch_device(), use_ring=use_ring
-    )
+        connect, timeout_s=5.0, connect_timeout_s=300, device=config.torch_device(), use_ring=use_ring,
+        hidden=layout if layout.width else None,
+    )  # fmt: skip
     counts: dict = {}
     try:
         if not remote.wait_attached(300):
@@ -110,6 +119,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--placements", default="", help="comma-separated words a placement's name must hold")
+    parser.add_argument("--dflash", action="store_true", help="a random DFlash drafter, not self-drafts")
     args = parser.parse_args()
     num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -133,8 +143,13 @@ def main() -> None:
     for word in filter(None, args.placements.split(",")):
         placements = [placement for placement in placements if word in placement[0]]
     rows = []
-    for layers in [int(n) for n in args.draft_layers.split(",")]:
-        proposer_config = EngineConfig(**{**vars(base), "proposer": "draft", "draft_layers": layers})
+    proposers = [{"proposer": "draft", "draft_layers": int(n)} for n in args.draft_layers.split(",")]
+    if args.dflash:
+        checkpoint = write_checkpoint(Path(args.out) / "dflash-random", smollm2_135m_config())
+        proposers = [{"proposer": "dflash", "draft_model": str(checkpoint)}]
+    for settings in proposers:
+        layers = settings.get("draft_layers", "dflash")
+        proposer_config = EngineConfig(**{**vars(base), **settings})
         for placement, gpu, draft_ahead, use_ring in placements:
             if gpu is not None and gpu >= num_gpus:
                 print(f"skipped: {placement} needs {gpu + 1} GPUs, this machine has {num_gpus}")
@@ -156,6 +171,9 @@ def main() -> None:
                         "speedup": plain["seconds"] / spec["seconds"],
                         "same_output": spec["outputs"] == plain["outputs"],
                         "ring_steps": engine.speculator.stats.ring_steps,
+                        "ring_wait_s": engine.speculator.stats.ring_wait_seconds,
+                        "plain_step_ms": 1e3 * (engine.speculator.median_step_seconds(False) or 0),
+                        "verify_step_ms": 1e3 * (engine.speculator.median_step_seconds(True) or 0),
                     })  # fmt: skip
                     print(json.dumps(rows[-1]), flush=True)
                 del engine
@@ -167,19 +185,22 @@ def main() -> None:
     words = [word.replace(" ", "_") for word in args.placements.split(",") if word]
     name = "_".join(["bench_placement", *words])
     (out / f"{name}.json").write_text(json.dumps({"gpus": num_gpus, "rows": rows}, indent=2))
-    print(f"\nproposer placement, SmolLM2-135M self-draft, greedy, {args.max_tokens} tokens a prompt")
-    print("(drafts made ahead / reused: over both prompt sets of that placement)")
+    drafter = "a random DFlash drafter" if args.dflash else "self-draft"
+    print(f"\nproposer placement, SmolLM2-135M, {drafter}, greedy, {args.max_tokens} tokens a prompt")
+    print("(drafts made ahead / reused: over both prompt sets of that placement; step times: the medians of")
+    print("the latest plain and verify steps; ring wait: the host's, over both prompt sets)")
     print(
-        "| prompts | self-draft layers | placement | tau | plain tok/s | spec tok/s | speedup | same "
-        "| drafts made ahead / reused |"
+        "| prompts | drafter | placement | tau | plain tok/s | spec tok/s | speedup | same "
+        "| plain / verify step | ring wait | drafts made ahead / reused |"
     )
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for row in rows:
         ahead = row.get("ahead", {})
         print(
             f"| {row['prompts']} | {row['draft_layers']} | {row['placement']} | {row['tau']:.2f} | "
             f"{row['plain_tok_s']:.0f} | {row['spec_tok_s']:.0f} | {row['speedup']:.2f}x | "
             f"{'yes' if row['same_output'] else 'no'} | "
+            f"{row['plain_step_ms']:.2f} / {row['verify_step_ms']:.2f} ms | {row['ring_wait_s']:.3f} s | "
             f"{ahead.get('drafts_made', '-')} / {ahead.get('drafts_reused', '-')} |"
         )
 

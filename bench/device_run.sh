@@ -19,6 +19,7 @@
 #   bash bench/device_run.sh ring     # (x2) the draft ring's and the channel's GPU tests
 #   bash bench/device_run.sh ring1    # (x2, after part0, carrying part 1) one-GPU placements, host drafts or ring
 #   bash bench/device_run.sh ring2    # (x2, after ring1) the two-GPU placements, host drafts against the ring
+#   bash bench/device_run.sh ringdiag # (x2, after part0, part1) DFlash placements: step times, the ring's wait
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
 set -u
@@ -125,6 +126,8 @@ ring1)  # (x2, after part0, carrying part 1) the one-GPU placements, host drafts
     run 400 python3 bench/bench_placement.py "$OUT" --draft-layers 30 --max-tokens 128 --placements "one GPU"
     ;;
 ring2) run 560 python3 bench/bench_placement.py "$OUT" --draft-layers 30 --max-tokens 128 --placements "two GPUs" ;;
+ringdiag)  # (x2, after part0 and part1) DFlash outside Serve, host drafts against the ring: where the time goes
+    run 500 python3 bench/bench_placement.py "$OUT" --dflash --max-tokens 64 ;;
 grid)  # the attention kernels' whole grid, compiled, in parallel shards (compiling is most of the time)
     sharded 12 420 tests/test_kernels_prefill_attention.py tests/test_kernels_attention.py
     ;;
@@ -132,5 +135,5 @@ check)  # `grid` and the engine's GPU tests together, in parallel shards: correc
     sharded 14 480 tests/test_kernels_prefill_attention.py tests/test_kernels_attention.py \
         tests/test_engine_cuda.py tests/test_graphs_cuda.py tests/test_run_ahead.py tests/test_channel.py
     ;;
-*) echo "usage: bash bench/device_run.sh part0|part1|kernels|engine|spec|profile|linear|sweep|placement|link|serve2|ring|ring1|ring2|extra|grid|check"; exit 2 ;;
+*) echo "usage: bash bench/device_run.sh part0|part1|kernels|engine|spec|profile|linear|sweep|placement|link|serve2|ring|ring1|ring2|ringdiag|extra|grid|check"; exit 2 ;;
 esac

@@ -103,6 +103,9 @@ def render_speculation(
         "spec_ring_steps_total": (
             stats.ring_steps if stats else 0, "Steps whose drafts crossed in the draft ring (draft_ring)."
         ),
+        "spec_ring_wait_seconds_total": (
+            round(stats.ring_wait_seconds, 6) if stats else 0, "Time the engine's host waited for ring drafts"
+        ),
     }  # fmt: skip
     lines = []
     for name, (value, help_text) in counters.items():

@@ -49,6 +49,7 @@ class SpeculationStats:
     drafts_accepted: int = 0
     proposer_failures: int = 0
     ring_steps: int = 0  # steps whose drafts crossed in the draft ring (proposers/draft_ring.py)
+    ring_wait_seconds: float = 0.0  # how long the host waited for them, all steps together
 
 
 @dataclasses.dataclass
@@ -122,11 +123,15 @@ class Speculator:
         median latest times (1 until both have run)."""
         if self.fixed_step_cost is not None:
             return self.fixed_step_cost
-        speculative, plain = self._step_seconds[True], self._step_seconds[False]
-        plain_seconds = statistics.median(plain) if plain else 0.0
-        if not speculative or plain_seconds <= 0:
+        speculative, plain = self.median_step_seconds(True), self.median_step_seconds(False)
+        if speculative is None or not plain:
             return 1.0
-        return statistics.median(speculative) / plain_seconds
+        return speculative / plain
+
+    def median_step_seconds(self, verified_drafts: bool) -> float | None:
+        """The median wall time of the latest steps of that kind (None before one ran)."""
+        times = self._step_seconds[verified_drafts]
+        return statistics.median(times) if times else None
 
     def plan(
         self,
@@ -222,6 +227,7 @@ class Speculator:
     def took_ring_drafts(self, step: RingStep, drafts: dict[Sequence, list[int]]) -> None:
         """A step read its drafts from the ring (`drafts`: what it found per sequence)."""
         self.stats.ring_steps += 1
+        self.stats.ring_wait_seconds += step.drafts.waited_s
         if step.drafts.timed_out:
             self.proposer_failed()
         for seq in step.rows:

@@ -105,6 +105,7 @@ class RingDrafts:
     on_timeout: Callable[[], None]  # the proposer did not answer in time: give up on its channel
     launched_at: float = dataclasses.field(default_factory=time.monotonic)
     timed_out: bool = False  # set by RingRead.finish
+    waited_s: float = 0.0  # set by RingRead: how long the engine's host waited for the drafts
 
     @property
     def deadline(self) -> float:
@@ -150,12 +151,16 @@ class RingRead:
         if ring.on_gpu:
             wait_at_least(ring.flag_address, launch.step, torch.cuda.current_stream(ids.device))
         else:
+            started = time.monotonic()
             while not ring.signalled(launch.step):
                 if time.monotonic() > launch.deadline:
                     self.timed_out = True
                     self._lengths = torch.zeros(len(self.ring_rows), dtype=torch.int64)
-                    return  # the ids keep what the runner put there; no drafts count
+                    break  # the ids keep what the runner put there; no drafts count
                 time.sleep(POLL_SLEEP_S)
+            launch.waited_s = time.monotonic() - started
+            if self.timed_out:
+                return
         ids[self._token_rows] = ring.drafts.view(-1)[self._slots].to(ids.device)
         self._lengths = ring.lengths[self._rows].clone()
         if ring.on_gpu:
@@ -167,6 +172,7 @@ class RingRead:
         ring) for the gather until the deadline, then releases the ring (timed_out: give up on the
         proposer). Call once the forward pass is queued."""
         if self._taken is not None:
+            started = time.monotonic()
             while not self._taken.query():
                 if time.monotonic() > self.launch.deadline:
                     self.timed_out = True
@@ -174,6 +180,7 @@ class RingRead:
                     self._taken.synchronize()
                     break
                 time.sleep(POLL_SLEEP_S)
+            self.launch.waited_s = time.monotonic() - started
         if self.timed_out:
             self.launch.timed_out = True
             self.launch.on_timeout()
