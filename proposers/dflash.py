@@ -432,8 +432,7 @@ class DFlashProposer:
 
     def draft_ahead(self) -> None:
         """Draft the next block of each request of the last call (see the class)."""
-        config, drafter = self.drafter.config, self.drafter
-        device = drafter.fc.weight.device
+        device = self.drafter.fc.weight.device
         no_rows = torch.empty(0, self.hidden_width, dtype=self.hidden_dtype, device=device)
         no_positions = torch.empty(0, dtype=torch.int64, device=device)
         with torch.inference_mode():
@@ -443,18 +442,11 @@ class DFlashProposer:
                     continue  # forgotten, no drafts to build on, or no guess past them
                 assumed = predictions[: num_drafts + 1]  # the drafts, then the guess of the target's token
                 anchor = num_tokens + num_drafts  # the guess's position
-                block_len = min(config.block_size, drafter.max_positions - anchor)
-                if block_len < 2:
+                if self._block_len(anchor) < 2:
                     continue
-                block_token_ids = torch.full((block_len,), config.mask_token_id, device=device)
-                block_token_ids[0] = assumed[-1]
-                block_positions = torch.arange(anchor, anchor + block_len, device=device)
-                logits = drafter(
-                    no_rows, no_positions, block_token_ids, block_positions,
-                    self.embed_weight, self.lm_head_weight, cache,
-                )  # fmt: skip
-                self._ahead[request_id] = (num_tokens, assumed, logits.argmax(dim=-1).tolist())
-                self.ahead_stats.drafts_made += block_len - 1
+                ahead = self._draft_block(cache, no_rows, no_positions, assumed[-1], anchor)
+                self._ahead[request_id] = (num_tokens, assumed, ahead)
+                self.ahead_stats.drafts_made += len(ahead)
         self._last_blocks.clear()
 
     def forget(self, request_id: str) -> None:
@@ -484,7 +476,7 @@ class DFlashProposer:
         return self.drafter.new_cache()
 
     def _propose_one(self, request: DraftRequest) -> list[int]:
-        drafter, config = self.drafter, self.drafter.config
+        drafter = self.drafter
         num_context = len(request.token_ids) - 1  # the last token has not been through the target yet
         cache = self._caches.get(request.request_id)
         if cache is None:
@@ -503,24 +495,44 @@ class DFlashProposer:
         if request.num_drafts <= 0:  # still take the context, so that the next call needs only its new rows
             drafter.extend_context(cache, new_hidden, context_positions)
             return []
-        block_len = min(config.block_size, drafter.max_positions - num_context)
-        if block_len < 2:
+        if self._block_len(num_context) < 2:
             return []  # no room for a draft inside the position table
         if ahead is not None and self._ahead_holds(ahead, request):
             drafter.extend_context(cache, new_hidden, context_positions)
             predictions = ahead[2]
             self.ahead_stats.drafts_reused += request.num_drafts
         else:
-            block_token_ids = torch.full((block_len,), config.mask_token_id, device=device)
-            block_token_ids[0] = request.token_ids[-1]
-            block_positions = torch.arange(num_context, num_context + block_len, device=device)
-            logits = drafter(
-                new_hidden, context_positions, block_token_ids, block_positions,
-                self.embed_weight, self.lm_head_weight, cache,
-            )  # fmt: skip
-            predictions = logits.argmax(dim=-1).tolist()
+            predictions = self._draft_block(
+                cache, new_hidden, context_positions, request.token_ids[-1], num_context
+            )
         self._last_blocks[request.request_id] = (len(request.token_ids), predictions, request.num_drafts)
         return predictions[: request.num_drafts]
+
+    def _block_len(self, anchor_position: int) -> int:
+        """The length of a block anchored at anchor_position: the checkpoint's, within the positions."""
+        return min(self.drafter.config.block_size, self.drafter.max_positions - anchor_position)
+
+    def _draft_block(
+        self,
+        cache: ContextCache,
+        new_hidden: torch.Tensor,
+        context_positions: torch.Tensor,
+        anchor_token: int,
+        anchor_position: int,
+    ) -> list[int]:
+        """The drafter's guess at each position after anchor_token (at anchor_position) in one block,
+        the new context rows appended to cache first."""
+        drafter, config = self.drafter, self.drafter.config
+        device = drafter.fc.weight.device
+        block_len = self._block_len(anchor_position)
+        block_token_ids = torch.full((block_len,), config.mask_token_id, device=device)
+        block_token_ids[0] = anchor_token
+        block_positions = torch.arange(anchor_position, anchor_position + block_len, device=device)
+        logits = drafter(
+            new_hidden, context_positions, block_token_ids, block_positions,
+            self.embed_weight, self.lm_head_weight, cache,
+        )  # fmt: skip
+        return logits.argmax(dim=-1).tolist()
 
     @staticmethod
     def _ahead_holds(ahead: tuple[int, list[int], list[int]], request: DraftRequest) -> bool:
