@@ -104,13 +104,9 @@ def render_speculation(
             stats.ring_steps if stats else 0, "Steps whose drafts crossed in the draft ring (draft_ring)."
         ),
         "spec_ring_wait_seconds_total": (
-            round(stats.ring_wait_seconds, 6) if stats else 0, "Time the engine's host waited for ring drafts"
+            round(stats.ring_wait_seconds, 6) if stats else 0, "Seconds the engine's host waited for them."
         ),
     }  # fmt: skip
-    lines = []
-    for name, (value, help_text) in counters.items():
-        lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} counter"]
-        lines.append(f"{PREFIX}_{name} {value}")
     gauges = {
         "spec_step_cost": (
             f"{step_cost:.4g}",
@@ -120,7 +116,9 @@ def render_speculation(
             int(rows_in_gpu_memory), "1: DFlash's hidden rows cross to the proposer in GPU memory (CUDA IPC)."
         ),
     }  # fmt: skip
-    for name, (value, help_text) in gauges.items():
-        lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} gauge"]
-        lines.append(f"{PREFIX}_{name} {value}")
+    lines = []
+    for kind, metrics in (("counter", counters), ("gauge", gauges)):
+        for name, (value, help_text) in metrics.items():
+            lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} {kind}"]
+            lines.append(f"{PREFIX}_{name} {value}")
     return "\n".join(lines) + "\n"

@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import logging
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -208,8 +209,8 @@ class Speculator:
             if proposal:
                 seq.token_ids.extend(proposal)
                 drafts[seq] = proposal
-            elif self.adaptive:
-                self.controllers[seq.request_id].record_no_proposal()
+            else:
+                self._no_proposal(seq)
         return drafts
 
     def _await_ring(self, seqs: list[Sequence], ring: RingDrafts) -> dict[Sequence, list[int]]:
@@ -231,13 +232,21 @@ class Speculator:
         if step.drafts.timed_out:
             self.proposer_failed()
         for seq in step.rows:
-            if not drafts.get(seq) and self.adaptive and seq.request_id in self.controllers:
-                self.controllers[seq.request_id].record_no_proposal()
+            if not drafts.get(seq):
+                self._no_proposal(seq)
+
+    def _no_proposal(self, seq: Sequence) -> None:
+        """The proposer had no drafts for a sequence that asked (its controller probes sooner)."""
+        controller = self.controllers.get(seq.request_id)
+        if self.adaptive and controller is not None:
+            controller.record_no_proposal()
 
     def proposer_failed(self) -> None:
-        """The proposer raised, or never answered a step in the ring: decode plainly for a while."""
+        """The proposer raised (called while handling it), or never answered a step in the ring: decode
+        plainly for a while."""
+        handling = sys.exc_info()[1] is not None
         logger.warning("proposer failed; decoding without speculation for %.0f s", RETRY_AFTER_S,
-                       exc_info=True)  # fmt: skip
+                       exc_info=handling)  # fmt: skip
         self.stats.proposer_failures += 1
         self._paused_until = time.monotonic() + RETRY_AFTER_S
 

@@ -289,7 +289,7 @@ class ChannelClient:
 
     def receive(self, timeout_s: float) -> list[list[int]]:
         """Wait for the drafts of the step just sent (not to the ring), one list per request."""
-        self._await_answer(self._seq, time.monotonic() + timeout_s)
+        self._await_answer(self._seq, timeout_s)
         layout = self._layout
         lengths = layout.draft_lengths[: layout.get("num_requests")].tolist()
         return [layout.drafts[index, :length].tolist() for index, length in enumerate(lengths)]
@@ -313,7 +313,7 @@ class ChannelClient:
         layout = self._layout
         if layout.get("closed"):
             raise ChannelClosedError(f"channel {self.name} is closed")
-        self._await_answer(self._seq, time.monotonic() + timeout_s)
+        self._await_answer(self._seq, timeout_s)
         offset = row_offset = 0
         device_rows = self._device_rows if layout.get("device_attached") else None
         for index, request in enumerate(requests):
@@ -346,14 +346,15 @@ class ChannelClient:
         layout.set("request_seq", self._seq)  # last: this publishes the step
         return self._seq
 
-    def _await_answer(self, seq: int, deadline: float) -> None:
-        """Wait until the server answered step `seq` (raising as exchange does)."""
+    def _await_answer(self, seq: int, timeout_s: float) -> None:
+        """Wait up to timeout_s until the server answered step `seq` (raising as exchange does)."""
         layout = self._layout
+        deadline = time.monotonic() + timeout_s
         spin_until = time.monotonic() + SPIN_S
         while layout.get("response_seq") < seq:
             now = time.monotonic()
             if now > deadline:
-                raise TimeoutError("the proposer did not answer in time")
+                raise TimeoutError(f"the proposer did not answer within {timeout_s:.3f} s")
             if now >= spin_until:
                 time.sleep(POLL_SLEEP_S)
         if seq and layout.get("status") == STATUS_ERROR:
@@ -518,6 +519,6 @@ def _gpu_ring(layout: _Layout, storage: torch.Tensor) -> DraftRing | None:
         address = map_host_page(layout.header.ctypes.data)  # the header starts the segment: a page
     except Exception:  # noqa: BLE001 - e.g. no CUDA driver: host memory will do
         return None
-    capacity = (layout.ring.max_requests, layout.ring.max_drafts)
-    flag = layout.header[_FIELD["ring_flag"] :][:1]
-    return DraftRing(storage, *capacity, flag, address + 8 * _FIELD["ring_flag"])
+    host = layout.ring  # the same capacity and flag word
+    flag_address = address + 8 * _FIELD["ring_flag"]
+    return DraftRing(storage, host.max_requests, host.max_drafts, host.flag, flag_address)
