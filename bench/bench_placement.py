@@ -172,6 +172,7 @@ def main() -> None:
                         "same_output": spec["outputs"] == plain["outputs"],
                         "ring_steps": engine.speculator.stats.ring_steps,
                         "ring_wait_s": engine.speculator.stats.ring_wait_seconds,
+                        "proposer_failures": engine.speculator.stats.proposer_failures,
                         "plain_step_ms": 1e3 * (engine.speculator.median_step_seconds(False) or 0),
                         "verify_step_ms": 1e3 * (engine.speculator.median_step_seconds(True) or 0),
                     })  # fmt: skip
