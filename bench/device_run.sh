@@ -20,6 +20,7 @@
 #   bash bench/device_run.sh ring1    # (x2, after part0, carrying part 1) one-GPU placements, host drafts or ring
 #   bash bench/device_run.sh ring2    # (x2, after ring1) the two-GPU placements, host drafts against the ring
 #   bash bench/device_run.sh ringdiag # (x2, after part0, part1) DFlash placements: step times, the ring's wait
+#   bash bench/device_run.sh serve2diag  # (x2, as serve2) serve2, with its actors' threads' stacks sampled
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
 set -u
@@ -114,6 +115,13 @@ serve2)  # (kind nvidia-h200-x2, after part0 and part1, carrying all of .whl: Ra
     # float32: in bf16 a verify step's kernels can break a near-tie otherwise than a decode step's
     RAY_USAGE_STATS_ENABLED=0 run 400 python3 bench/serve_two_gpus.py "$OUT" --dtype float32 ${RING_OFF:+--no-ring}
     ;;
+serve2diag)  # (x2, as serve2) serve2 with the engine's and proposer's threads sampled (bench/stack_sampler.py)
+    python3 bench/stack_sampler.py --install /tmp/site
+    rm -rf /tmp/stacks
+    STACK_SAMPLES=/tmp/stacks bash "$0" serve2 | grep -E "^(greedy|dflash|seconds|ok|FAIL)"
+    cp -r /tmp/stacks "$OUT/stacks"
+    python3 bench/stack_sampler.py --report /tmp/stacks
+    ;;
 placement) run 560 python3 bench/bench_placement.py "$OUT" --draft-layers 30 --max-tokens 128 ;;
 ring)  # (kind nvidia-h200-x2, after part0) the draft ring's and the channel's GPU tests
     nvidia-smi topo -m | head -3
@@ -135,5 +143,5 @@ check)  # `grid` and the engine's GPU tests together, in parallel shards: correc
     sharded 14 480 tests/test_kernels_prefill_attention.py tests/test_kernels_attention.py \
         tests/test_engine_cuda.py tests/test_graphs_cuda.py tests/test_run_ahead.py tests/test_channel.py
     ;;
-*) echo "usage: bash bench/device_run.sh part0|part1|kernels|engine|spec|profile|linear|sweep|placement|link|serve2|ring|ring1|ring2|ringdiag|extra|grid|check"; exit 2 ;;
+*) echo "usage: bash bench/device_run.sh part0|part1|kernels|engine|spec|profile|linear|sweep|placement|link|serve2|serve2diag|ring|ring1|ring2|ringdiag|extra|grid|check"; exit 2 ;;
 esac
