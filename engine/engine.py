@@ -123,14 +123,6 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         decoder = Decoder.from_weights(model.spec, model.weights, self.max_model_len, ops_for(self.device))
-        speculating = proposer is not None or config.proposer is not None
-        self.runner = ModelRunner(
-            decoder, num_blocks, config.block_size, config.torch_dtype(), config.max_num_seqs,
-            self.max_model_len, use_cuda_graphs=config.cuda_graphs, step_graphs=config.step_graphs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            # a verify step needs the logits of every draft position, plain steps one row a sequence
-            max_logit_rows=config.max_num_seqs * (1 + config.num_draft if speculating else 1),
-        )  # fmt: skip
         tokenizer_eos = model.tokenizer.eos_token_ids if model.tokenizer is not None else ()
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)
         self.requests: dict[str, _Request] = {}
@@ -149,10 +141,17 @@ class Engine:
             self.speculator = Speculator(
                 proposer, config.num_draft, cost, adaptive=config.adapt_num_draft, step_cost=config.step_cost
             )
-            self.runner.capture_layers = self.speculator.target_layer_ids
+        self.runner = ModelRunner(
+            decoder, num_blocks, config.block_size, config.torch_dtype(), config.max_num_seqs,
+            self.max_model_len, use_cuda_graphs=config.cuda_graphs, step_graphs=config.step_graphs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            # a verify step needs the logits of every draft position, plain steps one row a sequence
+            max_logit_rows=config.max_num_seqs * (1 + config.num_draft if proposer is not None else 1),
+            capture_layers=self.speculator.target_layer_ids if self.speculator is not None else (),
+        )  # fmt: skip
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
         # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's
-        # hidden states come from eager steps only, so it never runs ahead.
+        # hidden states come from step graphs or eager steps, not decode graphs, so it never runs ahead.
         self.run_ahead = run_ahead and (self.speculator is None or not self.speculator.target_layer_ids)
         self.in_flight: DecodeLaunch | None = None  # the launched decode step whose tokens are unread
 

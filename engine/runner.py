@@ -94,9 +94,12 @@ class ModelRunner:
         step_graphs: bool = True,
         max_num_batched_tokens: int = 2048,
         max_logit_rows: int | None = None,
+        capture_layers: tuple[int, ...] = (),
     ) -> None:
         """step_graphs: also replay prefill, mixed and verify steps from CUDA graphs (StepGraphs) of up to
-        max_num_batched_tokens tokens and max_logit_rows logit rows (default: one per sequence)."""
+        max_num_batched_tokens tokens and max_logit_rows logit rows (default: one per sequence).
+        capture_layers: decoder layers whose output stream every step keeps in captured_hidden (DFlash);
+        their steps run from the step graphs (which capture them too) or eagerly, never from DecodeGraphs."""
         spec = decoder.spec
         self.decoder = decoder
         self.spec = spec
@@ -109,18 +112,16 @@ class ModelRunner:
             dtype=dtype, device=self.device,
         )  # fmt: skip
         self.seeds: dict[str, int] = {}  # request id -> the seed its device-side noise is keyed by
-        # Decoder layers whose output stream each eager step keeps in captured_hidden (for DFlash); when
-        # set, every step runs eagerly.
-        self.capture_layers: tuple[int, ...] = ()
+        self.capture_layers = capture_layers
         self.captured_hidden: torch.Tensor | None = None  # [num_tokens, len(layers) * hidden], packed
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and use_cuda_graphs:
+        if self.device.type == "cuda" and use_cuda_graphs and not capture_layers:
             self.graphs = DecodeGraphs(self, max_num_seqs)
         self.step_graphs: StepGraphs | None = None
         if self.device.type == "cuda" and use_cuda_graphs and step_graphs:
             self.step_graphs = StepGraphs(
                 decoder, self.kv_cache, max_num_seqs, max_num_batched_tokens,
-                max_logit_rows or max_num_seqs, self.max_blocks_per_seq, block_size,
+                max_logit_rows or max_num_seqs, self.max_blocks_per_seq, block_size, capture_layers,
             )  # fmt: skip
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
@@ -147,12 +148,7 @@ class ModelRunner:
             if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
         ]
         is_decode = all(item.num_new_tokens == 1 for item in scheduled) and len(sampled) == len(scheduled)
-        if (
-            self.graphs is not None
-            and is_decode
-            and self.graphs.fits(len(scheduled))
-            and not self.capture_layers
-        ):
+        if self.graphs is not None and is_decode and self.graphs.fits(len(scheduled)):
             launch = self.graphs.launch(scheduled, [-1] * len(scheduled))
             launch.read()
             token_ids, logits = launch.token_ids, self.graphs.logits[: len(scheduled)]
@@ -364,13 +360,16 @@ class ModelRunner:
             for row in ring_read.token_rows:  # a valid id, should the proposer never answer
                 input_ids[row] = 0
             gather_drafts = ring_read.gather_into
-        if self.step_graphs is not None and not self.capture_layers and logit_rows:
+        if self.step_graphs is not None and logit_rows:
             inputs = StepInputs(
                 input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                 [item.seq.block_table for item in scheduled], logit_rows,
             )  # fmt: skip
             if self.step_graphs.fits(inputs):
-                return self.step_graphs.forward(inputs, gather_drafts)
+                logits = self.step_graphs.forward(inputs, gather_drafts)
+                if self.capture_layers:  # the graph's buffer is overwritten by its next replay
+                    self.captured_hidden = self.step_graphs.captured[: len(input_ids)].clone()
+                return logits
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
         block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
         for row, item in enumerate(scheduled):

@@ -66,7 +66,10 @@ class StepGraphs:
         max_logit_rows: int,
         max_blocks_per_seq: int,
         block_size: int,
+        capture_layers: tuple[int, ...] = (),
     ) -> None:
+        """capture_layers: decoder layers whose output stream each replay also writes to `captured`
+        ([tokens, len(capture_layers) * hidden], the layers side by side; for DFlash)."""
         spec = decoder.spec
         device = kv_cache.device
         self.decoder, self.kv_cache, self.block_size = decoder, kv_cache, block_size
@@ -82,6 +85,11 @@ class StepGraphs:
         self.block_tables = torch.zeros(self.max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.logit_rows = torch.zeros(max_logit_rows, dtype=torch.int64, device=device)
         self.logits = torch.zeros(max_logit_rows, spec.vocab_size, dtype=torch.float32, device=device)
+        self.capture_layers = capture_layers
+        self.captured = torch.zeros(
+            self.max_tokens if capture_layers else 0, len(capture_layers) * spec.hidden_size,
+            dtype=decoder.model.embed_tokens.weight.dtype, device=device,  # the residual stream's
+        )  # fmt: skip
         # The step waits for its logits before the next one is prepared, so one pinned set suffices.
         buffers = (self.ints, self.int32s, self.block_tables, self.logit_rows)
         self.staging = [torch.empty_like(buffer, device="cpu").pin_memory() for buffer in buffers]
@@ -123,7 +131,10 @@ class StepGraphs:
             prefill_num_splits=self.splits[size],
             prefill_workspace=self.workspace,
         )
-        hidden, residual = self.decoder(ids[:size], positions[:size], self.kv_cache, metadata)
+        capture = dict.fromkeys(self.capture_layers) if self.capture_layers else None
+        hidden, residual = self.decoder(ids[:size], positions[:size], self.kv_cache, metadata, capture)
+        if capture is not None:
+            torch.cat([capture[index] for index in self.capture_layers], dim=-1, out=self.captured[:size])
         rows = self.logit_rows[: self._num_logit_rows(size)]
         self.decoder.compute_logits(hidden[rows], residual[rows], out=self.logits[: len(rows)])
 
@@ -145,8 +156,8 @@ class StepGraphs:
         self, inputs: StepInputs, before_replay: Callable[[torch.Tensor], None] | None = None
     ) -> torch.Tensor:
         """The float32 logits of inputs.logit_rows (a view of a static buffer, valid until the next
-        replay). before_replay(input_ids) may change the ids on the device once the inputs are there
-        (the draft ring's drafts: proposers/draft_ring.py)."""
+        replay; so are the captured layers' rows, in `captured`). before_replay(input_ids) may change
+        the ids on the device once the inputs are there (the draft ring's drafts: proposers/draft_ring.py)."""
         num_tokens, num_seqs = len(inputs.input_ids), len(inputs.seq_lens)
         size = next(bucket for bucket in self.buckets if bucket >= num_tokens)
         padding = size - num_tokens

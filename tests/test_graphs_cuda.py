@@ -14,6 +14,7 @@ from engine.engine import Engine, EngineConfig
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSequence
+from proposers.base import DraftRequest
 
 pytestmark = pytest.mark.gpu
 
@@ -103,3 +104,49 @@ def test_verify_steps_from_step_graphs_equal_plain_decoding() -> None:
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     assert speculative.generate(prompt, params)[0] == plain.generate(prompt, params)[0]
     assert speculative.speculator.stats.drafts_proposed > 0
+
+
+class _RecordingProposer:
+    """Proposes the request's last token again (often right on a repetitive prompt) and keeps the
+    target's hidden rows the engine hands over, as DFlash reads them."""
+
+    def __init__(self, target_layer_ids: tuple[int, ...]) -> None:
+        self.target_layer_ids = target_layer_ids
+        self.rows: dict[str, list[torch.Tensor]] = {}
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        for request in requests:
+            if request.target_hidden is not None:
+                self.rows.setdefault(request.request_id, []).append(request.target_hidden.cpu())
+        return [list(request.token_ids[-1:]) * request.num_drafts for request in requests]
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def test_step_graphs_hand_over_the_hidden_states_that_eager_steps_do() -> None:
+    """With a proposer that reads the target's layers (DFlash), prefill, decode and verify steps replay
+    from step graphs that capture those layers too: the rows handed over, and the output, equal the
+    eager steps'."""
+    spec = dataclasses.replace(SMOLLM2_135M, num_layers=4)
+    weights = random_weights(spec, torch.float32, "cuda")
+    model = LoadedModel(name="random", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+    config = dict(device="cuda", dtype="float32", max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=8,
+                  max_num_batched_tokens=64, num_draft=3)  # fmt: skip
+    prompt = list(range(100, 120)) * 3
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    outputs, rows = {}, {}
+    for graphed in (True, False):
+        proposer = _RecordingProposer((1, 3))
+        engine = Engine(model, EngineConfig(**config, step_graphs=graphed), proposer=proposer)
+        assert (engine.runner.step_graphs is not None) == graphed and engine.runner.graphs is None
+        outputs[graphed] = engine.generate(prompt, params)[0]
+        assert engine.speculator.stats.drafts_proposed > 0
+        (chunks,) = proposer.rows.values()
+        rows[graphed] = torch.cat(chunks)
+    plain = Engine(model, EngineConfig(**config))
+    assert outputs[True] == outputs[False] == plain.generate(prompt, params)[0]
+    # a row for every token but the last, from the two layers side by side
+    assert rows[True].shape == (len(prompt) + len(outputs[True]) - 1, 2 * spec.hidden_size)
+    scale = rows[False].abs().max().item()
+    torch.testing.assert_close(rows[True], rows[False], atol=1e-4 * scale, rtol=0)
