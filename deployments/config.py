@@ -36,10 +36,9 @@ class AppArgs(BaseModel):
     num_draft: int = Field(4, ge=1, le=16, description="drafts verified per step, at most")
     proposer_in_process: bool = False
     proposer_timeout_s: float = Field(0.5, gt=0, description="a step waits this long for drafts, at most")
-    # Off by default: on the H200 it gained nothing with a draft model, and DFlash under Serve took 20x
-    # longer with it (BENCHMARKS.md, eighth session), a cause not found yet.
+    # BENCHMARKS.md: DFlash 1.5-2x faster with it (its steps then eager), a draft model within the noise
     draft_ring: bool = Field(
-        False, description="draft and DFlash drafts cross in the draft ring (on a GPU: the engine's GPU "
+        True, description="draft and DFlash drafts cross in the draft ring (on a GPU: the engine's GPU "
         "waits for them) rather than in host memory, the engine's host waiting",
     )  # fmt: skip
     proposer_num_cpus: float = Field(1.0, ge=0)

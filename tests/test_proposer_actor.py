@@ -78,12 +78,14 @@ def test_speculative_text_equals_plain_and_drafts_are_accepted(served: Served) -
     assert after["tileinfer_spec_proposer_failures_total"] == before["tileinfer_spec_proposer_failures_total"]
     assert after["tileinfer_spec_step_cost"] != 1  # measured: both kinds of step ran and were timed
     assert after["tileinfer_spec_hidden_rows_in_gpu_memory"] == 0  # n-gram reads no hidden rows
+    assert after["tileinfer_spec_ring_steps_total"] == 0  # n-gram's drafts are made on the host
 
 
 def test_dflash_actor_text_equals_plain_and_its_drafts_are_verified(served: Served) -> None:
     """The engine asks the DFlash proposer which hidden rows it reads, then sends them each step (in host
-    memory on the CPU). A random checkpoint drafts badly: the point is that its drafts cross and are
-    verified, and that the text does not change."""
+    memory on the CPU), and the drafts come back in the draft ring (on by default; the host ring on the
+    CPU). A random checkpoint drafts badly: the point is that its drafts cross and are verified, and that
+    the text does not change."""
     before = _counters(served.dflash_url)
     for messages in (REPEAT, CAPITAL):
         assert _chat(served.dflash_url, served.model, messages, 32) == _chat(
@@ -93,6 +95,7 @@ def test_dflash_actor_text_equals_plain_and_its_drafts_are_verified(served: Serv
     assert after["tileinfer_spec_drafts_proposed_total"] > before["tileinfer_spec_drafts_proposed_total"]
     assert after["tileinfer_spec_proposer_failures_total"] == before["tileinfer_spec_proposer_failures_total"]
     assert after["tileinfer_spec_hidden_rows_in_gpu_memory"] == 0
+    assert after["tileinfer_spec_ring_steps_total"] > before["tileinfer_spec_ring_steps_total"]
 
 
 def test_proposer_killed_mid_stream_changes_nothing_and_comes_back(served: Served) -> None:
