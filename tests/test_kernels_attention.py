@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from paged_cases import paged_cache
 
 from kernels.attention import (
     DecodeTile,
@@ -49,33 +50,18 @@ def make_case(
     max_blocks: int | None = None,
     device: str = DEVICE,
 ) -> DecodeCase:
-    """Random query and cache; each sequence's blocks scattered over the cache (shuffled ids)."""
+    """Random query and cache (tests/paged_cases.py); a sliding window hides each sequence's older keys."""
     generator = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-seq_len // block_size) for seq_len in seq_lens]
-    max_blocks = max_blocks or max(max(blocks_needed), 1)
-    num_blocks = sum(blocks_needed) + 3  # two unused blocks and the trap block
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    kv_cache = torch.randn(shape, generator=generator).to(dtype)
-    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).to(dtype)
-
-    trap = num_blocks - 1
-    order = torch.randperm(num_blocks - 1, generator=generator).tolist()
-    block_tables = torch.full((len(seq_lens), max_blocks), trap, dtype=torch.int32)
-    poisoned = torch.full_like(kv_cache, float("nan"))
-    clean_slots = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, ...]
-    poisoned_slots = poisoned.view(2, -1, num_kv_heads, head_dim)
-    for seq, (seq_len, needed) in enumerate(zip(seq_lens, blocks_needed, strict=True)):
-        blocks, order = torch.tensor(order[:needed], dtype=torch.int64), order[needed:]
-        block_tables[seq, :needed] = blocks.int()
-        first_key = max(seq_len - sliding_window, 0) if sliding_window else 0
-        keys = torch.arange(first_key, seq_len)
-        slots = blocks[keys // block_size] * block_size + keys % block_size
-        poisoned_slots[:, slots] = clean_slots[:, slots]
+    first_keys = [max(seq_len - sliding_window, 0) if sliding_window else 0 for seq_len in seq_lens]
+    cache = paged_cache(
+        seq_lens, first_keys, len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype, generator,
+        max_blocks,
+    )  # fmt: skip
     return DecodeCase(
-        query=query.to(device),
-        kv_cache=kv_cache.to(device),
-        poisoned_cache=poisoned.to(device),
-        block_tables=block_tables.to(device),
+        query=cache.query.to(device),
+        kv_cache=cache.kv_cache.to(device),
+        poisoned_cache=cache.poisoned_cache.to(device),
+        block_tables=cache.block_tables.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         scale=head_dim**-0.5,
     )

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from paged_cases import paged_cache
 
 from kernels.attention import AttentionMetadata, paged_attention_reference
 from kernels.prefill_attention import (
@@ -49,35 +50,26 @@ def make_case(
     """Random queries and cache; each sequence's blocks scattered over the cache (shuffled ids); its
     new tokens are the last query_lens[i] of its seq_lens[i] positions."""
     generator = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-seq_len // block_size) for seq_len in seq_lens]
-    max_blocks = max(blocks_needed) + 1  # one padding entry at least: the trap
-    num_blocks = sum(blocks_needed) + 3  # two unused blocks and the trap block
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    kv_cache = torch.randn(shape, generator=generator).to(dtype)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(dtype)
-
-    trap = num_blocks - 1
-    order = torch.randperm(num_blocks - 1, generator=generator).tolist()
-    block_tables = torch.full((len(seq_lens), max_blocks), trap, dtype=torch.int32)
-    poisoned = torch.full_like(kv_cache, float("nan"))
-    clean_slots = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, ...]
-    poisoned_slots = poisoned.view(2, -1, num_kv_heads, head_dim)
-    for seq, (query_len, seq_len, needed) in enumerate(zip(query_lens, seq_lens, blocks_needed, strict=True)):
-        blocks, order = torch.tensor(order[:needed], dtype=torch.int64), order[needed:]
-        block_tables[seq, :needed] = blocks.int()
-        first_query = seq_len - query_len
-        first_key = max(first_query - sliding_window + 1, 0) if sliding_window else 0
-        keys = torch.arange(first_key, seq_len)
-        slots = blocks[keys // block_size] * block_size + keys % block_size
-        poisoned_slots[:, slots] = clean_slots[:, slots]
+    # what the first query sees: a sliding window hides the keys before its window
+    first_keys = [
+        max(seq_len - query_len - sliding_window + 1, 0) if sliding_window else 0
+        for query_len, seq_len in zip(query_lens, seq_lens, strict=True)
+    ]
+    cache = paged_cache(
+        seq_lens, first_keys, sum(query_lens), num_heads, num_kv_heads, head_dim, block_size, dtype,
+        generator, padded=True,
+    )  # fmt: skip
     query_start_loc = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     metadata = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
         query_start_loc=query_start_loc.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
+        block_tables=cache.block_tables.to(device),
     )
-    return PrefillCase(query.to(device), kv_cache.to(device), poisoned.to(device), metadata, head_dim**-0.5)
+    return PrefillCase(
+        cache.query.to(device), cache.kv_cache.to(device), cache.poisoned_cache.to(device), metadata,
+        head_dim**-0.5,
+    )  # fmt: skip
 
 
 def expected(case: PrefillCase, sliding_window: int | None) -> torch.Tensor:
