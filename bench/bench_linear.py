@@ -112,6 +112,22 @@ def time_in_graph(call: Callable[[int], object], copies: int, replays: int) -> f
     return seconds / copies
 
 
+def sweep_configs(
+    configs: list, call_for: Callable[[object], Callable[[int], object]], copies: int, replays: int
+) -> list[dict]:
+    """Time call_for(config) for each tile config, fastest first, as {"config", "us"}; a config that
+    does not compile or fit is reported and left out."""
+    timings = []
+    for config in configs:
+        try:
+            seconds = time_in_graph(call_for(config), copies, replays)
+        except Exception as exc:  # noqa: BLE001 - report, go on
+            print(f"    {config}: failed ({type(exc).__name__}: {exc})"[:200], flush=True)
+            continue
+        timings.append({"config": config._asdict(), "us": seconds * 1e6})
+    return sorted(timings, key=lambda t: t["us"])
+
+
 class Case:
     """One layer shape at one M: its weight copies, input and output buffers, and the calls to time."""
 
@@ -274,17 +290,9 @@ def main() -> None:
                     flush=True,
                 )
                 if args.sweep:
-                    timings = []
-                    for config in case.candidates():
-                        try:
-                            seconds = time_in_graph(
-                                case.triton_call(config), case.copies, max(10, args.replays // 3)
-                            )
-                        except Exception as exc:  # a config that does not compile or fit: report, go on
-                            print(f"    {config}: failed ({type(exc).__name__}: {exc})"[:200], flush=True)
-                            continue
-                        timings.append({"config": config._asdict(), "us": seconds * 1e6})
-                    timings.sort(key=lambda t: t["us"])
+                    timings = sweep_configs(
+                        case.candidates(), case.triton_call, case.copies, max(10, args.replays // 3)
+                    )
                     sweeps.append({"model": model, "layer": layer, "M": m, "n": case.n_out, "k": k,
                                    "gate_up": case.gate_up, "heuristic_us": row["triton_us"],
                                    "heuristic": row["config"], "timings": timings})  # fmt: skip

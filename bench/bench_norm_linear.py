@@ -29,7 +29,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_linear import DEVICE, DTYPE, MODELS, Case, copy_bandwidth, run_record, time_in_graph  # noqa: E402
+from bench.bench_linear import (  # noqa: E402
+    DEVICE,
+    DTYPE,
+    MODELS,
+    Case,
+    copy_bandwidth,
+    run_record,
+    sweep_configs,
+    time_in_graph,
+)
 from kernels import norm_linear  # noqa: E402
 from kernels.linear import GEMV_MAX_M, GemvConfig, gate_up_silu_triton, linear_triton  # noqa: E402
 from kernels.rmsnorm import add_rms_norm_triton  # noqa: E402
@@ -133,18 +142,9 @@ def main() -> None:
                     "relative_error_vs_reference": error,
                 }
                 if args.sweep:
-                    timings = []
-                    for config in case.candidates():
-                        try:
-                            seconds = time_in_graph(
-                                case.fused_call(config), case.copies, max(10, args.replays // 3)
-                            )
-                        except Exception as exc:  # a config that does not compile or fit: report, go on
-                            print(f"    {config}: failed ({type(exc).__name__}: {exc})"[:200], flush=True)
-                            continue
-                        timings.append({"config": config._asdict(), "us": seconds * 1e6})
-                    timings.sort(key=lambda t: t["us"])
-                    row["sweep"] = timings
+                    row["sweep"] = sweep_configs(
+                        case.candidates(), case.fused_call, case.copies, max(10, args.replays // 3)
+                    )
                 rows.append(row)
                 print(
                     f"{model:13s} {layer:8s} {row['shape']:>12s} M={m:<2d} fused {row['fused_us']:8.2f} us"
