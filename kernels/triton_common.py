@@ -1,11 +1,29 @@
-"""What every Triton kernel here shares: the interpreter switch and the device's shape."""
+"""What every Triton kernel here shares: the interpreter switch, the device's shape, and where Triton
+keeps its compiled kernels."""
 
 from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import torch
+
+
+def cache_root() -> Path:
+    """TileInfer's cache folder: $TILEINFER_CACHE, by default ~/.cache/tileinfer."""
+    return Path(os.environ.get("TILEINFER_CACHE") or Path.home() / ".cache" / "tileinfer")
+
+
+def use_triton_cache_dir() -> None:
+    """Keep Triton's on-disk kernel cache under <cache root>/triton unless TRITON_CACHE_DIR is set. Triton
+    (knobs.cache.dir) reads the variable at each compile, so this works even after triton was imported;
+    compile subprocesses inherit it."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_root() / "triton"))
+
+
+# Every kernel module imports this one, so this runs before any of our kernels first compiles.
+use_triton_cache_dir()
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1, the CI path) computes bf16 arithmetic wrongly and
 # without an error; kernels take this as a constexpr and upcast to fp32 when it is set.
