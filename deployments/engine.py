@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -94,9 +95,16 @@ class EngineDeployment:
                 use_ring=args.draft_ring,
             )  # fmt: skip
         model = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
+        built = time.perf_counter()
         self.engine = Engine(model, config, proposer=self.proposer)
+        built = time.perf_counter() - built
         if self.proposer is not None and not self.proposer.wait_attached(ATTACH_AT_START_S):
             logger.warning("the proposer has not attached yet; decoding without drafts until it does")
+        # after the proposer attached, so that verify steps warm up too; Serve reports the app RUNNING
+        # only once this constructor returns, so ready means nothing compiles while serving
+        warm_up_s = self.engine.warm_up()
+        logger.info("engine built in %.1f s (CUDA graph capture included); warmed up in %.1f s", built,
+                    warm_up_s)  # fmt: skip
         self.loop = EngineLoop(self.engine, args.max_queue_len)
         self.info_value = EngineInfo(
             model_name=args.model_name,

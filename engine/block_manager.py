@@ -219,3 +219,13 @@ class BlockManager:
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached KV of every block no sequence references (they become never-used blocks), so
+        that no later prompt reuses it (the engine's warm-up requests leave no matches behind)."""
+        while self.evictable:
+            block_id, _ = self.evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            self._unregister(block)
+            block.token_ids = []
+            self.free_block_ids.append(block_id)

@@ -26,6 +26,7 @@ from engine.sampling import SamplingParams, TokenLogprob, make_generator
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import Speculator
+from kernels.sampling import _chunking as sampling_chunking  # warm_up: the sampler's variants
 
 if TYPE_CHECKING:
     from proposers.base import Proposer
@@ -459,3 +460,75 @@ class Engine:
             text += output.new_text
             finish_reason = output.finish_reason or finish_reason
         return token_ids, text, finish_reason
+
+    # --- warm-up --------------------------------------------------------------------------------
+
+    def warm_up(self, force: bool = False) -> float:
+        """Compile every kernel variant the engine can launch, before it serves: run throwaway requests
+        through add_request/step to the end, then leave the engine as built (no requests, every block
+        free, nothing in the prefix cache, no preemptions, no speculation stats). Returns the seconds.
+
+        The CUDA graphs compiled their kernels at capture; what compiles later are eager launches. The
+        sampling of a step's logit rows (prefills, verify steps' plain rows, DFlash decodes) compiles one
+        variant per chunking of the row count (kernels/sampling.py), so one batch runs per variant;
+        sampling parameters are per-row values there, but each variant (greedy, temperature, top-k/p,
+        min-p, seeds, penalties, logprobs) takes its own host path, so each runs alone once; a prompt
+        longer than the token budget has chunks without logits, which run eagerly; and with a speculator,
+        steps verify greedy and sampled drafts. Skipped on the CPU (no Triton) unless forced (tests)."""
+        if self.device.type == "cpu" and not force:
+            return 0.0
+        if self.has_unfinished():
+            raise InvalidRequestError("warm_up runs on an idle engine only")
+        started = time.perf_counter()
+        config, vocab_size = self.config, self.spec.vocab_size
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        sampled = dataclasses.replace(greedy, temperature=0.8)
+        variants = [
+            greedy, dataclasses.replace(greedy, logprobs=2), dataclasses.replace(sampled, seed=1),
+            dataclasses.replace(sampled, top_k=5), dataclasses.replace(sampled, top_p=0.9),
+            dataclasses.replace(sampled, min_p=0.1),
+            dataclasses.replace(sampled, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2),
+            dataclasses.replace(greedy, repetition_penalty=1.2, logprobs=1),
+        ]  # fmt: skip
+        # (prompt length, params) per request; a negative length: one phrase repeated (n-gram drafts)
+        batches: list[list[tuple[int, SamplingParams]]] = [[(1, params)] for params in variants]
+        # More rows at once: the first row count of each sampling variant (Triton compiles one per constexpr
+        # power of two of the chunk count and per specialization of its ints: 1, divisible by 16, other).
+        seen = set()
+        for rows in range(1, min(config.max_num_seqs, config.max_num_batched_tokens) + 1):
+            chunk_size, num_chunks = sampling_chunking(rows, vocab_size, self.device)
+            variant = (1 << (num_chunks - 1).bit_length(), num_chunks == 1, num_chunks % 16, chunk_size % 16)
+            if rows > 1 and (variant not in seen or rows in (2, 16)):
+                batches.append([(1, variants[row % len(variants)]) for row in range(rows)])
+            seen.add(variant)
+        long_prompt = config.max_num_batched_tokens + 1  # first chunks of the whole budget, and of it less 2
+        if long_prompt <= self.max_prompt_tokens:
+            batches += [[(long_prompt, greedy)], [(2, greedy), (long_prompt, greedy)]]
+        if self.speculator is not None:
+            drafting = dataclasses.replace(greedy, max_tokens=2 * config.num_draft + 2)
+            sampled_drafting = dataclasses.replace(drafting, temperature=0.8, seed=1)
+            batches += [[(-16, drafting)], [(-16, drafting), (-16, sampled_drafting), (2, variants[1])]]
+
+        def prompt(index: int, length: int) -> list[int]:
+            """Distinct per request, so that none reuses another's KV (the prefix cache is emptied after)."""
+            tokens = [(index * 7919 + position * 104729 + 1) % vocab_size for position in range(abs(length))]
+            return tokens if length > 0 else [tokens[position % 4] for position in range(-length)]
+
+        count = itertools.count()
+        for batch in batches:
+            request_ids = []
+            try:
+                for length, params in batch:
+                    index = next(count)
+                    tokens = prompt(index, length)[: self.max_prompt_tokens]
+                    request_ids.append(self.add_request(tokens, params, request_id=f"warm-up-{index}"))
+                while self.has_unfinished():
+                    self.step()
+            finally:
+                for request_id in request_ids:  # only when a step raised: finished requests are gone
+                    self.abort(request_id)
+        self.block_manager.reset_prefix_cache()
+        self.scheduler.num_preemptions = 0
+        if self.speculator is not None:
+            self.speculator.reset_measurements()
+        return time.perf_counter() - started

@@ -279,3 +279,11 @@ class Speculator:
             self.proposer.forget(request_id)
         except Exception:  # noqa: BLE001 - a dead proposer has nothing left to forget
             logger.debug("proposer.forget(%s) failed", request_id, exc_info=True)
+
+    def reset_measurements(self) -> None:
+        """Forget the counters, step times and any failure pause (after the engine's warm-up, whose steps
+        compiled kernels and so say nothing about the cost of later ones)."""
+        self.stats = SpeculationStats()
+        for times in self._step_seconds.values():
+            times.clear()
+        self._paused_until = 0.0
