@@ -3,7 +3,8 @@
     python bench/bench_linear.py [OUT_DIR] [--models qwen3-0.6b,...] [--sweep] [--replays N]
 
 For Qwen3-0.6B, Qwen3-4B and SmolLM2-135M shapes (fused qkv, o, fused gate_up, down, lm_head) at M = 1
-(decode) and M = 512 (prefill) (--m adds others: 16 is a speculative verify step's bucket), times
+(decode) and M = 512 (prefill) (--m adds others: batched decode and verify steps take the skinny GEMM
+at 2 <= M <= 64), times
 linear_triton / gate_up_silu_triton against
 torch.nn.functional.linear (cuBLAS; for gate_up: F.linear on [2I, H], then silu(gate) * up). Each side is
 captured in one CUDA graph that calls it once per copy of the weight, the copies together exceeding
@@ -11,8 +12,10 @@ captured in one CUDA graph that calls it once per copy of the weight, the copies
 number of copies. Copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) is measured in
 the same run; "% of copy bw" counts the weight, x and the output once each.
 
---sweep also times every candidate tile configuration per shape (GEMV block sizes and warps, the GEMM
-candidate tiles) and reports the heuristic's pick beside the fastest, to tune kernels/linear.py.
+--sweep also times every candidate tile configuration per shape (GEMV block sizes and warps, the skinny
+GEMM's tiles and K splits, the GEMM candidate tiles) and reports the heuristic's pick beside the fastest,
+to tune kernels/linear.py. --compare-gemv times the batch-1 GEMV kernel's many-row form (one fp32 tile per
+row of x) at 2 <= M <= 8 beside the skinny GEMM.
 
 The last thing printed is the table; the full results go to OUT_DIR/bench_linear.json (OUT_DIR: the
 argument, else $OUT, else ./bench_out).
@@ -144,13 +147,11 @@ class Case:
         self.out = torch.empty(m, self.n_out, device=DEVICE, dtype=DTYPE)
         self.bytes = weight_bytes + self.x.numel() * DTYPE.itemsize + self.out.numel() * DTYPE.itemsize
 
-    def triton_call(
-        self, config: linear.GemvConfig | linear.GemmConfig | None = None
-    ) -> Callable[[int], object]:
+    def triton_call(self, config: TileConfig | None = None) -> Callable[[int], object]:
         if config is None:
             fn = linear.gate_up_silu_triton if self.gate_up else linear.linear_triton
             return lambda i: fn(self.x, self.weights[i], out=self.out)
-        launch = linear._launch_gemv if isinstance(config, linear.GemvConfig) else linear._launch_gemm
+        launch = LAUNCHES[type(config)]
         return lambda i: launch(self.x, self.weights[i], None, self.out, self.gate_up, config)
 
     def cublas_call(self) -> Callable[[int], object]:
@@ -169,8 +170,18 @@ class Case:
         theirs = self.cublas_call()(0)
         return ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
 
-    def candidates(self) -> list[linear.GemvConfig | linear.GemmConfig]:
+    def candidates(self) -> list[TileConfig]:
         """Every tile configuration the sweep tries for this shape."""
+        if linear.GEMV_MAX_M < self.m <= linear.SKINNY_MAX_M:
+            k_tiles = {block_k: -(-self.k // block_k) for block_k in (128, 256)}
+            return [
+                linear.SkinnyConfig(block_n, block_k, split_k, 4, num_stages)
+                for block_n in (16, 32, 64, 128)
+                for block_k in (128, 256)
+                for split_k in (1, 2, 4, 8, 16)
+                for num_stages in (3, 4)
+                if split_k <= k_tiles[block_k] and -(-self.n_out // block_n) * split_k <= 16 * 132
+            ]
         if self.m <= linear.GEMV_MAX_M:
             block_m = triton.next_power_of_2(self.m)
             tiles = 2 if self.gate_up else 1
@@ -200,10 +211,26 @@ class Case:
                             configs.append(candidate)
         return configs
 
-    def heuristic(self) -> linear.GemvConfig | linear.GemmConfig:
-        if self.m <= linear.GEMV_MAX_M:
-            return linear.gemv_config(self.m, self.n_out, self.k, self.gate_up)
-        return linear.gemm_config(self.m, self.n_out, self.k, self.gate_up)
+    def heuristic(self) -> TileConfig:
+        return heuristic_config(self.m, self.n_out, self.k, self.gate_up)
+
+
+TileConfig = linear.GemvConfig | linear.SkinnyConfig | linear.GemmConfig
+LAUNCHES = {
+    linear.GemvConfig: linear._launch_gemv,
+    linear.SkinnyConfig: linear._launch_skinny,
+    linear.GemmConfig: linear._launch_gemm,
+}
+KINDS = {linear.GemvConfig: "gemv", linear.SkinnyConfig: "skinny", linear.GemmConfig: "gemm"}
+
+
+def heuristic_config(m: int, n: int, k: int, gate_up: bool) -> TileConfig:
+    """The tiles kernels/linear.py picks for this call (its kernel follows from M)."""
+    if m <= linear.GEMV_MAX_M:
+        return linear.gemv_config(m, n, k, gate_up)
+    if m <= linear.SKINNY_MAX_M:
+        return linear.skinny_config(m, n, k, gate_up)
+    return linear.gemm_config(m, n, k, gate_up)
 
 
 def run_record(bandwidth: float, replays: int) -> dict:
@@ -225,7 +252,7 @@ def tuned_rows(sweeps: list[dict]) -> list[dict]:
     for sweep in sweeps:
         if sweep["timings"]:
             rows.append({
-                "kind": "gemv" if sweep["M"] <= linear.GEMV_MAX_M else "gemm",
+                "kind": sweep["kind"],
                 "m": triton.next_power_of_2(sweep["M"]),
                 "n": sweep["n"],
                 "k": sweep["k"],
@@ -247,6 +274,9 @@ def main() -> None:
     parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma-separated M values")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate tile config")
+    parser.add_argument(
+        "--compare-gemv", action="store_true", help="at 2 <= M <= 8 also time the GEMV kernel's many-row form"
+    )
     parser.add_argument(
         "--write-tuned",
         metavar="PATH",
@@ -279,13 +309,19 @@ def main() -> None:
                     "bytes": case.bytes,
                     "weight_copies": case.copies,
                     "config": case.heuristic()._asdict(),
+                    "kernel": KINDS[type(case.heuristic())],
                     "relative_error_vs_cublas": error,
                 }
+                if args.compare_gemv and 2 <= m <= 8:
+                    gemv = linear.gemv_config(m, case.n_out, k, case.gate_up)
+                    seconds = time_in_graph(case.triton_call(gemv), case.copies, args.replays)
+                    row["gemv_many_rows_us"] = seconds * 1e6
                 rows.append(row)
                 print(
                     f"{model:13s} {layer:8s} {row['shape']:>12s} M={m:<4d} triton {row['triton_us']:8.2f} us"
                     f"  cuBLAS {row['cublas_us']:8.2f} us  x{row['speedup']:.2f}"
                     f"  {row['triton_pct_copy_bw']:5.1f}% bw  err {error:.1e}  {case.heuristic()}"
+                    f"  many-row GEMV {row.get('gemv_many_rows_us', float('nan')):.2f} us"
                     f"  ({time.perf_counter() - started:.1f} s)",
                     flush=True,
                 )
@@ -294,6 +330,7 @@ def main() -> None:
                         case.candidates(), case.triton_call, case.copies, max(10, args.replays // 3)
                     )
                     sweeps.append({"model": model, "layer": layer, "M": m, "n": case.n_out, "k": k,
+                                   "kind": KINDS[type(case.heuristic())],
                                    "gate_up": case.gate_up, "heuristic_us": row["triton_us"],
                                    "heuristic": row["config"], "timings": timings})  # fmt: skip
                     for t in timings[:3]:

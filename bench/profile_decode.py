@@ -3,8 +3,11 @@ replay alone, and the per-kernel GPU time of one step (torch.profiler), for the 
 same for a 512-token prefill step and for a speculative verify step (the last token and 6 drafts).
 
     python bench/profile_decode.py [OUT_DIR] [--models qwen3-0.6b,qwen3-4b,smollm2-135m]
+    python bench/profile_decode.py [OUT_DIR] --models qwen3-0.6b --batches 1,8,64,256
 
-Random weights, bf16, batch 1, after a 1,024-token prompt. Writes OUT_DIR/profile_decode.json.
+Random weights, bf16, batch 1, after a 1,024-token prompt. With --batches: the decode step of B
+sequences after 512-token prompts instead (Engine.step wall time, and the per-kernel GPU time of one
+replay of that batch's graph). Writes OUT_DIR/profile_decode.json.
 """
 
 from __future__ import annotations
@@ -97,6 +100,55 @@ def profile(name: str) -> dict:
     del engine, weights
     torch.cuda.empty_cache()
     return result
+
+
+def profile_batches(name: str, batches: list[int], prompt_len: int = 512) -> dict:
+    """Per batch size: the decode step of that many sequences once all of them decode."""
+    spec = MODELS[name]
+    weights = random_weights(spec, torch.bfloat16, torch.device("cuda"))
+    model = LoadedModel(name=name, source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+    largest = max(batches)
+    config = EngineConfig(
+        device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=largest,
+        kv_cache_tokens=largest * (prompt_len + 192), max_num_batched_tokens=8192,
+    )  # fmt: skip
+    engine = Engine(model, config)
+    results = {"model": name, "batches": []}
+    for batch in batches:
+        params = SamplingParams(max_tokens=150, ignore_eos=True, temperature=0.0)
+        ids = [engine.add_request(torch.randint(0, spec.vocab_size, (prompt_len,)).tolist(), params)
+               for _ in range(batch)]  # fmt: skip
+        while any(seq.num_output_tokens < 4 for seq in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = []
+        for _ in range(40):
+            started = time.perf_counter()
+            engine.step()
+            wall.append(time.perf_counter() - started)
+        bucket = next(size for size in engine.runner.graphs.batch_sizes if size >= batch)
+        graph = engine.runner.graphs.graphs[bucket]
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+        table = kernel_table(prof, 5)
+        row = {"batch": batch, "engine_step_ms": statistics.median(wall) * 1e3,
+               "kernel_sum_ms": sum(r["us_per_step"] for r in table) / 1e3, "kernels": table}  # fmt: skip
+        results["batches"].append(row)
+        print(f"\n{name} batch {batch}: Engine.step {row['engine_step_ms']:.3f} ms, kernel time sum "
+              f"{row['kernel_sum_ms']:.3f} ms ({batch / row['engine_step_ms'] * 1e3:.0f} tok/s)")  # fmt: skip
+        print_kernels(table[:10], "  ")
+        for request_id in ids:
+            engine.abort(request_id)
+        while engine.has_unfinished():
+            engine.step()
+    del engine, weights
+    torch.cuda.empty_cache()
+    return results
 
 
 def profile_prefill(engine: Engine, vocab_size: int, length: int = 512) -> dict:
@@ -216,10 +268,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", nargs="?", default=os.environ.get("OUT", "bench_out"))
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-4b,smollm2-135m")
+    parser.add_argument("--batches", help="comma-separated batch sizes: profile batched decode instead")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [profile(name) for name in args.models.split(",")]
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
+        results = [profile_batches(name, batches) for name in args.models.split(",")]
+    else:
+        results = [profile(name) for name in args.models.split(",")]
     (out / "profile_decode.json").write_text(json.dumps(results, indent=2))
 
 

@@ -4,15 +4,21 @@ Weights are in the Hugging Face layout [out_features, in_features], row-major. T
 q/k/v into one [q_size + 2 * kv_size, hidden] weight and gate/up into one [2 * intermediate, hidden]
 weight (gate rows first, then up rows).
 
-Two Triton kernels serve every call, picked by the number of rows of x:
-- decode (M <= 8): a GEMV. Each program owns BLOCK_N whole output columns (weight rows) and streams
-  them over all of K with 16-byte loads, multiply-adding into an fp32 register tile that is reduced
-  once at the end. BLOCK_N shrinks (down to one row) until there are >= 4 programs per SM, so no
-  split-K and no cross-program reduction is needed: results are deterministic and there is one launch.
-  Every GEMV in the supported models has N >= 576 rows, i.e. >= 4 programs per SM at BLOCK_N = 1.
-- prefill (M > 8): a tiled GEMM on the tensor cores (tl.dot, bf16 in, fp32 accumulation), tiles chosen
-  per shape by a small cost model (tile efficiency x waves over the SMs), grouped tile order for L2 reuse.
-Tiles measured fastest per shape on a GPU (kernels/tuned/<device>.json) override both heuristics.
+Three Triton kernels serve every call, picked by the number of rows of x:
+- one row (M == 1, batch-1 decode): a GEMV. Each program owns BLOCK_N whole output columns (weight
+  rows) and streams them over all of K with 16-byte loads, multiply-adding into an fp32 register tile
+  that is reduced once at the end. BLOCK_N shrinks (down to one row) until there are >= 4 programs per
+  SM, so no split-K and no cross-program reduction is needed: results are deterministic, one launch.
+- a few rows (2 <= M <= SKINNY_MAX_M: batched decode, verify steps, small prefill chunks): a skinny GEMM
+  on the tensor cores with the operands swapped, out.T = W @ x.T, so the weight's rows fill the MMA's
+  large dimension and the few rows of x its small one (padded to 16). Each weight tile is read once
+  for every row of x, so the step reads each weight once whatever the batch. Where N alone gives too
+  few programs for the SMs, K is split; each split writes fp32 partials and the last split of a column
+  tile to finish (an atomic counter) adds them up in split order: deterministic, one launch.
+- prefill (M > SKINNY_MAX_M): a tiled GEMM on the tensor cores (tl.dot, bf16 in, fp32 accumulation),
+  tiles chosen per shape by a small cost model (tile efficiency x waves over the SMs), grouped tile
+  order for L2 reuse.
+Tiles measured fastest per shape on a GPU (kernels/tuned/<device>.json) override the heuristics.
 
 The gate/up kernels compute the matching gate and up columns in the same program and write
 silu(gate) * up, so the [M, 2 * intermediate] activation never reaches memory.
@@ -33,8 +39,9 @@ import triton.language as tl
 from kernels.activation import silu_and_mul_reference
 from kernels.triton_common import INTERPRET, num_sms
 
-# Up to this many rows of x take the GEMV; more take the tensor-core GEMM.
-GEMV_MAX_M = 8
+# Up to this many rows of x take the GEMV; up to SKINNY_MAX_M the skinny GEMM; more the tiled GEMM.
+GEMV_MAX_M = 1
+SKINNY_MAX_M = 64
 
 # Tiles measured fastest per shape on a given GPU (`bench/bench_linear.py --sweep --write-tuned`), one
 # JSON file per device name; shapes not in the file, and other GPUs, use the heuristics below.
@@ -230,6 +237,245 @@ def _launch_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A few rows: skinny tensor-core GEMM, operands swapped, K split where N alone is too narrow
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _skinny_finish(
+    acc,
+    acc_up,
+    bias_ptr,
+    out_ptr,
+    offs_n,
+    offs_m,
+    M,
+    N,
+    stride_om,
+    act_dtype: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATE_UP: tl.constexpr,
+):
+    """acc [BLOCK_N, BLOCK_M] (out.T) -> out[m, n]: bias, SwiGLU, rounded to the activation dtype first
+    (as the reference's result is), then stored in out's dtype (fp32 logits may take bf16 products)."""
+    if HAS_BIAS:  # [N], or [2N] with GATE_UP (the gate's, then the up's)
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        if GATE_UP:
+            acc_up += tl.load(bias_ptr + N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    if GATE_UP:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    tl.store(out_ptrs, acc.to(act_dtype).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,  # [M, K], K contiguous
+    w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous; any float dtype
+    bias_ptr,  # [N], or [2N] with GATE_UP (HAS_BIAS)
+    out_ptr,  # [M, N], N contiguous
+    partials_ptr,  # fp32 [SPLIT_K, N (x2 with GATE_UP), BLOCK_M] (SPLIT_K > 1)
+    counters_ptr,  # int32 [cdiv(N, BLOCK_N)]: splits done per column tile, zero between launches
+    M,
+    N,  # output columns: weight rows, or intermediate size for GATE_UP
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the K loop
+    UPCAST: tl.constexpr,  # the interpreter: multiply in fp32 (it computes bf16 wrongly)
+    BLOCK_M: tl.constexpr,  # rows of x, padded to a power of two >= 16 (the N of the MMA)
+    BLOCK_N: tl.constexpr,  # weight rows per program (the M of the MMA)
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr = "tf32",  # "ieee" for fp32 inputs: exact fp32, not TF32
+):
+    act_dtype: tl.constexpr = x_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past the edge re-read the last valid row (in bounds, no load masks); their results are not stored.
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)
+    # This split's share of the K tiles (a trailing split may get none: it adds zeros).
+    num_k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(num_k_tiles, SPLIT_K)
+    tile_begin = pid_k * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_k_tiles)
+    k_begin = tile_begin * BLOCK_K
+    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_begin + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
+    w_up_ptrs = w_ptr + (w_rows + N)[:, None] * stride_wn + (k_begin + offs_k)[None, :]  # GATE_UP only
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k_tile in range(tile_begin, tile_end):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = offs_k < K - k_tile * BLOCK_K
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        # The weight-dtype hook: weights of another dtype than x are converted in registers here.
+        w = w.to(act_dtype)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        x_t = tl.trans(x)  # [BLOCK_K, BLOCK_M]
+        acc = tl.dot(w, x_t, acc, input_precision=DOT_PRECISION)
+        if GATE_UP:
+            if EVEN_K:  # noqa: SIM108 (a constexpr branch)
+                w_up = tl.load(w_up_ptrs)
+            else:
+                w_up = tl.load(w_up_ptrs, mask=k_mask[None, :], other=0.0)
+            w_up = w_up.to(act_dtype)
+            if UPCAST:
+                w_up = w_up.to(tl.float32)
+            acc_up = tl.dot(w_up, x_t, acc_up, input_precision=DOT_PRECISION)
+            w_up_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if SPLIT_K == 1:
+        _skinny_finish(acc, acc_up, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, act_dtype,
+                       HAS_BIAS, GATE_UP)  # fmt: skip
+    else:
+        # partials[split, column, row]: the up columns follow the N gate columns (GATE_UP)
+        num_columns = 2 * N if GATE_UP else N
+        slots = (pid_k * num_columns + tl.minimum(offs_n, N - 1)).to(tl.int64)[:, None] * BLOCK_M + offs_m[
+            None, :
+        ]
+        tl.store(partials_ptr + slots, acc)
+        if GATE_UP:
+            tl.store(partials_ptr + slots + N * BLOCK_M, acc_up)
+        # Every thread's partials are written (barrier) before one thread releases them with the counter;
+        # the program that brings the count to SPLIT_K acquires them all and adds them in split order.
+        tl.debug_barrier()
+        done_before = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done_before == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            total_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            first = (tl.minimum(offs_n, N - 1)).to(tl.int64)[:, None] * BLOCK_M + offs_m[None, :]
+            for split in range(SPLIT_K):  # loads bypass L1 (.cg): other SMs wrote them
+                split_slots = first + split * num_columns * BLOCK_M
+                total += tl.load(partials_ptr + split_slots, cache_modifier=".cg")
+                if GATE_UP:
+                    total_up += tl.load(partials_ptr + split_slots + N * BLOCK_M, cache_modifier=".cg")
+            _skinny_finish(total, total_up, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, act_dtype,
+                           HAS_BIAS, GATE_UP)  # fmt: skip
+            tl.store(counters_ptr + pid_n, 0)  # ready for the next launch (graph replay)
+
+
+class SkinnyConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+# The split-K scratch, one per device, allocated once outside any CUDA-graph capture and never grown (a
+# captured graph keeps pointing at it). A launch that would need more splits than it holds uses fewer.
+SKINNY_PARTIALS = 1 << 23  # fp32 elements: 32 MiB
+SKINNY_COUNTERS = 1 << 14  # column tiles
+_skinny_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _skinny_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(partials, counters) for split-K launches on this device; None while a CUDA graph is being captured
+    before the first eager launch allocated them (then the launch does not split K). Launches on one
+    device share them, so they must run in stream order (the engine runs one step at a time)."""
+    workspace = _skinny_workspaces.get(device)
+    if workspace is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        workspace = (
+            torch.empty(SKINNY_PARTIALS, dtype=torch.float32, device=device),
+            torch.zeros(SKINNY_COUNTERS, dtype=torch.int32, device=device),
+        )
+        _skinny_workspaces[device] = workspace
+    return workspace
+
+
+def skinny_config(m: int, n: int, k: int, gate_up: bool) -> SkinnyConfig:
+    """Tiles for the skinny GEMM: n output columns (intermediate size for gate/up), k = in_features.
+
+    BLOCK_N is the widest of 64, 32, 16 weight rows that still gives about two programs per SM once K is
+    split into splits of at least two 128-column tiles; K is split until there are about two programs
+    per SM. A tile measured fastest for this shape on this GPU (tuned_config) takes precedence."""
+    tuned = tuned_config("skinny", m, n, k, gate_up)
+    if tuned is not None:
+        return SkinnyConfig(**tuned)
+    block_k = min(128, max(16, triton.next_power_of_2(k)))
+    num_k_tiles = triton.cdiv(k, block_k)
+    max_split = max(1, num_k_tiles // 2)
+    wanted_programs = 2 * num_sms()
+    block_n = 64
+    while block_n > 16 and triton.cdiv(n, block_n) * max_split < wanted_programs:
+        block_n //= 2
+    split_k = max(1, min(max_split, triton.cdiv(wanted_programs, triton.cdiv(n, block_n))))
+    return SkinnyConfig(block_n, block_k, split_k, 4, 4)
+
+
+def _launch_skinny(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    gate_up: bool,
+    config: SkinnyConfig | None = None,
+) -> None:
+    """out may be float32 with bf16/fp16 x (logits): it then holds the x-dtype result, widened."""
+    m, k = x.shape
+    n = out.shape[1]
+    assert m <= SKINNY_MAX_M, m
+    block_n, block_k, split_k, num_warps, num_stages = config or skinny_config(m, n, k, gate_up)
+    block_m = max(16, triton.next_power_of_2(m))
+    num_tiles = triton.cdiv(n, block_n)
+    partials = counters = out  # never touched without a split
+    if split_k > 1:
+        workspace = _skinny_workspace(x.device)
+        columns = 2 * n if gate_up else n
+        if workspace is None or num_tiles > workspace[1].numel():
+            split_k = 1
+        else:
+            split_k = min(split_k, workspace[0].numel() // (columns * block_m))
+            partials, counters = workspace
+        split_k = max(split_k, 1)
+    _skinny_kernel[(num_tiles, split_k)](
+        x,
+        weight,
+        bias if bias is not None else out,  # never read without HAS_BIAS
+        out,
+        partials,
+        counters,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        GATE_UP=gate_up,
+        SPLIT_K=split_k,
+        EVEN_K=k % block_k == 0,
+        UPCAST=INTERPRET,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
@@ -435,6 +681,8 @@ def _launch(
         return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
     if m <= GEMV_MAX_M:
         _launch_gemv(x, weight, bias, out, gate_up)
+    elif m <= SKINNY_MAX_M:
+        _launch_skinny(x, weight, bias, out, gate_up)
     else:
         _launch_gemm(x, weight, bias, out, gate_up)
     return out

@@ -9,16 +9,21 @@ rounded to the activation dtype, the statistics are fp32, and the normed row is 
 dtype (before and after the norm weight, as HF does) before it meets the weight. The same op with the LM
 head's weight is the final norm + LM head.
 
-Decode (M <= GEMV_MAX_M rows): one GEMV launch, tiles from kernels/linear.py's gemv_config. Every program
-needs the whole normed row, so each first reads the M rows of hidden (+ residual) to get the sum of
-squares (M * K elements from L2, cheap next to its BLOCK_N * K weight elements; usually in one wide
+Batch-1 decode (M <= GEMV_MAX_M rows): one GEMV launch, tiles from kernels/linear.py's gemv_config.
+Every program needs the whole normed row, so each first reads the M rows of hidden (+ residual) to get
+the sum of squares (M * K elements from L2, cheap next to its BLOCK_N * K weight elements; usually in one wide
 tile, one round trip, while its first weight tile is already in flight), then streams its weight rows
 with 16-byte loads, rebuilding the normed row tile by tile from hidden (+ residual). When one K tile
 spans the whole row the normed row is simply kept in registers. Each program also stores its own disjoint
 slice of residual_out, so residual_out is written exactly once and must not alias hidden or residual
 (other programs still read them).
 
-Prefill (M > GEMV_MAX_M) runs the unfused chain: an add, rms_norm_triton, then linear_triton /
+A few rows (M <= SKINNY_MAX_M: batched decode, verify): two launches, the add and the norm in one pass
+(add_rms_norm_into_triton, into a scratch row block), then kernels/linear.py's skinny GEMM, which reads
+each weight once for all rows; fusing the norm into it would make every one of its programs re-read all
+M rows of the input to get their statistics.
+
+Prefill (M > SKINNY_MAX_M) runs the unfused chain: an add, rms_norm_triton, then linear_triton /
 gate_up_silu_triton (the GEMMs are bandwidth- and compute-bound there, not launch-bound).
 """
 
@@ -33,14 +38,16 @@ import triton.language as tl
 from kernels.activation import silu_and_mul_reference
 from kernels.linear import (
     GEMV_MAX_M,
+    SKINNY_MAX_M,
     GemvConfig,
+    _launch_skinny,
     gate_up_silu_reference,
     gate_up_silu_triton,
     gemv_config,
     linear_reference,
     linear_triton,
 )
-from kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+from kernels.rmsnorm import add_rms_norm_into_triton, rms_norm_reference, rms_norm_triton
 
 # ----------------------------------------------------------------------------------------------------------
 # The unfused chain: the reference, and the Triton prefill path
@@ -367,6 +374,29 @@ def _launch_gemv(
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _norm_then_skinny(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gate_up: bool,
+    out: torch.Tensor,
+    residual_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A few rows: the add and the norm in one launch, then the skinny GEMM (into out, fp32 logits too)."""
+    normed = torch.empty_like(hidden)
+    if residual is None:
+        rms_norm_triton(hidden, norm_weight, eps, out=normed)
+        summed = hidden if residual_out is None else residual_out.copy_(hidden)
+    else:
+        summed = residual_out if residual_out is not None else torch.empty_like(hidden)
+        add_rms_norm_into_triton(hidden, residual, norm_weight, eps, normed, summed)
+    _launch_skinny(normed, weight, bias, out, gate_up)
+    return out, summed
+
+
 def _check_rows(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     assert tensor.shape == shape, (name, tensor.shape, shape)
     assert tensor.dtype == dtype, (name, tensor.dtype, dtype)
@@ -410,6 +440,8 @@ def add_rms_norm_linear_triton(
         # Other programs still read hidden and residual while one writes its slice of residual_out.
         assert all(residual_out.data_ptr() != t.data_ptr() for t in sources), "residual_out aliases an input"
 
+    if GEMV_MAX_M < m <= SKINNY_MAX_M and k > 0 and n > 0:
+        return _norm_then_skinny(hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out)
     if m > GEMV_MAX_M or k == 0:
         return _chain(
             hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out,

@@ -29,12 +29,14 @@ _MAX_BLOCK_H = 8192
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [num_rows, hidden_size]
-    residual_ptr,  # [num_rows, hidden_size], read and overwritten with x + residual (HAS_RESIDUAL)
+    residual_ptr,  # [num_rows, hidden_size] (HAS_RESIDUAL)
+    summed_ptr,  # [num_rows, hidden_size]: x + residual is written here (may be residual itself)
     weight_ptr,  # [hidden_size]
     out_ptr,  # [num_rows, hidden_size]
     hidden_size,
     x_row_stride,
     residual_row_stride,
+    summed_row_stride,
     out_row_stride,
     eps,
     HAS_RESIDUAL: tl.constexpr,
@@ -46,6 +48,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * residual_row_stride
+    summed_row = summed_ptr + row * summed_row_stride
     out_row = out_ptr + row * out_row_stride
     if SINGLE_BLOCK:
         cols = tl.arange(0, BLOCK_H)
@@ -54,7 +57,7 @@ def _rms_norm_kernel(
         if HAS_RESIDUAL:
             residual = tl.load(residual_row + cols, mask=mask, other=0.0).to(tl.float32)
             summed = (x + residual).to(residual_ptr.dtype.element_ty)
-            tl.store(residual_row + cols, summed, mask=mask)
+            tl.store(summed_row + cols, summed, mask=mask)
             x = summed.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -69,7 +72,7 @@ def _rms_norm_kernel(
             if HAS_RESIDUAL:
                 residual = tl.load(residual_row + cols, mask=mask, other=0.0).to(tl.float32)
                 summed = (x + residual).to(residual_ptr.dtype.element_ty)
-                tl.store(residual_row + cols, summed, mask=mask)
+                tl.store(summed_row + cols, summed, mask=mask)
                 x = summed.to(tl.float32)
             squares += x * x
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / hidden_size + eps)
@@ -78,7 +81,7 @@ def _rms_norm_kernel(
             mask = cols < hidden_size
             # The second pass reads back what the first pass wrote (the same program's own stores).
             if HAS_RESIDUAL:
-                x = tl.load(residual_row + cols, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(summed_row + cols, mask=mask, other=0.0).to(tl.float32)
             else:
                 x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -98,7 +101,9 @@ def _launch(
     weight: torch.Tensor,
     eps: float,
     out: torch.Tensor | None,
+    summed: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """summed: where x + residual goes (default: residual itself)."""
     hidden_size = x.shape[-1]
     assert weight.shape == (hidden_size,) and weight.is_contiguous()
     if out is None:
@@ -106,6 +111,7 @@ def _launch(
     assert out.shape == x.shape
     x_rows, out_rows = _rows(x, hidden_size), _rows(out, hidden_size)
     residual_rows = _rows(residual, hidden_size) if residual is not None else x_rows
+    summed_rows = _rows(summed, hidden_size) if summed is not None else residual_rows
     num_rows = x_rows.shape[0]
     if num_rows == 0:
         return out
@@ -115,11 +121,13 @@ def _launch(
     _rms_norm_kernel[(num_rows,)](
         x_rows,
         residual_rows,
+        summed_rows,
         weight,
         out_rows,
         hidden_size,
         x_rows.stride(0),
         residual_rows.stride(0),
+        summed_rows.stride(0),
         out_rows.stride(0),
         eps,
         HAS_RESIDUAL=residual is not None,
@@ -148,3 +156,17 @@ def add_rms_norm_triton(
     the normed sum goes to out (fresh if None; out may be x itself, not residual)."""
     assert residual.shape == x.shape
     return _launch(x, residual, weight, eps, out), residual
+
+
+def add_rms_norm_into_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    summed: torch.Tensor,
+) -> None:
+    """As add_rms_norm_reference, in one pass, with both results in given buffers: summed = x + residual
+    (summed may be residual itself), out = rms_norm(summed). One program per row."""
+    assert residual.shape == x.shape == summed.shape == out.shape
+    _launch(x, residual, weight, eps, out, summed)

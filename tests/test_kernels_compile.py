@@ -12,7 +12,8 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 ENGINE_KERNELS = {
-    "_embedding_kernel", "_add_rms_norm_gemv_kernel", "_gemv_kernel", "_gemm_kernel", "_qkv_epilogue_kernel",
+    "_embedding_kernel", "_add_rms_norm_gemv_kernel", "_gemv_kernel", "_skinny_kernel", "_gemm_kernel",
+    "_rms_norm_kernel", "_qkv_epilogue_kernel",
     "_paged_prefill_kernel", "_paged_decode_kernel", "_sample_stream_kernel", "_sample_bracket_kernel",
     "_sample_finish_kernel",
 }  # fmt: skip

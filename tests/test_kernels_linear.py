@@ -13,6 +13,7 @@ from kernels import linear
 from kernels.linear import (
     GemmConfig,
     GemvConfig,
+    SkinnyConfig,
     gate_up_silu_reference,
     gate_up_silu_triton,
     linear_reference,
@@ -21,7 +22,7 @@ from kernels.linear import (
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# (M, N, K): M <= 8 takes the GEMV (M = 1 and the batched 3-D path), M > 8 the GEMM.
+# (M, N, K): M = 1 takes the GEMV, 2 <= M <= 64 the skinny GEMM, M > 64 the tiled GEMM.
 SHAPES = [
     (1, 1, 16),
     (1, 17, 40),
@@ -33,6 +34,7 @@ SHAPES = [
     (64, 1, 40),
     (64, 96, 64),
     (64, 64, 100),
+    (65, 33, 40),
 ]
 
 
@@ -129,6 +131,11 @@ def test_gate_up_silu_matches_reference(shape: tuple[int, int, int], dtype: torc
 FORCED = [
     ("gemv", 1, 37, 100, GemvConfig(block_n=4, block_k=32, num_warps=4)),
     ("gemv", 5, 37, 100, GemvConfig(block_n=8, block_k=16, num_warps=4)),
+    ("skinny", 5, 37, 100, SkinnyConfig(block_n=16, block_k=16, split_k=1, num_warps=4, num_stages=2)),
+    # K split 3 ways over 7 tiles (3, 3, 1), 3 column tiles: the last split of each tile adds them up
+    ("skinny", 3, 37, 100, SkinnyConfig(block_n=16, block_k=16, split_k=3, num_warps=4, num_stages=2)),
+    # more splits than tiles: trailing splits add zeros
+    ("skinny", 17, 20, 40, SkinnyConfig(block_n=16, block_k=16, split_k=4, num_warps=4, num_stages=2)),
     ("gemm", 50, 40, 100, GemmConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)),
     ("gemm", 33, 48, 64, GemmConfig(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=3)),
 ]
@@ -142,11 +149,26 @@ def test_forced_tiles(case: tuple, gate_up: bool) -> None:
     x, weight, bias = _inputs(m, 2 * n if gate_up else n, k, dtype, _seed("forced", case, gate_up), x_pad=1)
     bias = None if gate_up else bias
     buffer, out = _poisoned_out(m, n, dtype, pad=2)
-    launch = linear._launch_gemv if kind == "gemv" else linear._launch_gemm
+    launch = {"gemv": linear._launch_gemv, "skinny": linear._launch_skinny, "gemm": linear._launch_gemm}[kind]
     launch(x, weight, bias, out, gate_up, config)
+    if kind == "skinny" and config.split_k > 1:  # every counter is left at zero for the next launch
+        assert not linear._skinny_workspace(x.device)[1].any()
     expected = _gate_up64(x, weight) if gate_up else _linear64(x, weight, bias)
     assert buffer[:, n:].isnan().all() and torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_skinny_widens_into_float32_out(split_k: int) -> None:
+    """Logits: bf16 operands, an fp32 out holding the bf16-rounded result (as the reference chain)."""
+    m, n, k = 4, 40, 64
+    x, weight, _ = _inputs(m, n, k, torch.bfloat16, _seed("widen", split_k))
+    out = torch.full((m, n), float("nan"), dtype=torch.float32, device=DEVICE)
+    config = SkinnyConfig(block_n=16, block_k=16, split_k=split_k, num_warps=4, num_stages=2)
+    linear._launch_skinny(x, weight, None, out, False, config)
+    expected = _linear64(x, weight, None)
+    torch.testing.assert_close(out.double(), expected, **_tolerance(torch.bfloat16))
+    assert torch.equal(out, out.bfloat16().float()), "not rounded to bf16 before widening"
 
 
 def test_empty_inputs() -> None:
@@ -174,10 +196,14 @@ def test_heuristics_fill_an_h200(monkeypatch: pytest.MonkeyPatch) -> None:
     for _, layer, n_rows, k in REAL_LAYERS:
         gate_up = layer == "gate_up"
         n = n_rows // 2 if gate_up else n_rows
-        for m in (1, 4, 8):
-            config = linear.gemv_config(m, n, k, gate_up)
-            assert -(-n // config.block_n) >= 4 * 132, (layer, m, config)
-            assert config.block_k >= (256 if m == 1 else 64) and config.block_k % 8 == 0, (layer, m, config)
+        config = linear.gemv_config(1, n, k, gate_up)
+        assert -(-n // config.block_n) >= 4 * 132, (layer, config)
+        assert config.block_k >= 256 and config.block_k % 8 == 0, (layer, config)
+        for m in (2, 8, 64):
+            skinny = linear.skinny_config(m, n, k, gate_up)
+            programs = -(-n // skinny.block_n) * skinny.split_k
+            assert programs >= 132 or skinny.split_k == max(1, -(-k // skinny.block_k) // 2), (layer, skinny)
+            assert skinny.block_k >= 64 and skinny.block_n >= 16, (layer, m, skinny)
         config = linear.gemm_config(512, n, k, gate_up)
         stage_bytes = 2 * config.block_k * (config.block_m + config.block_n * (2 if gate_up else 1))
         assert stage_bytes * config.num_stages <= 200 * 1024, (layer, config)
@@ -185,7 +211,7 @@ def test_heuristics_fill_an_h200(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 512])
+@pytest.mark.parametrize("m", [1, 4, 8, 24, 64, 512])
 @pytest.mark.parametrize("layer", REAL_LAYERS, ids=[f"{r[0]}-{r[1]}" for r in REAL_LAYERS])
 def test_real_shapes_bf16_gpu(layer: tuple[str, str, int, int], m: int) -> None:
     _, name, n_rows, k = layer
@@ -211,7 +237,7 @@ def test_real_shapes_bf16_gpu(layer: tuple[str, str, int, int], m: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 64])
+@pytest.mark.parametrize("m", [1, 4, 64, 128])
 def test_cuda_graph_replay_gpu(m: int) -> None:
     """Captured once with out= buffers, replayed on new inputs: no allocation, no sync, same bits."""
     k, n_rows, intermediate = 1024, 4096, 3072
