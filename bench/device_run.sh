@@ -21,6 +21,8 @@
 #   bash bench/device_run.sh ring2    # (x2, after ring1) the two-GPU placements, host drafts against the ring
 #   bash bench/device_run.sh ringdiag # (x2, after part0, part1) DFlash placements: step times, the ring's wait
 #   bash bench/device_run.sh serve2diag  # (x2, as serve2) serve2, with its actors' threads' stacks sampled
+#   bash bench/device_run.sh skinny   # the linear kernels' GPU tests, then bench_linear at M = 1..256
+#   bash bench/device_run.sh batchprof  # profile_decode --batches: batched decode steps' kernels
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
 set -u
@@ -142,6 +144,20 @@ grid)  # the attention kernels' whole grid, compiled, in parallel shards (compil
 check)  # `grid` and the engine's GPU tests together, in parallel shards: correctness only, no timings
     sharded 14 480 tests/test_kernels_prefill_attention.py tests/test_kernels_attention.py \
         tests/test_engine_cuda.py tests/test_graphs_cuda.py tests/test_run_ahead.py tests/test_channel.py
+    ;;
+skinny)
+    timeout 150 python3 -m pytest -q -x -rf --tb=short -p no:cacheprovider -m gpu tests/test_kernels_linear.py \
+        tests/test_kernels_norm_linear.py > "$OUT/test_linear.log" 2>&1
+    echo "== linear GPU tests"; grep -E "^FAILED|^E |passed|failed" "$OUT/test_linear.log" | head -12
+    timeout 240 python3 bench/bench_linear.py "$OUT" --models qwen3-0.6b,qwen3-4b \
+        --m 1,2,4,8,16,32,64,128 --compare-gemv --replays 20 > "$OUT/bench_linear.log" 2>&1
+    grep -E "^\| |copy bandwidth" "$OUT/bench_linear.log" | head -100
+    grep -E "many-row GEMV [0-9]" "$OUT/bench_linear.log" | sed -E 's/ +err.*many-row/ many-row/' | head -40
+    ;;
+batchprof)
+    timeout 200 python3 bench/profile_decode.py "$OUT" --models qwen3-0.6b,qwen3-4b --batches 1,8,64,256 \
+        > "$OUT/batchprof.log" 2>&1
+    grep -E "batch [0-9]+:" "$OUT/batchprof.log"
     ;;
 *) echo "usage: bash bench/device_run.sh part0|part1|kernels|engine|spec|profile|linear|sweep|placement|link|serve2|serve2diag|ring|ring1|ring2|ringdiag|extra|grid|check"; exit 2 ;;
 esac
