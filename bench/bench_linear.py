@@ -174,13 +174,13 @@ class Case:
         """Every tile configuration the sweep tries for this shape."""
         if linear.GEMV_MAX_M < self.m <= linear.SKINNY_MAX_M:
             k_tiles = {block_k: -(-self.k // block_k) for block_k in (128, 256)}
+            # stages: 4 of 128 K columns, or 3 of 256 (the 128-row tile's 4 x 64 KiB would not fit)
             return [
-                linear.SkinnyConfig(block_n, block_k, split_k, 4, num_stages)
+                linear.SkinnyConfig(block_n, block_k, split_k, 4, 4 if block_k == 128 else 3)
                 for block_n in (16, 32, 64, 128)
                 for block_k in (128, 256)
-                for split_k in (1, 2, 4, 8, 16)
-                for num_stages in (3, 4)
-                if split_k <= k_tiles[block_k] and -(-self.n_out // block_n) * split_k <= 16 * 132
+                for split_k in ((1,) if block_n == 128 else (1, 2, 4))
+                if split_k <= k_tiles[block_k]
             ]
         if self.m <= linear.GEMV_MAX_M:
             block_m = triton.next_power_of_2(self.m)
@@ -253,7 +253,7 @@ def tuned_rows(sweeps: list[dict]) -> list[dict]:
         if sweep["timings"]:
             rows.append({
                 "kind": sweep["kind"],
-                "m": triton.next_power_of_2(sweep["M"]),
+                "m": linear.tuned_m(sweep["kind"], sweep["M"]),
                 "n": sweep["n"],
                 "k": sweep["k"],
                 "gate_up": sweep["gate_up"],
@@ -272,6 +272,7 @@ def main() -> None:
         "--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS)
     )
     parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma-separated M values")
+    parser.add_argument("--layers", help="comma-separated subset of qkv,o,gate_up,down,lm_head")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate tile config")
     parser.add_argument(
@@ -290,6 +291,8 @@ def main() -> None:
     rows, sweeps = [], []
     for model in args.models.split(","):
         for layer, (n_rows, k) in MODELS[model].items():
+            if args.layers and layer not in args.layers.split(","):
+                continue
             for m in map(int, args.m.split(",")):
                 started = time.perf_counter()
                 case = Case(model, layer, n_rows, k, m)

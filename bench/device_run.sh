@@ -22,6 +22,7 @@
 #   bash bench/device_run.sh ringdiag # (x2, after part0, part1) DFlash placements: step times, the ring's wait
 #   bash bench/device_run.sh serve2diag  # (x2, as serve2) serve2, with its actors' threads' stacks sampled
 #   bash bench/device_run.sh skinny   # the linear kernels' GPU tests, then bench_linear at M = 1..256
+#   bash bench/device_run.sh skinnysweep  # the skinny GEMM's tiles swept at M = 16: a tuned table
 #   bash bench/device_run.sh batchprof  # profile_decode --batches: batched decode steps' kernels
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
@@ -153,6 +154,11 @@ skinny)
         --m 1,2,4,8,16,32,64,128 --compare-gemv --replays 20 > "$OUT/bench_linear.log" 2>&1
     grep -E "^\| |copy bandwidth" "$OUT/bench_linear.log" | head -100
     grep -E "many-row GEMV [0-9]" "$OUT/bench_linear.log" | sed -E 's/ +err.*many-row/ many-row/' | head -40
+    ;;
+skinnysweep)  # the skinny GEMM's tiles at M = 16 on the decoder layers' shapes, as a tuned table
+    timeout 330 python3 bench/bench_linear.py "$OUT" --models qwen3-0.6b,qwen3-4b --layers qkv,o,gate_up,down \
+        --m 16 --sweep --replays 20 --write-tuned "$OUT/skinny_tuned.json" > "$OUT/skinny_sweep.log" 2>&1
+    grep -E "heuristic .* best" "$OUT/skinny_sweep.log"
     ;;
 batchprof)
     timeout 200 python3 bench/profile_decode.py "$OUT" --models qwen3-0.6b,qwen3-4b --batches 1,8,64,256 \

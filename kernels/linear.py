@@ -67,7 +67,13 @@ def _tuned_table() -> dict[tuple[str, int, int, int, bool], dict[str, int]]:
 
 
 def tuned_config(kind: str, m: int, n: int, k: int, gate_up: bool) -> dict[str, int] | None:
-    return _tuned_table().get((kind, triton.next_power_of_2(m), n, k, gate_up))
+    return _tuned_table().get((kind, tuned_m(kind, m), n, k, gate_up))
+
+
+def tuned_m(kind: str, m: int) -> int:
+    """The M a tuned-table row stands for: the next power of two, and for the skinny GEMM the rows its
+    tile holds (at least 16), since every M up to that runs the same tile."""
+    return max(16, triton.next_power_of_2(m)) if kind == "skinny" else triton.next_power_of_2(m)
 
 
 # ----------------------------------------------------------------------------------------------------------
