@@ -6,7 +6,8 @@ RMSNorm, RoPE in the rotate-half layout, GQA, SwiGLU, a tied or separate LM head
 
     prefill(prompt)            one forward over a fresh prompt from position 0 (causal SDPA);
                                returns the last position's logits (the only ones a prompt needs)
-    decode(token, input_pos)   one token per sequence against the cache (SDPA with a mask row)
+    decode(token, input_pos)   one token per sequence against the cache (SDPA with a mask row), at
+                               one position for all (input_pos [1]) or one per sequence ([batch])
     greedy_step(...)           decode + argmax: the function the benchmark compiles with
                                torch.compile(mode="reduce-overhead", fullgraph=True)
 """
@@ -34,7 +35,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [batch, heads, tokens, head_dim]; cos, sin [tokens, head_dim] in x's dtype."""
+    """x [batch, heads, tokens, head_dim]; cos, sin [tokens, head_dim] (a decode: [1 or batch, 1, 1,
+    head_dim]) in x's dtype."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -50,7 +52,13 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write keys, values [batch, kv_heads, tokens, head_dim] at positions input_pos [tokens]."""
+        """Write keys, values [batch, kv_heads, tokens, head_dim] at positions input_pos [tokens], or one
+        token per sequence at its own position (input_pos [batch], batch > 1)."""
+        if keys.shape[2] == 1 and input_pos.shape[0] > 1:
+            rows = torch.arange(keys.shape[0], device=keys.device)
+            self.k_cache[rows, :, input_pos] = keys[:, :, 0]
+            self.v_cache[rows, :, input_pos] = values[:, :, 0]
+            return
         self.k_cache.index_copy_(2, input_pos, keys)
         self.v_cache.index_copy_(2, input_pos, values)
 
@@ -111,9 +119,9 @@ class PeerLayer(nn.Module):
             # the cache is read as it is (no repeat), masked to the positions written so far.
             q = q.reshape(batch, spec.num_kv_heads, group, spec.head_dim)
             max_len = self.kv_cache.k_cache.shape[2]
-            mask = torch.arange(max_len, device=x.device) <= input_pos  # [max_len]
+            mask = torch.arange(max_len, device=x.device) <= input_pos[:, None]  # [1 or batch, max_len]
             attn = F.scaled_dot_product_attention(
-                q, self.kv_cache.k_cache, self.kv_cache.v_cache, attn_mask=mask.view(1, 1, 1, max_len)
+                q, self.kv_cache.k_cache, self.kv_cache.v_cache, attn_mask=mask.view(-1, 1, 1, max_len)
             )
         attn = attn.reshape(batch, spec.num_heads, num_tokens, spec.head_dim).transpose(1, 2)
         hidden = x + F.linear(attn.reshape(batch, num_tokens, spec.q_size), self.wo, self.bo)
@@ -150,11 +158,14 @@ class PeerModel(nn.Module):
         self.rope_cache = rope_cos_sin_cache(self.spec, max_len, self.device).to(self.dtype)
 
     def _forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, prefill: bool) -> torch.Tensor:
-        """tokens [batch, tokens] at positions input_pos [tokens] -> final hidden [batch, tokens, hidden]."""
+        """tokens [batch, tokens] at positions input_pos [tokens] (a decode: [1] or [batch], one each)
+        -> final hidden [batch, tokens, hidden]."""
         half = self.spec.head_dim // 2
         cos_sin = self.rope_cache[input_pos]
         cos = torch.cat([cos_sin[:, :half], cos_sin[:, :half]], dim=-1)
         sin = torch.cat([cos_sin[:, half:], cos_sin[:, half:]], dim=-1)
+        if not prefill:  # [1 or batch, 1, 1, head_dim]: each sequence's own rotation
+            cos, sin = cos[:, None, None], sin[:, None, None]
         x = F.embedding(tokens, self.embedding)
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, prefill)
@@ -167,7 +178,7 @@ class PeerModel(nn.Module):
         return F.linear(hidden[:, -1], self.lm_head).float()
 
     def decode(self, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """token [batch, 1] at position input_pos [1] -> logits [batch, vocab] (float32)."""
+        """token [batch, 1] at positions input_pos [1] or [batch] -> logits [batch, vocab] (float32)."""
         hidden = self._forward(token, input_pos, prefill=False)
         return F.linear(hidden[:, -1], self.lm_head).float()
 
