@@ -416,20 +416,18 @@ def _skinny_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
 def skinny_config(m: int, n: int, k: int, gate_up: bool) -> SkinnyConfig:
     """Tiles for the skinny GEMM: n output columns (intermediate size for gate/up), k = in_features.
 
-    BLOCK_N is the widest of 64, 32, 16 weight rows that still gives about two programs per SM once K is
-    split into splits of at least two 128-column tiles; K is split until there are about two programs
-    per SM. A tile measured fastest for this shape on this GPU (tuned_config) takes precedence."""
+    From the H200 sweep at 16 rows (bench/bench_linear.py --sweep): 128-column K steps in 4 stages; K is
+    split 4 ways only for narrow outputs (n < 3072: o_proj, down_proj), whose column tiles alone would
+    leave SMs idle; BLOCK_N is the widest of 64, 32, 16 weight rows that still makes about 96 programs.
+    A tile measured fastest for this shape on this GPU (tuned_config) takes precedence."""
     tuned = tuned_config("skinny", m, n, k, gate_up)
     if tuned is not None:
         return SkinnyConfig(**tuned)
     block_k = min(128, max(16, triton.next_power_of_2(k)))
-    num_k_tiles = triton.cdiv(k, block_k)
-    max_split = max(1, num_k_tiles // 2)
-    wanted_programs = 2 * num_sms()
+    split_k = 1 if n >= 3072 else max(1, min(4, triton.cdiv(k, block_k) // 2))
     block_n = 64
-    while block_n > 16 and triton.cdiv(n, block_n) * max_split < wanted_programs:
+    while block_n > 16 and triton.cdiv(n, block_n) * split_k < 96:
         block_n //= 2
-    split_k = max(1, min(max_split, triton.cdiv(wanted_programs, triton.cdiv(n, block_n))))
     return SkinnyConfig(block_n, block_k, split_k, 4, 4)
 
 
@@ -564,7 +562,8 @@ def _gemm_kernel(
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    # rounded to x's dtype first, as the reference's result is, whatever out's dtype (fp32 logits)
+    tl.store(out_ptrs, acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 class GemmConfig(NamedTuple):
@@ -627,6 +626,7 @@ def _launch_gemm(
     gate_up: bool,
     config: GemmConfig | None = None,
 ) -> None:
+    """out may be float32 with bf16/fp16 x (logits): it then holds the x-dtype result, widened."""
     m, k = x.shape
     n = out.shape[1]
     block_m, block_n, block_k, num_warps, num_stages = config or gemm_config(

@@ -18,13 +18,12 @@ spans the whole row the normed row is simply kept in registers. Each program als
 slice of residual_out, so residual_out is written exactly once and must not alias hidden or residual
 (other programs still read them).
 
-A few rows (M <= SKINNY_MAX_M: batched decode, verify): two launches, the add and the norm in one pass
-(add_rms_norm_into_triton, into a scratch row block), then kernels/linear.py's skinny GEMM, which reads
-each weight once for all rows; fusing the norm into it would make every one of its programs re-read all
-M rows of the input to get their statistics.
-
-Prefill (M > SKINNY_MAX_M) runs the unfused chain: an add, rms_norm_triton, then linear_triton /
-gate_up_silu_triton (the GEMMs are bandwidth- and compute-bound there, not launch-bound).
+Several rows (batched decode, verify, prefill): two launches, the add and the norm in one pass
+(add_rms_norm_into_triton, into a scratch row block), then kernels/linear.py's skinny GEMM (M <=
+SKINNY_MAX_M, each weight read once for all rows) or its tiled GEMM, storing straight into `out` (fp32
+logits too). Fusing the norm into the GEMM would make every one of its programs re-read all M rows of the
+input for their statistics. Only gate/up with a bias past SKINNY_MAX_M rows (no model here) runs the
+unfused chain: an add, rms_norm_triton, linear_triton, then SwiGLU.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from kernels.linear import (
     GEMV_MAX_M,
     SKINNY_MAX_M,
     GemvConfig,
+    _launch_gemm,
     _launch_skinny,
     gate_up_silu_reference,
     gate_up_silu_triton,
@@ -374,7 +374,7 @@ def _launch_gemv(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _norm_then_skinny(
+def _norm_then_linear(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
@@ -385,7 +385,9 @@ def _norm_then_skinny(
     out: torch.Tensor,
     residual_out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A few rows: the add and the norm in one launch, then the skinny GEMM (into out, fp32 logits too)."""
+    """Several rows: the add and the norm in one launch, then the skinny GEMM (a few rows) or the tiled
+    GEMM, straight into out (fp32 logits too)."""
+    m = hidden.shape[0]
     normed = torch.empty_like(hidden)
     if residual is None:
         rms_norm_triton(hidden, norm_weight, eps, out=normed)
@@ -393,7 +395,10 @@ def _norm_then_skinny(
     else:
         summed = residual_out if residual_out is not None else torch.empty_like(hidden)
         add_rms_norm_into_triton(hidden, residual, norm_weight, eps, normed, summed)
-    _launch_skinny(normed, weight, bias, out, gate_up)
+    if m <= SKINNY_MAX_M:
+        _launch_skinny(normed, weight, bias, out, gate_up)
+    else:
+        _launch_gemm(normed, weight, bias, out, gate_up)
     return out, summed
 
 
@@ -414,10 +419,10 @@ def add_rms_norm_linear_triton(
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As add_rms_norm_linear_reference. Decode (M <= GEMV_MAX_M): one launch, no host sync, no
+    """As add_rms_norm_linear_reference. One row (M <= GEMV_MAX_M): one launch, no host sync, no
     allocation when out (and residual_out, unless residual is None) are given; residual_out must not
-    overlap hidden or residual. Prefill (M > GEMV_MAX_M): the unfused chain, add + rms_norm_triton +
-    linear_triton / gate_up_silu_triton (three launches, a scratch normed buffer)."""
+    overlap hidden or residual. More rows: the add and norm in one launch into a scratch buffer, then the
+    skinny or tiled GEMM (see the module docstring)."""
     assert hidden.dim() == 2 and weight.dim() == 2, (hidden.shape, weight.shape)
     m, k = hidden.shape
     dtype = hidden.dtype
@@ -440,8 +445,8 @@ def add_rms_norm_linear_triton(
         # Other programs still read hidden and residual while one writes its slice of residual_out.
         assert all(residual_out.data_ptr() != t.data_ptr() for t in sources), "residual_out aliases an input"
 
-    if GEMV_MAX_M < m <= SKINNY_MAX_M and k > 0 and n > 0:
-        return _norm_then_skinny(hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out)
+    if m > GEMV_MAX_M and k > 0 and n > 0 and (m <= SKINNY_MAX_M or not (gate_up and bias is not None)):
+        return _norm_then_linear(hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out)
     if m > GEMV_MAX_M or k == 0:
         return _chain(
             hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out,
