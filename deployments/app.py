@@ -68,6 +68,7 @@ def resolve_device(requested: str) -> str:
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     app_args = args if isinstance(args, AppArgs) else parse_app_args(args)
     device = resolve_device(app_args.device)
+    app_args = app_args.for_device(device)
     dtype = app_args.dtype if app_args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     capacity = app_args.max_num_seqs + app_args.max_queue_len
     on_gpu = device == "cuda"

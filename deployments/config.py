@@ -9,6 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine.default_model import DEFAULT_MODEL_ALIAS
 from engine.engine import EngineConfig
 
+# Defaults that depend on the device (AppArgs.for_device): a GPU decodes many sequences at once, and its
+# KV cache takes what the free memory holds (kv_cache_tokens null); the CPU's stay small.
+GPU_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_SEQS = 64
+CPU_KV_CACHE_TOKENS = 16384
+
 
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -17,10 +23,20 @@ class AppArgs(BaseModel):
     served_model_name: str | None = Field(None, description="the `model` clients name; default: model")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, else float32
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when the Ray cluster has one
-    max_model_len: int | None = Field(None, ge=2, description="context length; default: the model's")
-    kv_cache_tokens: int | None = Field(None, ge=16, description="KV cache capacity; default: max_model_len")
+    max_model_len: int | None = Field(
+        None, ge=2, description="context length; default: the model's; never more than the KV cache holds"
+    )
+    kv_cache_tokens: int | None = Field(
+        None, ge=16, description="KV cache capacity; default: from the free memory on a GPU, 16384 on the CPU"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="on a GPU, the share of the memory free after loading the weights that "
+        "the engine takes (for the KV cache, less a reserve for the steps)",
+    )  # fmt: skip
     block_size: int = Field(16, ge=1, le=1024)
-    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together")
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="sequences decoded together; default: 256 on a GPU, 64 on the CPU"
+    )
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed in one step")
     max_queue_len: int = Field(256, ge=0, description="requests that may wait beyond max_num_seqs; then 503")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get 413")
@@ -69,13 +85,27 @@ class AppArgs(BaseModel):
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
+    def for_device(self, device: str) -> AppArgs:
+        """These args with the device's defaults in place of null (build_app resolves them once, so every
+        deployment sees numbers): max_num_seqs, and on the CPU kv_cache_tokens (on a GPU it stays null:
+        the engine sizes its cache from the free memory)."""
+        on_gpu = device == "cuda"
+        defaults = {
+            "max_num_seqs": GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS,
+            "kv_cache_tokens": None if on_gpu else CPU_KV_CACHE_TOKENS,
+        }
+        unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
+        return self.model_copy(update=unset) if unset else self
+
     def engine_config(self, device: str, dtype: str) -> EngineConfig:
         """The engine's settings, proposer included (the engine or the proposer deployment builds it)."""
+        args = self.for_device(device)
         return EngineConfig(
             block_size=self.block_size,
-            kv_cache_tokens=self.kv_cache_tokens,
+            kv_cache_tokens=args.kv_cache_tokens,
             max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             dtype=dtype,
             device=device,

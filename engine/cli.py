@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -177,6 +178,11 @@ def _generate(
     Returns (generated token ids, text, finish reason). Ctrl-C stops the request (closing the
     stream aborts it in the engine) and returns what was generated so far, finish reason "abort".
     """
+    # --max-tokens is a ceiling: a long prompt (a chat's history) gets what is left of the context, as an
+    # unset max_tokens does over HTTP; the engine refuses more than its KV cache holds
+    room = engine.max_model_len - len(prompt_token_ids)
+    if 0 < room < params.max_tokens:
+        params = dataclasses.replace(params, max_tokens=room)
     token_ids: list[int] = []
     text_parts: list[str] = []
     finish_reason = "abort"

@@ -23,7 +23,10 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []
 
     def push(self, token_id: int) -> str:
-        """The new text this token completes; "" while a character is still split across tokens."""
+        """The new text this token completes; "" while a character is still split across tokens, and
+        for an id the tokenizer cannot map (no text, never a failed request)."""
+        if not self._tokenizer.can_decode(token_id):
+            return ""
         if self._skip_special_tokens and self._tokenizer.is_special(token_id):
             return ""
         token_bytes = self._tokenizer.token_bytes(token_id)

@@ -18,6 +18,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.kv_budget import kv_bytes_per_token, kv_cache_tokens_from_memory, step_reserve_bytes
 from engine.loader import LoadedModel, load_model
 from engine.model import Decoder
 from engine.ops import ops_for
@@ -37,8 +38,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclasses.dataclass
 class EngineConfig:
     block_size: int = 16
-    kv_cache_tokens: int | None = None  # KV cache capacity in tokens; default: max_model_len
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # KV cache capacity in tokens; default: on a GPU what gpu_memory_utilization of the free memory holds
+    # (engine/kv_budget.py), on the CPU max_model_len
+    kv_cache_tokens: int | None = None
+    # default: the model's max_position_embeddings; never more than the KV cache holds
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9  # of the device memory free once the weights are loaded
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     dtype: str = "float32"
@@ -116,14 +121,7 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.model_name = model.name
         self.device = config.torch_device()
-        self.max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)
-        if self.max_model_len < 2:
-            raise InvalidRequestError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        kv_cache_tokens = config.kv_cache_tokens or self.max_model_len
-        num_blocks = -(-kv_cache_tokens // config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        decoder = Decoder.from_weights(model.spec, model.weights, self.max_model_len, ops_for(self.device))
+        self.logit_vocab_size = model.logit_vocab_size  # the ids the engine can emit (Decoder)
         tokenizer_eos = model.tokenizer.eos_token_ids if model.tokenizer is not None else ()
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)
         self.requests: dict[str, _Request] = {}
@@ -142,12 +140,35 @@ class Engine:
             self.speculator = Speculator(
                 proposer, config.num_draft, cost, adaptive=config.adapt_num_draft, step_cost=config.step_cost
             )
+        # a verify step needs the logits of every draft position, plain steps one row a sequence
+        max_logit_rows = config.max_num_seqs * (1 + config.num_draft if proposer is not None else 1)
+        max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)
+        kv_cache_tokens = config.kv_cache_tokens
+        if kv_cache_tokens is None and self.device.type == "cuda":
+            # the weights (and an in-process proposer) are on the device already: the cache takes the rest
+            kv_cache_tokens = kv_cache_tokens_from_memory(
+                torch.cuda.mem_get_info(self.device)[0], config.gpu_memory_utilization,
+                kv_bytes_per_token(model.spec, config.torch_dtype()),
+                step_reserve_bytes(
+                    model.spec, config.max_num_batched_tokens, max_logit_rows, self.logit_vocab_size
+                ),
+                config.block_size, max_tokens=config.max_num_seqs * max_model_len,
+            )  # fmt: skip
+        num_blocks = -(-(kv_cache_tokens or max_model_len) // config.block_size)
+        # No sequence may outgrow the whole cache (it would preempt itself forever): the context is at
+        # most what the cache holds, and /v1/models says so.
+        self.max_model_len = min(max_model_len, num_blocks * config.block_size)
+        if self.max_model_len < 2:
+            raise InvalidRequestError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        decoder = Decoder.from_weights(
+            model.spec, model.weights, self.max_model_len, ops_for(self.device), self.logit_vocab_size
+        )
         self.runner = ModelRunner(
             decoder, num_blocks, config.block_size, config.torch_dtype(), config.max_num_seqs,
             self.max_model_len, use_cuda_graphs=config.cuda_graphs, step_graphs=config.step_graphs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            # a verify step needs the logits of every draft position, plain steps one row a sequence
-            max_logit_rows=config.max_num_seqs * (1 + config.num_draft if proposer is not None else 1),
+            max_num_batched_tokens=config.max_num_batched_tokens, max_logit_rows=max_logit_rows,
             capture_layers=self.speculator.target_layer_ids if self.speculator is not None else (),
         )  # fmt: skip
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
@@ -171,17 +192,29 @@ class Engine:
             raise InvalidRequestError("stop strings need a tokenizer, and this engine has none")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
-        if any(not 0 <= token < self.spec.vocab_size for token in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
-        if len(prompt_token_ids) > self.max_prompt_tokens:
+        # the ids that get logits: a penalty counts each prompt token in a row of that width
+        if any(not 0 <= token < self.logit_vocab_size for token in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.logit_vocab_size})")
+        num_prompt_tokens = len(prompt_token_ids)
+        if num_prompt_tokens > self.max_prompt_tokens:
             raise ContextLengthExceededError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model's context holds at most "
+                f"the prompt has {num_prompt_tokens} tokens; this model's context holds at most "
                 f"{self.max_prompt_tokens} prompt tokens plus one generated token"
+            )
+        # Run to max_tokens, a sequence holds prompt + max_tokens tokens at most: the speculator asks for
+        # no draft past a request's max_tokens or max_model_len, so drafts add none. More than the whole
+        # cache could never finish (it would preempt itself forever), so it is refused here.
+        kv_cache_tokens = self.block_manager.num_blocks * self.config.block_size
+        if num_prompt_tokens + params.max_tokens > kv_cache_tokens:
+            raise ContextLengthExceededError(
+                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) need "
+                f"{num_prompt_tokens + params.max_tokens} tokens, but the KV cache holds {kv_cache_tokens} "
+                f"tokens; ask for at most {kv_cache_tokens - num_prompt_tokens} tokens"
             )
 
     @property
     def max_prompt_tokens(self) -> int:
-        return min(self.max_model_len, self.block_manager.num_blocks * self.config.block_size) - 1
+        return self.max_model_len - 1  # max_model_len is within the KV cache (__init__)
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None

@@ -25,6 +25,14 @@ class LoadedModel:
     # None only for benchmark models; its eos ids may differ from the spec's, and the engine merges them
     tokenizer: Tokenizer | None
 
+    @property
+    def logit_vocab_size(self) -> int:
+        """The ids that get logits: the tokenizer's (an embedding may have padding rows beyond them, which
+        untrained weights would sample), else every row of the spec's vocabulary."""
+        if self.tokenizer is None:
+            return self.spec.vocab_size
+        return min(self.tokenizer.vocab_size, self.spec.vocab_size)
+
 
 def resolve_model_source(model: str) -> Path:
     """The folder or .gguf file that `model` names, downloading it first when it is a hub id."""

@@ -158,12 +158,23 @@ class DecoderBody(nn.Module):
 
 class Decoder(nn.Module):
     """Token ids in, the last layer's output and residual out; compute_logits applies the final norm and
-    the LM head (fused, and only to the rows that need logits)."""
+    the LM head (fused, and only to the rows that need logits).
 
-    def __init__(self, spec: ModelSpec, max_positions: int, ops: Ops = REFERENCE_OPS) -> None:
+    Logits cover the first logit_vocab_size ids only (LoadedModel.logit_vocab_size: the tokenizer's), so
+    no sampler, logprob or verification ever sees a padding row of the embedding."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        max_positions: int,
+        ops: Ops = REFERENCE_OPS,
+        logit_vocab_size: int | None = None,
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.ops = ops
+        self.logit_vocab_size = logit_vocab_size or spec.vocab_size
+        assert 0 < self.logit_vocab_size <= spec.vocab_size, (self.logit_vocab_size, spec.vocab_size)
         self.model = DecoderBody(spec)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -172,11 +183,16 @@ class Decoder(nn.Module):
 
     @classmethod
     def from_weights(
-        cls, spec: ModelSpec, weights: dict[str, torch.Tensor], max_positions: int, ops: Ops = REFERENCE_OPS
+        cls,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        max_positions: int,
+        ops: Ops = REFERENCE_OPS,
+        logit_vocab_size: int | None = None,
     ) -> Decoder:
         """Build on the meta device, take the given tensors as parameters, then fuse q/k/v and gate/up."""
         with torch.device("meta"):
-            decoder = cls(spec, max_positions, ops)
+            decoder = cls(spec, max_positions, ops, logit_vocab_size)
         decoder.load_state_dict(weights, strict=True, assign=True)
         for layer in decoder.model.layers:
             layer.self_attn.fuse()
@@ -187,9 +203,9 @@ class Decoder(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        if self.spec.tie_word_embeddings:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
+        """The LM head's rows that get logits: [logit_vocab_size, hidden], a contiguous view."""
+        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        return weight[: self.logit_vocab_size]
 
     def forward(
         self,
@@ -216,10 +232,10 @@ class Decoder(nn.Module):
     def compute_logits(
         self, hidden: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Rows of forward()'s (hidden, residual) -> float32 logits [num_rows, vocab_size] (into out)."""
+        """Rows of forward()'s (hidden, residual) -> float32 logits [rows, logit_vocab_size] (into out)."""
         if out is None:
             rows = hidden.shape[0]
-            out = torch.empty(rows, self.spec.vocab_size, dtype=torch.float32, device=hidden.device)
+            out = torch.empty(rows, self.logit_vocab_size, dtype=torch.float32, device=hidden.device)
         norm = self.model.norm
         logits, _ = self.ops.add_rms_norm_linear(
             hidden, residual, norm.weight, norm.eps, self.lm_head_weight, out=out

@@ -103,6 +103,7 @@ class ModelRunner:
         spec = decoder.spec
         self.decoder = decoder
         self.spec = spec
+        self.logit_vocab_size = decoder.logit_vocab_size  # the width of every logits tensor
         self.block_size = block_size
         self.device = decoder.model.embed_tokens.weight.device
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -328,7 +329,7 @@ class ModelRunner:
         num_logits: dict[Sequence, int] | None = None,
         ring_read: RingRead | None = None,
     ) -> torch.Tensor:
-        """The float32 logits [num_rows, vocab_size] of each sequence whose tokens are all computed
+        """The float32 logits [num_rows, logit_vocab_size] of each sequence whose tokens are all computed
         after this step, without sampling: its last token's row, or its last num_logits[seq] rows.
         last_token_ids: a decode step's input tokens, where the sequences' own lists hold PENDING_TOKEN.
         ring_read: input ids that come from the draft ring (PENDING_DRAFT in the sequences' lists)."""
@@ -394,7 +395,7 @@ class ModelRunner:
         if capture is not None:
             self.captured_hidden = torch.cat([capture[index] for index in self.capture_layers], dim=-1)
         if not logit_rows:  # a prompt chunk that completes no sequence
-            return torch.empty(0, self.spec.vocab_size, dtype=torch.float32, device=device)
+            return torch.empty(0, self.logit_vocab_size, dtype=torch.float32, device=device)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=device)
         return self.decoder.compute_logits(hidden[rows], residual[rows])
 
@@ -426,7 +427,7 @@ class ModelRunner:
             ],
             [self.seed_of(seq) for seq in seqs],
             [seq.num_output_tokens for seq in seqs],
-            self.spec.vocab_size,
+            self.logit_vocab_size,
             self.device,
         )
 
@@ -481,16 +482,17 @@ class DecodeGraphs:
         self.seq_lens = self.int32s[0]
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.token_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.logits = torch.zeros(max_bs, spec.vocab_size, dtype=torch.float32, device=device)
+        vocab = runner.logit_vocab_size
+        self.logits = torch.zeros(max_bs, vocab, dtype=torch.float32, device=device)
         self.sampling = SamplingTensors(
             **dict(zip(_FLOAT_FIELDS, self.floats, strict=True)),
             top_k=self.int32s[1],
             seeds=self.ints[3],
             step=self.ints[4],
-            output_counts=torch.zeros(max_bs, spec.vocab_size, dtype=torch.int32, device=device),
-            prompt_mask=torch.zeros(max_bs, spec.vocab_size, dtype=torch.bool, device=device),
+            output_counts=torch.zeros(max_bs, vocab, dtype=torch.int32, device=device),
+            prompt_mask=torch.zeros(max_bs, vocab, dtype=torch.bool, device=device),
         )
-        self.sampling_workspace = SamplingWorkspace.allocate(max_bs, spec.vocab_size, device)
+        self.sampling_workspace = SamplingWorkspace.allocate(max_bs, vocab, device)
         self.attention_workspace = DecodeWorkspace.allocate(
             max_bs, spec.num_heads, spec.num_kv_heads, spec.head_dim, max_context, device
         )

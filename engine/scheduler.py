@@ -1,9 +1,22 @@
 """Which sequences run in the next step, and how many of their tokens.
 
-Every step has one token budget. Running sequences come first (a decode is one token; a prompt
-being prefilled in chunks takes what is left of it), then waiting ones in arrival order. When
-the KV cache runs out, the most recently admitted sequence is preempted: its blocks are freed and
-it waits again, to be recomputed (cheaply, through the prefix cache) once there is room.
+Every step has one token budget. Running sequences come first, oldest admission first (a decode is
+one token; a prompt being prefilled in chunks takes what is left of it), then waiting ones in order.
+When the KV cache runs out, the most recently admitted sequence is preempted: its blocks are freed and
+it waits again at the head of the queue, to be recomputed (cheaply, through the prefix cache) once
+there is room.
+
+No head-of-line blocking: a fresh request whose blocks are not free now is passed over, and smaller
+ones behind it start. Fairness is bounded: once MAX_TIMES_PASSED_OVER later requests have started
+before it, or at once when it was preempted, a waiting sequence reserves the cache: nothing behind
+it starts until it fits. It does fit in the end, because admission (Engine.check_request) refuses a
+request that the whole cache cannot hold, and without new admissions the running sequences only
+finish or are preempted.
+
+Preemption is bounded too. The running list keeps admission order (preempted sequences resume ahead
+of everything that waited behind them), and the victim is always the last of it, so a sequence is
+only ever preempted for older ones; those are a shrinking set, each with a bounded number of tokens
+to go.
 """
 
 from __future__ import annotations
@@ -13,6 +26,9 @@ import dataclasses
 
 from engine.block_manager import BlockCopy, BlockManager
 from engine.sequence import Sequence, SequenceStatus
+
+# How many later requests may start before a waiting one that does not fit, before it reserves the cache.
+MAX_TIMES_PASSED_OVER = 8
 
 
 @dataclasses.dataclass
@@ -38,6 +54,8 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # waiting sequences that later ones started before, and how often; a preempted one starts at the limit
+        self.times_passed_over: dict[Sequence, int] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -51,6 +69,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.times_passed_over.pop(seq, None)
         self.block_manager.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -58,6 +77,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self.times_passed_over[seq] = MAX_TIMES_PASSED_OVER  # it resumes before anything new starts
         self.num_preemptions += 1
 
     def schedule(self) -> Batch:
@@ -70,6 +90,8 @@ class Scheduler:
                 continue  # preempted below to make room for an earlier sequence
             while not self.block_manager.can_append(seq, 0):
                 victim = self.running[-1]
+                # alone, a sequence always fits (admission and max_model_len see to it)
+                assert victim is not seq or len(self.running) > 1, "a sequence outgrew the whole KV cache"
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -80,15 +102,25 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         copies: list[BlockCopy] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+        passed_over: list[Sequence] = []
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            self.waiting.popleft()
+            if not self.block_manager.can_allocate(seq):
+                if self.times_passed_over.get(seq, 0) >= MAX_TIMES_PASSED_OVER:
+                    break  # it reserves the cache: nothing behind it starts first
+                passed_over.append(seq)
+                continue
+            self.waiting.remove(seq)
+            self.times_passed_over.pop(seq, None)
+            for earlier in passed_over:
+                self.times_passed_over[earlier] = self.times_passed_over.get(earlier, 0) + 1
             copies += self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+        # an empty step with work left would repeat forever: the engine would spin without progress
+        assert scheduled or not self.has_unfinished(), "no sequence can run, yet some are unfinished"
         return Batch(scheduled, copies)

@@ -84,7 +84,9 @@ class StepGraphs:
         self.int32s = torch.zeros(2 * self.max_seqs + 1, dtype=torch.int32, device=device)  # starts, lengths
         self.block_tables = torch.zeros(self.max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.logit_rows = torch.zeros(max_logit_rows, dtype=torch.int64, device=device)
-        self.logits = torch.zeros(max_logit_rows, spec.vocab_size, dtype=torch.float32, device=device)
+        self.logits = torch.zeros(
+            max_logit_rows, decoder.logit_vocab_size, dtype=torch.float32, device=device
+        )
         self.capture_layers = capture_layers
         self.captured = torch.zeros(
             self.max_tokens if capture_layers else 0, len(capture_layers) * spec.hidden_size,

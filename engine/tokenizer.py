@@ -132,7 +132,9 @@ class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, chat_template: str | None, specials: _Specials) -> None:
         self._backend = backend
         self.chat_template = chat_template
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        # One more than the largest id it maps: the ids a model may emit (a model's embedding may have
+        # padding rows beyond them). Counting entries would miss ids past a hole or a repeated spelling.
+        self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self._special_tokens = dict(specials.named)  # passed to chat templates, as transformers does
         self.bos_token = self._special_tokens.get("bos_token")
         self.eos_token = self._special_tokens.get("eos_token")
@@ -268,6 +270,8 @@ class Tokenizer:
         """The raw bytes one token stands for; a multi-byte character may be split across tokens."""
         self._check_id(token_id)
         token = self._backend.id_to_token(token_id)
+        if token is None:  # a hole in the ids: no text, as decode() gives it
+            return b""
         if self._decoder_kind == "byte_level":
             # characters outside GPT-2's byte alphabet (in added tokens) stand for themselves
             return b"".join(
@@ -286,8 +290,11 @@ class Tokenizer:
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
+    def can_decode(self, token_id: int) -> bool:
+        return 0 <= token_id < self.vocab_size
+
     def _check_id(self, token_id: int) -> None:
-        if not 0 <= token_id < self.vocab_size:
+        if not self.can_decode(token_id):
             raise InvalidRequestError(
                 f"token id {token_id} is outside the vocabulary (size {self.vocab_size})"
             )

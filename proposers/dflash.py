@@ -313,10 +313,10 @@ class DFlashDrafter(nn.Module):
         block_token_ids: torch.Tensor,  # [block_len]: the last token, then mask tokens
         block_positions: torch.Tensor,  # [block_len]
         embed_weight: torch.Tensor,  # the target's [vocab, hidden]
-        lm_head_weight: torch.Tensor,  # the target's [vocab, hidden]
+        lm_head_weight: torch.Tensor,  # the target's rows that get logits: [logit_vocab, hidden]
         cache: ContextCache | None = None,  # the context so far; target_hidden is appended to it
     ) -> torch.Tensor:
-        """Float32 logits [block_len - 1, vocab] for block positions 1.. (the drafts)."""
+        """Float32 logits [block_len - 1, logit_vocab] for block positions 1.. (the drafts)."""
         config = self.config
         if cache is None:
             cache = self.new_cache()
@@ -361,7 +361,9 @@ class DFlashProposer:
     ) -> None:
         config = drafter.config
         vocab_size, hidden_size = embed_weight.shape
-        if hidden_size != config.spec.hidden_size or lm_head_weight.shape != embed_weight.shape:
+        # the head may have fewer rows than the embedding: only the tokenizer's ids get logits (Decoder)
+        head_rows, head_size = lm_head_weight.shape
+        if hidden_size != config.spec.hidden_size or head_size != hidden_size or head_rows > vocab_size:
             raise ModelLoadError(
                 f"the DFlash drafter has hidden size {config.spec.hidden_size}, but the target's embedding "
                 f"is {list(embed_weight.shape)} and its LM head {list(lm_head_weight.shape)}"

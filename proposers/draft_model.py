@@ -54,9 +54,11 @@ class DraftModelProposer:
     def __init__(
         self, draft: LoadedModel, target_vocab_size: int, config: EngineConfig | None = None
     ) -> None:
-        if draft.spec.vocab_size != target_vocab_size:
+        """target_vocab_size: the target's logits width (LoadedModel.logit_vocab_size); the draft's must
+        be the same, its drafts then being ids the target scores."""
+        if draft.logit_vocab_size != target_vocab_size:
             raise ModelLoadError(
-                f"the draft model {draft.name} has a vocabulary of {draft.spec.vocab_size} tokens but the "
+                f"the draft model {draft.name} has a vocabulary of {draft.logit_vocab_size} tokens but the "
                 f"target's has {target_vocab_size}: a draft model must use the target's tokenizer"
             )
         config = config or EngineConfig()
@@ -71,7 +73,9 @@ class DraftModelProposer:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         # .to() returns the same tensor when device and dtype already match: weights are shared, not copied
         weights = {name: tensor.to(device=device, dtype=dtype) for name, tensor in draft.weights.items()}
-        decoder = Decoder.from_weights(draft.spec, weights, self.max_model_len, ops_for(device))
+        decoder = Decoder.from_weights(
+            draft.spec, weights, self.max_model_len, ops_for(device), draft.logit_vocab_size
+        )
         self.runner = ModelRunner(
             decoder, num_blocks, config.block_size, dtype, config.max_num_seqs, self.max_model_len,
             use_cuda_graphs=config.cuda_graphs,
@@ -97,7 +101,7 @@ class DraftModelProposer:
             spec=dataclasses.replace(target.spec, num_layers=num_layers),
             weights=weights,
         )
-        return cls(draft, target.spec.vocab_size, config)
+        return cls(draft, target.logit_vocab_size, config)
 
     # --- Proposer ---------------------------------------------------------------------------------
 

@@ -50,13 +50,14 @@ def build_proposer(config: EngineConfig, target: LoadedModel) -> Proposer:
             layers = self_draft_layers(config, target.spec.num_layers)
             return DraftModelProposer.self_draft(target, layers, draft_config)
         draft = load_model(config.draft_model, dtype=config.torch_dtype(), device=config.torch_device())
-        return DraftModelProposer(draft, target.spec.vocab_size, draft_config)
+        return DraftModelProposer(draft, target.logit_vocab_size, draft_config)
     if name == "dflash":
         from proposers.dflash import DFlashProposer
 
         if config.draft_model is None:
             raise InvalidRequestError("the dflash proposer needs --draft-model: a DFlash checkpoint folder")
         head = target.weights.get("lm_head.weight", target.weights["model.embed_tokens.weight"])
+        head = head[: target.logit_vocab_size]  # the rows the target's own logits have (Decoder)
         return DFlashProposer.from_checkpoint(
             config.draft_model, target.weights["model.embed_tokens.weight"], head,
             max_positions=draft_config.max_model_len, dtype=config.torch_dtype(),

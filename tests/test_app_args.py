@@ -80,3 +80,20 @@ def test_every_arg_in_serve_config_is_an_app_arg() -> None:
                 names.add(key)
     assert {"proposer", "draft_ahead", "proposer_num_gpus"} <= names
     assert names <= set(AppArgs.model_fields)
+
+
+def test_null_args_take_the_devices_defaults() -> None:
+    args = parse_app_args({})
+    gpu, cpu = args.engine_config("cuda", "bfloat16"), args.engine_config("cpu", "float32")
+    assert (gpu.max_num_seqs, gpu.kv_cache_tokens, gpu.gpu_memory_utilization) == (256, None, 0.9)
+    assert (cpu.max_num_seqs, cpu.kv_cache_tokens) == (64, 16384)
+    assert args.for_device("cuda").max_num_seqs == 256  # what build_app hands every deployment
+    given = parse_app_args({"max_num_seqs": 8, "kv_cache_tokens": 4096, "gpu_memory_utilization": 0.5})
+    on_gpu = given.engine_config("cuda", "bfloat16")
+    assert (on_gpu.max_num_seqs, on_gpu.kv_cache_tokens, on_gpu.gpu_memory_utilization) == (8, 4096, 0.5)
+
+
+@pytest.mark.parametrize("fraction", [0, 1.5, -0.1])
+def test_gpu_memory_utilization_must_be_a_share(fraction: float) -> None:
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        parse_app_args({"gpu_memory_utilization": fraction})

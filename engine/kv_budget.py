@@ -1,0 +1,64 @@
+"""How many tokens the KV cache holds on a GPU: what is left of the free device memory, once the weights
+are loaded, after a reserve for the step's activations, graphs and logits buffers.
+
+Like vLLM's gpu_memory_utilization, a fraction of the memory is the engine's to take; unlike vLLM, the
+reserve is an estimate from the shapes rather than a profiled step, so it errs on the large side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.spec import ModelSpec
+
+# cuBLAS and Triton workspaces, the CUDA graphs' own bookkeeping, the decode attention's split partials
+# and the allocator's fragmentation: beyond what the shapes below account for.
+FIXED_RESERVE_BYTES = 1 << 30
+# Per logit: the graphs' float32 logits and the sampler's work row (4 + 4), the penalty counts and mask
+# (4 + 1), and an eager step's temporaries (log-softmax, sorted values and int64 indices, probabilities).
+BYTES_PER_LOGIT = 32
+FLOAT32_BYTES = 4
+
+
+def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """One token's keys and values in every layer."""
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * element_size
+
+
+def step_reserve_bytes(
+    spec: ModelSpec, max_num_batched_tokens: int, max_logit_rows: int, logit_vocab_size: int
+) -> int:
+    """A conservative bound on what a step needs beside the weights and the KV cache."""
+    # per token of a step: the residual stream, hidden and normed input (3 x hidden), q/k/v and the
+    # attention output, gate/up and the activation; counted in float32 and twice (eager temporaries
+    # beside the graphs' pool)
+    per_token = 3 * spec.hidden_size + 2 * spec.q_size + 2 * spec.kv_size + 3 * spec.intermediate_size
+    activations = 2 * max_num_batched_tokens * per_token * FLOAT32_BYTES
+    logits = max_logit_rows * logit_vocab_size * BYTES_PER_LOGIT
+    return FIXED_RESERVE_BYTES + activations + logits
+
+
+def kv_cache_tokens_from_memory(
+    free_bytes: int,
+    fraction: float,
+    bytes_per_token: int,
+    reserve_bytes: int,
+    block_size: int,
+    max_tokens: int,
+) -> int:
+    """The KV cache's tokens, whole blocks of block_size: fraction of the free bytes less the reserve,
+    never more than max_tokens needs (max_num_seqs sequences of max_model_len, rounded up to a block)."""
+    if not 0 < fraction <= 1:
+        raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {fraction!r}")
+    budget = int(free_bytes * fraction) - reserve_bytes
+    num_blocks = max(budget, 0) // (bytes_per_token * block_size)
+    if num_blocks == 0:
+        raise InvalidRequestError(
+            f"no GPU memory left for the KV cache: {fraction:g} of the {free_bytes / 2**30:.1f} GiB free, "
+            f"less {reserve_bytes / 2**30:.1f} GiB for the steps, holds not one block of {block_size} "
+            "tokens; "
+            "raise gpu_memory_utilization, or lower max_num_seqs or max_num_batched_tokens"
+        )
+    return min(num_blocks, -(-max_tokens // block_size)) * block_size
