@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy
 import torch
 
 from engine.block_manager import BlockCopy
@@ -133,6 +134,8 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.seeds.pop(request_id, None)
+        if self.graphs is not None:
+            self.graphs.forget(request_id)
 
     def seed_of(self, seq: Sequence) -> int:
         if seq.request_id not in self.seeds:
@@ -306,10 +309,13 @@ class ModelRunner:
         whose last token is PENDING_TOKEN takes its input from `previous`, the launch that sampled it."""
         seqs = [item.seq for item in scheduled]
         source_rows = [-1] * len(seqs)  # row of `previous` whose sample is the input; -1: from the host
+        previous_rows = (
+            {id(seq): row for row, seq in enumerate(previous.seqs)} if previous is not None else {}
+        )
         for row, seq in enumerate(seqs):
             if seq.token_ids[-1] == PENDING_TOKEN:
                 assert previous is not None, "a pending token without the launch that samples it"
-                source_rows[row] = next(i for i, other in enumerate(previous.seqs) if other is seq)
+                source_rows[row] = previous_rows[id(seq)]
         if self.graphs is not None:
             return self.graphs.launch(scheduled, source_rows)
         # CPU: the previous launch's tokens are on the host already
@@ -474,6 +480,12 @@ class DecodeGraphs:
              for buffer in (self.ints, self.int32s, self.floats, self.block_tables)]
             for _ in range(2)
         ]  # fmt: skip
+        self.staging_arrays = [[buffer.numpy() for buffer in staging] for staging in self.staging]
+        # per staging set and row: the block table list last written there, and how many of its blocks
+        self.written_tables: list[list[tuple[list[int] | None, int]]] = [
+            [(None, 0)] * max_bs for _ in range(2)
+        ]
+        self._constants: dict[str, _RowConstants] = {}
         self.host_token_ids = [torch.empty(max_bs, dtype=torch.int64).pin_memory() for _ in range(2)]
         self.ready = [torch.cuda.Event() for _ in range(2)]
         self.parity = 0
@@ -554,35 +566,38 @@ class DecodeGraphs:
     def launch(self, scheduled: list[ScheduledSequence], source_rows: list[int]) -> DecodeLaunch:
         """Write the step's inputs into the static buffers and replay, without waiting. source_rows[i]
         >= 0: row i's input is that row of the previous replay's samples. The logits stay in
-        self.logits until the next replay."""
+        self.logits until the next replay.
+
+        The host side is a few list comprehensions written into numpy views of the pinned staging
+        buffers: at 256 sequences a tensor per block table row, and per-row parameter lookups, had cost
+        the host more than the GPU's step."""
         runner = self.runner
         num_seqs = len(scheduled)
         batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
         block_size = runner.block_size
         seqs = [item.seq for item in scheduled]
-        padding = batch_size - num_seqs
-        positions = [seq.num_tokens - 1 for seq in seqs]
+        ints, int32s, floats, tables = self.staging_arrays[self.parity]
+        constants = [self._row_constants(seq) for seq in seqs]
+        lengths = [len(seq.token_ids) for seq in seqs]
+        ints[0, :num_seqs] = [max(seq.token_ids[-1], 0) for seq in seqs]  # PENDING_TOKEN: fed back
+        ints[1, :num_seqs] = [length - 1 for length in lengths]  # positions
+        ints[2, :num_seqs] = [
+            seq.block_table[(length - 1) // block_size] * block_size + (length - 1) % block_size
+            for seq, length in zip(seqs, lengths, strict=True)
+        ]  # slots
+        ints[3, :num_seqs] = [row.seed for row in constants]
+        ints[4, :num_seqs] = [
+            length - seq.num_prompt_tokens for seq, length in zip(seqs, lengths, strict=True)
+        ]
+        ints[5, :num_seqs] = source_rows
+        ints[:, num_seqs:batch_size] = _PADDING_INTS[:, None]  # slot -1: padding writes nothing
+        int32s[0, :num_seqs] = lengths  # a length of 0 makes attention skip the row
+        int32s[1, :num_seqs] = [row.top_k for row in constants]
+        int32s[:, num_seqs:batch_size] = 0
+        floats[:, :num_seqs] = numpy.array([row.floats for row in constants], dtype=numpy.float32).T
+        floats[:, num_seqs:batch_size] = _PADDING_FLOATS[:, None]
+        self._write_block_tables(tables, seqs)
         ints_host, int32s_host, floats_host, tables_host = self.staging[self.parity]
-        ints_host[:, :batch_size] = torch.tensor(
-            [[max(seq.token_ids[-1], 0) for seq in seqs] + [0] * padding,  # PENDING_TOKEN: fed back
-             positions + [0] * padding,
-             [seq.block_table[p // block_size] * block_size + p % block_size
-              for seq, p in zip(seqs, positions, strict=True)] + [-1] * padding,  # -1: padding writes nothing
-             [seed_to_int64(runner.seed_of(seq)) for seq in seqs] + [0] * padding,
-             [seq.num_output_tokens for seq in seqs] + [0] * padding,
-             source_rows + [-1] * padding]
-        )  # fmt: skip
-        int32s_host[:, :batch_size] = torch.tensor(
-            [[seq.num_tokens for seq in seqs] + [0] * padding,  # a length of 0 makes attention skip the row
-             [max(seq.params.top_k, 0) for seq in seqs] + [0] * padding]
-        )  # fmt: skip
-        floats_host[:, :batch_size] = torch.tensor(
-            [[getattr(seq.params, field) for field in _FLOAT_FIELDS] for seq in seqs]
-            + [_NEUTRAL_FLOATS] * padding
-        ).T
-        tables_host[:batch_size].zero_()
-        for row, seq in enumerate(seqs):
-            tables_host[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
         self.ints[:, :batch_size].copy_(ints_host[:, :batch_size], non_blocking=True)
         self.int32s[:, :batch_size].copy_(int32s_host[:, :batch_size], non_blocking=True)
         self.floats[:, :batch_size].copy_(floats_host[:, :batch_size], non_blocking=True)
@@ -595,6 +610,36 @@ class DecodeGraphs:
         ready.record()
         self.parity ^= 1
         return DecodeLaunch(seqs, host_token_ids, ready)
+
+    def _row_constants(self, seq: Sequence) -> _RowConstants:
+        """What a sequence's row holds at every step, computed on its first step."""
+        constants = self._constants.get(seq.request_id)
+        if constants is None or constants.seq is not seq:
+            params = seq.params
+            constants = _RowConstants(
+                seq, seed_to_int64(self.runner.seed_of(seq)), max(params.top_k, 0),
+                tuple(getattr(params, field) for field in _FLOAT_FIELDS),
+            )  # fmt: skip
+            self._constants[seq.request_id] = constants
+        return constants
+
+    def forget(self, request_id: str) -> None:
+        self._constants.pop(request_id, None)
+
+    def _write_block_tables(self, tables: numpy.ndarray, seqs: list[Sequence]) -> None:
+        """Bring this staging buffer's block table rows up to date: a row that held the same sequence's
+        table (the same list: a block table only grows, and is replaced when the sequence is preempted)
+        takes only the blocks appended since; any other row is written whole. Columns past a row's table
+        keep stale block ids, which attention never reads (it stops at the row's length)."""
+        written = self.written_tables[self.parity]
+        for row, seq in enumerate(seqs):
+            table = seq.block_table
+            held, count = written[row]
+            if held is not table:
+                count = 0
+            if count < len(table):
+                tables[row, count : len(table)] = table[count:]
+                written[row] = (table, len(table))
 
     def _write_penalty_counts(self, seqs: list[Sequence]) -> None:
         """Token counts for the rows that use penalties (and zeros where a row used them last step);
@@ -614,6 +659,15 @@ class DecodeGraphs:
         self._penalized_rows = penalized
 
 
+class _RowConstants(NamedTuple):
+    """A sequence's decode-graph row values that stay the same at every step."""
+
+    seq: Sequence
+    seed: int  # as int64
+    top_k: int
+    floats: tuple[float, ...]  # _FLOAT_FIELDS
+
+
 # SamplingTensors' float fields, in the order of the packed buffer; and their values for a padding row
 _FLOAT_FIELDS = (
     "temperature",
@@ -624,3 +678,6 @@ _FLOAT_FIELDS = (
     "repetition_penalty",
 )
 _NEUTRAL_FLOATS = [0.0, 1.0, 0.0, 0.0, 0.0, 1.0]  # greedy, no filtering, no penalties
+_PADDING_FLOATS = numpy.array(_NEUTRAL_FLOATS, dtype=numpy.float32)
+# a padding row's ids, positions, slots (-1: no KV write), seeds, steps and source rows (-1: none)
+_PADDING_INTS = numpy.array([0, 0, -1, 0, 0, -1], dtype=numpy.int64)
