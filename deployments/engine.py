@@ -1,23 +1,45 @@
-"""The engine deployment: one actor that owns the Engine and streams each request's outputs."""
+"""The engine deployment: one actor that owns the Engine, and its client in each ingress replica.
+
+Outputs cross once per step per ingress replica, not once per token per request. Each ingress replica
+(EngineClient) opens ONE long-lived Serve streaming call, `outputs(subscriber_id)`, and submits and
+aborts requests with plain calls. After each step the engine thread puts one list of Delta tuples per
+subscriber on that subscriber's queue (deployments/engine_loop.py); the stream yields whatever lists
+are ready, joined into one item. So the Ray items per second through this actor follow the step rate
+times the number of ingress replicas, where a stream per request made them the step rate times the
+number of requests (ray#52746: Serve's per-item cost compounds past ~32 streams), competing for the
+GIL with the engine thread.
+
+The engine here runs without text work (EngineConfig.detokenize False): it ends requests on stop
+tokens and max_tokens, and the ingress replicas, which scale with num_ingress_replicas, detokenize
+and find stop strings (engine.detokenizer.TextStream), aborting a request once its stop string shows.
+
+Failures: a subscriber's stream that ends (its ingress replica went away, or Serve cancelled it) aborts
+all its requests here; an engine replica that dies or restarts ends the ingress's stream, which fails
+that replica's requests in flight (an OpenAI error, in band once streaming) and subscribes again.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppArgs
-from deployments.engine_loop import EngineLoop
+from deployments.engine_loop import Delta, EngineLoop, UnknownSubscriberError
 from deployments.metrics import render_speculation
-from engine.engine import Engine, RequestOutput
+from deployments.protocol import OpenAIError
+from engine.engine import Engine
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from proposers.channel import ChannelCapacity
@@ -37,14 +59,6 @@ def _off_the_event_loop(call: Callable[[], T]) -> T:
     where Serve refuses a call that waits for a result."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(call).result()
-
-
-@dataclasses.dataclass(frozen=True)
-class Accepted:
-    """The first item of every stream: the request passed validation and is queued."""
-
-    request_id: str
-    num_prompt_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +85,7 @@ class EngineDeployment:
         draft_ahead: it drafts while this engine verifies, so its drafts cost about nothing here."""
         if device == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)  # Ray sets one thread per reserved CPU
-        config = args.engine_config(device, dtype)
+        config = dataclasses.replace(args.engine_config(device, dtype), detokenize=False)  # the ingress does
         if draft_ahead:
             config = dataclasses.replace(config, draft_cost=VERIFY_COST_PER_DRAFT)
         self.proposer: RemoteProposer | None = None
@@ -118,31 +132,33 @@ class EngineDeployment:
     def info(self) -> EngineInfo:
         return self.info_value
 
-    async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[Accepted | list[RequestOutput]]:
-        """Stream one request: Accepted, then lists of RequestOutput (one per generated token).
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber_id: str
+    ) -> None:
+        """Queue a request whose outputs go to the subscriber's outputs stream. Raises InvalidRequestError,
+        CapacityError, or UnknownSubscriberError when that stream is not open here (this replica
+        restarted)."""
+        self.loop.submit(request_id, prompt_token_ids, params, subscriber_id)
 
-        Each list holds what is ready when the caller asks: the first token goes alone and at once;
-        a caller that falls behind gets the tokens that piled up in one item, not one item each.
-        Raises InvalidRequestError or CapacityError before the first item. A caller that stops
-        reading (its client went away) cancels this generator, which aborts the request.
-        """
-        request_id, outputs = self.loop.submit(prompt_token_ids, params)
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request: its client went away, or ("stop") its ingress found a stop string."""
+        self.loop.abort(request_id, reason)
+
+    async def outputs(self, subscriber_id: str) -> AsyncIterator[list[Delta]]:
+        """The subscriber's outputs, one list of Delta per item: an empty list first (the subscription
+        is open; submit may follow), then every step's lists that are ready, joined. Ends only when the
+        caller cancels it (Serve does, when the caller stops reading or goes away), which aborts the
+        subscriber's requests."""
+        queue = self.loop.subscribe(subscriber_id)
         try:
-            yield Accepted(request_id, len(prompt_token_ids))
-            finished = False
-            while not finished:
-                ready = [await outputs.get()]
-                while not outputs.empty():
-                    ready.append(outputs.get_nowait())
-                for output in ready:
-                    if isinstance(output, BaseException):
-                        raise output
-                finished = ready[-1].finished
+            yield []
+            while True:
+                ready = await queue.get()
+                while not queue.empty():
+                    ready += queue.get_nowait()
                 yield ready
         finally:
-            self.loop.abort(request_id)
+            self.loop.unsubscribe(subscriber_id, queue)
 
     def metrics(self) -> str:
         speculator = self.engine.speculator
@@ -162,3 +178,98 @@ class EngineDeployment:
         proposer = getattr(self, "proposer", None)
         if proposer is not None:
             proposer.close()
+
+
+class EngineClient:
+    """An ingress replica's side of the engine: one outputs stream for all of this replica's requests,
+    demultiplexed to the queue each request was submitted with, as (tag, Delta) pairs."""
+
+    def __init__(self, engine: DeploymentHandle) -> None:
+        self.engine = engine
+        self.subscriber_id = uuid.uuid4().hex
+        self._routes: dict[str, tuple[asyncio.Queue, Any]] = {}  # request_id -> (queue, tag), while it runs
+        self._pump: asyncio.Task | None = None
+        self._subscribed: asyncio.Future | None = None
+        self._calls: set[asyncio.Task] = set()  # fire-and-forget aborts, kept until sent
+
+    async def submit(
+        self, prompt_token_ids: list[int], params: SamplingParams, queue: asyncio.Queue, tag: Any
+    ) -> str:
+        """Start a request; its Deltas arrive on `queue` as (tag, delta) until one ends it. Raises what
+        the engine's submit raises."""
+        request_id = uuid.uuid4().hex  # chosen here, so that no output can arrive before its route
+        for attempt in range(2):
+            await self._subscribe()
+            self._routes[request_id] = (queue, tag)
+            try:
+                await self.engine.submit.remote(request_id, prompt_token_ids, params, self.subscriber_id)
+                return request_id
+            except UnknownSubscriberError:
+                # the engine restarted before this stream noticed: subscribe to the new one, once
+                self._routes.pop(request_id, None)
+                if attempt or self._pump is None:
+                    raise
+                self._pump.cancel()
+                await asyncio.gather(self._pump, return_exceptions=True)
+            except BaseException:  # refused, or cancelled (the engine may have queued it)
+                self._routes.pop(request_id, None)
+                self._call(self.engine.abort.remote(request_id))
+                raise
+        raise AssertionError("unreachable")
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request that has not ended; returns at once (the call goes out in the background)."""
+        if self._routes.pop(request_id, None) is not None:
+            self._call(self.engine.abort.remote(request_id, reason))
+
+    def close(self) -> None:
+        """End the outputs stream (the engine aborts this replica's requests); from any thread."""
+        pump = self._pump
+        if pump is not None:
+            with contextlib.suppress(RuntimeError):  # its loop has closed: the stream is gone already
+                pump.get_loop().call_soon_threadsafe(pump.cancel)
+
+    def _call(self, response: Any) -> None:
+        async def wait() -> None:
+            with contextlib.suppress(Exception):  # best effort: a dead engine has dropped the request
+                await response
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    async def _subscribe(self) -> None:
+        if self._pump is None or self._pump.done():
+            self._subscribed = asyncio.get_running_loop().create_future()
+            self._pump = asyncio.get_running_loop().create_task(self._read(self._subscribed))
+        await asyncio.shield(self._subscribed)
+
+    async def _read(self, subscribed: asyncio.Future) -> None:
+        """Route the outputs stream's Deltas until it ends; then fail the requests it carried."""
+        stream = self.engine.options(stream=True).outputs.remote(self.subscriber_id)
+        error: BaseException = OpenAIError.service_unavailable(
+            "the engine stopped while running this request (it restarts); please retry"
+        )
+        try:
+            async for batch in stream:
+                if not subscribed.done():
+                    subscribed.set_result(None)
+                routes = self._routes
+                for delta in batch:
+                    route = routes.get(delta[0])
+                    if route is None:
+                        continue  # aborted here
+                    if delta[2] is not None or delta[4] is not None:
+                        del routes[delta[0]]  # its last
+                    route[0].put_nowait((route[1], delta))
+        except Exception as failure:  # noqa: BLE001 - the engine replica died or restarted
+            logger.warning("the engine's outputs stream failed: %s", failure)
+            if not subscribed.done():
+                error = failure  # the subscription itself failed: the submit that waits gets the cause
+        finally:
+            stream.cancel()  # if this task was cancelled: the engine aborts this replica's requests
+            routes, self._routes = self._routes, {}
+            for request_id, (queue, tag) in routes.items():
+                queue.put_nowait((tag, (request_id, [], None, None, error)))
+            if not subscribed.done():
+                subscribed.set_exception(error)

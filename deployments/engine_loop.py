@@ -1,37 +1,53 @@
-"""Drives an Engine on a thread of its own and hands each request's outputs to asyncio callers.
+"""Drives an Engine on a thread of its own and hands each step's outputs to asyncio subscribers.
 
-Engine.step() is blocking work (the GPU's or, on the CPU, torch's), so it runs off the event
-loop. Callers submit and abort through a locked list of commands; outputs go back through each
-request's asyncio.Queue, flushed as soon as the step that made them ends.
+Engine.step() is blocking work (the GPU's or, on the CPU, torch's), so it runs off the event loop.
+Callers submit and abort through a locked list of commands. Outputs go back once per step, not once
+per token: after a step the engine thread groups that step's outputs by subscriber (an ingress
+replica's outputs stream, deployments/engine.py) and hands every subscriber its batch with one
+`call_soon_threadsafe` for the whole step. Host work per token on this thread is what bounded the
+service under load (DESIGN.md, "Serving many users"), so a batch holds plain tuples (Delta), which
+pickle far cheaper than dataclasses, and the engine here does no detokenizing (the ingress does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-import uuid
 
 from deployments.metrics import ServingMetrics
 from engine.engine import Engine, RequestOutput
-from engine.errors import CapacityError, TileInferError
-from engine.sampling import SamplingParams
+from engine.errors import CapacityError, InvalidRequestError, TileInferError
+from engine.sampling import SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
+
+# One request's share of a step: (request_id, new_token_ids, finish_reason, new_logprobs or None,
+# error or None). finish_reason is "stop" (a stop token, the last of new_token_ids) or "length", or
+# None while it runs; an error ends the request without a finish reason.
+Delta = tuple[str, list[int], str | None, list[TokenLogprob] | None, BaseException | None]
+
+
+class UnknownSubscriberError(TileInferError):
+    """A submit for a subscriber whose outputs stream is not open here (this engine replica restarted)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Subscriber:
+    queue: asyncio.Queue  # of list[Delta], one list per step
+    loop: asyncio.AbstractEventLoop
+    request_ids: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(eq=False)
 class _Stream:
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
+    subscriber: _Subscriber
     arrival_time: float
     first_token_time: float | None = None
     num_tokens: int = 0
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class EngineLoop:
@@ -39,9 +55,10 @@ class EngineLoop:
         self.engine = engine
         self.capacity = engine.config.max_num_seqs + max_queue_len
         self.metrics = ServingMetrics()
-        self._lock = threading.Lock()  # guards _commands, _streams and metrics
+        self._lock = threading.Lock()  # guards _commands, _streams, _subscribers and metrics
         self._commands: list[tuple] = []
         self._streams: dict[str, _Stream] = {}
+        self._subscribers: dict[str, _Subscriber] = {}
         self._wakeup = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="tileinfer-engine", daemon=True)
@@ -49,28 +66,58 @@ class EngineLoop:
 
     # --- called from the event loop -------------------------------------------------------------
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue]:
-        """Queue a request; raises InvalidRequestError for a bad one and CapacityError when full."""
-        self.engine.check_request(prompt_token_ids, params)
-        request_id = uuid.uuid4().hex
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), time.monotonic())
+    def subscribe(self, subscriber_id: str) -> asyncio.Queue:
+        """Open a subscriber's queue: every step puts one list of Delta on it for that step's outputs
+        of the subscriber's requests."""
+        subscriber = _Subscriber(asyncio.Queue(), asyncio.get_running_loop())
         with self._lock:
+            previous = self._subscribers.get(subscriber_id)
+            self._subscribers[subscriber_id] = subscriber
+        if previous is not None:  # the same subscriber again (its old stream broke): its requests failed
+            self._abort_all(previous)
+        return subscriber.queue
+
+    def unsubscribe(self, subscriber_id: str, queue: asyncio.Queue) -> None:
+        """The subscriber's stream ended (its ingress replica stopped reading, died or restarted):
+        abort all its requests."""
+        with self._lock:
+            subscriber = self._subscribers.get(subscriber_id)
+            if subscriber is None or subscriber.queue is not queue:
+                return  # replaced by a newer stream of the same subscriber
+            del self._subscribers[subscriber_id]
+        self._abort_all(subscriber)
+
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber_id: str
+    ) -> None:
+        """Queue a request whose outputs go to the subscriber; raises InvalidRequestError for a bad one
+        and CapacityError when full."""
+        self.engine.check_request(prompt_token_ids, params)
+        with self._lock:
+            subscriber = self._subscribers.get(subscriber_id)
+            if subscriber is None:
+                raise UnknownSubscriberError(f"no outputs stream is open for subscriber {subscriber_id}")
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
             if len(self._streams) >= self.capacity:
                 self.metrics.requests_rejected += 1
                 raise CapacityError(
                     f"the server is at capacity ({self.capacity} requests running or queued); retry later"
                 )
-            self._streams[request_id] = stream
+            self._streams[request_id] = _Stream(subscriber, time.monotonic())
+            subscriber.request_ids.add(request_id)
             self._commands.append(("add", request_id, list(prompt_token_ids), params))
         self._wakeup.set()
-        return request_id, stream.queue
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request (its client went away); its KV blocks are freed before the next step."""
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request: its client went away ("abort"), or the ingress found a stop string ("stop",
+        counted as such). Its KV blocks are freed before the next step."""
         with self._lock:
-            if self._streams.pop(request_id, None) is None:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
                 return  # finished already
-            self.metrics.count_finished("abort")
+            stream.subscriber.request_ids.discard(request_id)
+            self.metrics.count_finished(reason)
             self._commands.append(("abort", request_id))
         self._wakeup.set()
 
@@ -82,11 +129,15 @@ class EngineLoop:
         self._wakeup.set()
 
     def gauges(self) -> dict[str, tuple[float, str]]:
+        """Read under the lock (render_metrics), so the queued adds are counted once."""
         manager, scheduler = self.engine.block_manager, self.engine.scheduler
         used = manager.num_blocks - manager.num_free_blocks
+        # the scheduler's waiting queue (new and preempted sequences) plus adds the engine thread has not
+        # taken yet: never negative, unlike requests known here less those running
+        queued = sum(1 for command in self._commands if command[0] == "add")
         return {
             "num_requests_running": (len(scheduler.running), "Sequences holding KV blocks."),
-            "num_requests_waiting": (len(self._streams) - len(scheduler.running), "Requests waiting."),
+            "num_requests_waiting": (len(scheduler.waiting) + queued, "Requests waiting."),
             "kv_cache_used_blocks": (used, "KV cache blocks referenced by sequences."),
             "kv_cache_total_blocks": (manager.num_blocks, "KV cache blocks in all."),
             "kv_cache_usage_ratio": (used / manager.num_blocks, "Share of KV cache blocks in use."),
@@ -96,14 +147,21 @@ class EngineLoop:
         with self._lock:
             return self.metrics.render(self.gauges(), model_name, self.engine.scheduler.num_preemptions)
 
+    def _abort_all(self, subscriber: _Subscriber) -> None:
+        with self._lock:  # the engine thread discards finished ones
+            request_ids = list(subscriber.request_ids)
+        for request_id in request_ids:
+            self.abort(request_id)
+
     # --- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stopped:
             with self._lock:
                 commands, self._commands = self._commands, []
-            for command in commands:
-                self._apply(command)
+            failed = [delta for command in commands if (delta := self._apply(command)) is not None]
+            if failed:
+                self._hand_over(failed)
             if not self.engine.has_unfinished():
                 self._wakeup.wait()
                 self._wakeup.clear()
@@ -114,34 +172,35 @@ class EngineLoop:
                 logger.exception("engine step failed")
                 self._fail_all(error)
                 continue
-            self._deliver(outputs)
+            self._hand_over(self._deltas(outputs))
 
-    def _apply(self, command: tuple) -> None:
+    def _apply(self, command: tuple) -> tuple[_Subscriber, Delta] | None:
+        """Apply one command; a request the engine refuses ends with its error."""
         if command[0] == "abort":
             self.engine.abort(command[1])
-            return
+            return None
         _, request_id, prompt_token_ids, params = command
         if request_id not in self._streams:
-            return  # aborted before it started
+            return None  # aborted before it started
         try:
             self.engine.add_request(prompt_token_ids, params, request_id)
         except TileInferError as error:
-            with self._lock:
-                stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.put(error)
-            return
+            return self._end_with(request_id, error)
         with self._lock:
             self.metrics.prompt_tokens += len(prompt_token_ids)
+        return None
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deltas(self, outputs: list[RequestOutput]) -> list[tuple[_Subscriber, Delta]]:
+        """The step's outputs as Deltas for their subscribers, with the serving metrics they update; the
+        outputs of requests aborted while the step ran are dropped."""
         now = time.monotonic()
         metrics = self.metrics
+        deltas: list[tuple[_Subscriber, Delta]] = []
         with self._lock:
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is None:
-                    continue  # aborted while the step ran
+                    continue
                 if stream.first_token_time is None:
                     stream.first_token_time = now
                     metrics.time_to_first_token.observe(now - stream.arrival_time)
@@ -150,16 +209,49 @@ class EngineLoop:
                 metrics.generation_tokens += len(output.new_token_ids)
                 if output.finished:
                     del self._streams[output.request_id]
+                    stream.subscriber.request_ids.discard(output.request_id)
                     metrics.count_finished(output.finish_reason or "stop")
                     if stream.num_tokens > 1:
                         metrics.time_per_output_token.observe(
                             (now - stream.first_token_time) / (stream.num_tokens - 1)
                         )
-                stream.put(output)
+                logprobs = output.new_logprobs or None
+                deltas.append(
+                    (
+                        stream.subscriber,
+                        (output.request_id, output.new_token_ids, output.finish_reason, logprobs, None),
+                    )
+                )
+        return deltas
+
+    @staticmethod
+    def _hand_over(deltas: list[tuple[_Subscriber, Delta]]) -> None:
+        """Group the deltas by subscriber and put each group on its queue: one call_soon_threadsafe per
+        event loop (in a Serve replica, one in all) for the whole step."""
+        by_loop: dict[asyncio.AbstractEventLoop, dict[asyncio.Queue, list[Delta]]] = {}
+        for subscriber, delta in deltas:
+            by_loop.setdefault(subscriber.loop, {}).setdefault(subscriber.queue, []).append(delta)
+        for loop, batches in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: its subscribers are gone with it
+                loop.call_soon_threadsafe(_put_batches, batches)
+
+    def _end_with(self, request_id: str, error: TileInferError) -> tuple[_Subscriber, Delta] | None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
+                return None
+            stream.subscriber.request_ids.discard(request_id)
+        return stream.subscriber, (request_id, [], None, None, error)
 
     def _fail_all(self, error: Exception) -> None:
+        failure = TileInferError(f"the engine failed while running this request: {error}")
         with self._lock:
-            streams, self._streams = self._streams, {}
-        for request_id, stream in streams.items():
+            request_ids = list(self._streams)
+        for request_id in request_ids:
             self.engine.abort(request_id)
-            stream.put(TileInferError(f"the engine failed while running this request: {error}"))
+        self._hand_over([ended for id_ in request_ids if (ended := self._end_with(id_, failure)) is not None])
+
+
+def _put_batches(batches: dict[asyncio.Queue, list[Delta]]) -> None:
+    for queue, batch in batches.items():
+        queue.put_nowait(batch)

@@ -1,8 +1,15 @@
 """The OpenAI-compatible ingress: HTTP (FastAPI under Serve) and the same calls for Python handles.
 
 It validates a request, renders the chat template, tokenizes, and submits one engine request per
-choice; the engine streams tokens and text back through Serve's streaming responses, and each
-is passed on at once (no batching timer).
+choice. Token ids come back through this replica's one outputs stream from the engine
+(deployments/engine.py, EngineClient), once per engine step; this replica detokenizes them and
+finds stop strings (engine.detokenizer.TextStream: the same code the engine runs in process).
+
+A stop string ends its choice at once (finish_reason "stop"): no text, token or logprob past the
+token that completed it is returned or counted, and the engine request is aborted (it stops within
+a step). Each SSE event carries everything of a choice that is ready when it is written: the first
+token goes out at once (no batching timer), and a client or step that outpaces the writer gets the
+tokens that piled up in one event rather than one event each.
 """
 
 import asyncio
@@ -17,11 +24,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from deployments.config import AppArgs
-from deployments.engine import Accepted, EngineInfo
+from deployments.engine import EngineClient, EngineInfo
+from deployments.engine_loop import Delta
 from deployments.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -43,28 +51,32 @@ from deployments.protocol import (
     usage,
     usage_chunk,
 )
+from engine.detokenizer import TextStream
 from engine.engine import RequestOutput
 from engine.loader import load_tokenizer
-from engine.sampling import SamplingParams
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Choice:
     index: int
     prompt_index: int
-    outputs: DeploymentResponseGenerator
     num_prompt_tokens: int
+    text: TextStream
+    engine_request_id: str = ""
+    finished: bool = False
 
 
 @dataclasses.dataclass
 class _Prepared:
-    """A validated request, tokenized, with one engine stream per choice."""
+    """A validated request, tokenized, with one engine request per choice; their Deltas arrive on
+    `outputs` as (choice, delta)."""
 
     request_id: str
     created: int
     model: str
     prompts: list[list[int]]
     choices: list[_Choice]
+    outputs: asyncio.Queue
 
 
 class _BodyTooLarge(Exception):
@@ -115,9 +127,15 @@ class OpenAIIngress:
     def __init__(self, args: AppArgs, engine: DeploymentHandle) -> None:
         self.args = args
         self.engine = engine
+        self.client = EngineClient(engine)
         self.tokenizer = load_tokenizer(args.model)
         self.info: EngineInfo | None = None
         self.created = int(time.time())
+
+    def __del__(self) -> None:  # Serve calls it when it stops this replica
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()
 
     async def _engine_info(self) -> EngineInfo:
         if self.info is None:
@@ -285,62 +303,86 @@ class OpenAIIngress:
         return await self._submit(request, prompts, info, "cmpl")
 
     async def _submit(self, request: Any, prompts: list[list[int]], info: EngineInfo, kind: str) -> _Prepared:
-        """Start one engine stream per choice; every one must be accepted, or none runs."""
-        params: list[tuple[int, list[int], SamplingParams]] = []
-        for prompt_index, prompt in enumerate(prompts):
-            max_tokens = max_tokens_for(request, len(prompt), info.max_model_len)
-            for sample_index in range(request.n):
-                params.append((prompt_index, prompt, sampling_params_for(request, sample_index, max_tokens)))
+        """Start one engine request per choice; every one must be accepted, or none runs."""
+        outputs: asyncio.Queue = asyncio.Queue()
         choices: list[_Choice] = []
         try:
-            for index, (prompt_index, prompt, sampling) in enumerate(params):
-                outputs = self.engine.options(stream=True).generate.remote(prompt, sampling)
-                choices.append(_Choice(index, prompt_index, outputs, len(prompt)))
-                accepted = await outputs.__anext__()
-                assert isinstance(accepted, Accepted)
+            for prompt_index, prompt in enumerate(prompts):
+                max_tokens = max_tokens_for(request, len(prompt), info.max_model_len)
+                for sample_index in range(request.n):
+                    params = sampling_params_for(request, sample_index, max_tokens)
+                    text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
+                    choice = _Choice(len(choices), prompt_index, len(prompt), text)
+                    # stop strings are found here, as the text is made
+                    engine_params = dataclasses.replace(params, stop=())
+                    choice.engine_request_id = await self.client.submit(
+                        prompt, engine_params, outputs, choice
+                    )
+                    choices.append(choice)
         except BaseException as error:
             for choice in choices:
-                choice.outputs.cancel()
+                self.client.abort(choice.engine_request_id)
             if isinstance(error, asyncio.CancelledError):
                 raise
             raise openai_error_from(error, prompt_param=request.prompt_field) from None
-        return _Prepared(f"{kind}-{uuid.uuid4().hex}", int(time.time()), request.model, prompts, choices)
+        return _Prepared(
+            f"{kind}-{uuid.uuid4().hex}", int(time.time()), request.model, prompts, choices, outputs
+        )
 
-    @staticmethod
-    async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
-        """Outputs of all choices, in the order they arrive; cancels every stream when left early."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(choice: _Choice) -> None:
-            try:
-                async for outputs in choice.outputs:
-                    for output in outputs:
-                        await queue.put((choice, output))
-            except BaseException as error:  # noqa: BLE001 - handed to the reader
-                await queue.put((choice, error))
-            else:
-                await queue.put((choice, None))
-
-        tasks = [asyncio.create_task(pump(choice)) for choice in choices]
-        remaining = len(choices)
+    async def _merged(self, prepared: _Prepared) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        """Each choice's output that is ready, all its Deltas so far joined into one, in the order the
+        choices' first Deltas arrived; aborts what still runs when left early."""
+        remaining = len(prepared.choices)
         try:
             while remaining:
-                choice, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise openai_error_from(item)
-                else:
-                    yield choice, item
+                ready = [await prepared.outputs.get()]
+                while not prepared.outputs.empty():
+                    ready.append(prepared.outputs.get_nowait())
+                joined: dict[_Choice, RequestOutput] = {}
+                for choice, delta in ready:
+                    if choice.finished:
+                        continue  # past its stop string
+                    output = self._text_of(choice, delta)
+                    if choice in joined:
+                        _join(joined[choice], output)
+                    else:
+                        joined[choice] = output
+                    remaining -= output.finished
+                for item in joined.items():
+                    yield item
         finally:
-            for task in tasks:
-                task.cancel()
-            for choice in choices:
-                choice.outputs.cancel()
+            for choice in prepared.choices:
+                if not choice.finished:
+                    self.client.abort(choice.engine_request_id)
+
+    def _text_of(self, choice: _Choice, delta: Delta) -> RequestOutput:
+        """A Delta's text; cut at a stop string, which ends the choice (and aborts its engine request)."""
+        request_id, token_ids, finish_reason, logprobs, error = delta
+        if error is not None:
+            raise openai_error_from(error)
+        text = choice.text
+        parts: list[str] = []
+        # an engine's "stop" is a stop token, the last; it shows no text
+        num_with_text = len(token_ids) - (finish_reason == "stop")
+        for position in range(num_with_text):
+            parts.append(text.push(token_ids[position]))
+            if text.stopped:
+                self.client.abort(request_id, "stop")  # a no-op when the engine has ended it too
+                token_ids, finish_reason = token_ids[: position + 1], "stop"
+                logprobs = logprobs[: position + 1] if logprobs else None
+                break
+        else:
+            if finish_reason is not None:
+                parts.append(text.finish(flush=finish_reason == "length"))
+        choice.finished = finish_reason is not None
+        return RequestOutput(
+            request_id, token_ids, "".join(parts), choice.finished, finish_reason,
+            choice.num_prompt_tokens, 0, logprobs or [],
+        )  # fmt: skip
 
     async def _collect(self, prepared: _Prepared) -> list[ChoiceResult]:
         results = [ChoiceResult(choice.index, "", [], None, []) for choice in prepared.choices]
-        async for choice, output in self._merged(prepared.choices):
+        async for choice, output in self._merged(prepared):
             result = results[choice.index]
             result.text += output.new_text
             result.token_ids += output.new_token_ids
@@ -370,7 +412,7 @@ class OpenAIIngress:
                 *head, choice.index, {"role": "assistant", "content": ""}, None, None, include_usage
             )
         num_tokens = 0
-        async for choice, output in self._merged(prepared.choices):
+        async for choice, output in self._merged(prepared):
             num_tokens += len(output.new_token_ids)
             logprobs = (
                 chat_logprobs_content(self.tokenizer, output.new_logprobs)
@@ -409,7 +451,7 @@ class OpenAIIngress:
                 yield completion_chunk(*head, choice.index, text, None, None, self.tokenizer, include_usage)
                 text_offsets[choice.index] = len(text)
         num_tokens = 0
-        async for choice, output in self._merged(prepared.choices):
+        async for choice, output in self._merged(prepared):
             num_tokens += len(output.new_token_ids)
             logprobs = output.new_logprobs if request.logprobs is not None else None
             yield completion_chunk(
@@ -422,3 +464,11 @@ class OpenAIIngress:
 
     def _echo(self, request: CompletionRequest, choice: _Choice) -> str:
         return echo_text(request.prompt_list()[choice.prompt_index], self.tokenizer)
+
+
+def _join(output: RequestOutput, later: RequestOutput) -> None:
+    """Append a later output of the same choice to `output`."""
+    output.new_token_ids = output.new_token_ids + later.new_token_ids
+    output.new_text += later.new_text
+    output.new_logprobs = output.new_logprobs + later.new_logprobs
+    output.finished, output.finish_reason = later.finished, later.finish_reason

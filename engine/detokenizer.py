@@ -50,3 +50,50 @@ class IncrementalDetokenizer:
         if delta:
             self._pieces.append(delta)
         return delta
+
+
+class TextStream:
+    """One sequence's visible text: incremental detokenizing, cut at the first stop string.
+
+    Text that could still turn out to be the start of a stop string is held back (up to the longest
+    stop string's length less one) until the next token decides it, or until `finish`. Used by the
+    Engine when it detokenizes in process (CLI, benchmarks) and by the ingress replicas when the
+    engine deployment sends token ids only, so that both cut text exactly the same way.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        self._stop = stop
+        self._holdback = max((len(text) - 1 for text in stop), default=0)
+        # Text not yet returned. A stop string found in it must end in the newest delta, and so start
+        # at most holdback characters back: the held-back tail is all the search needs.
+        self._pending = ""
+        self.stopped = False  # a stop string was found; the text ends before it
+
+    def push(self, token_id: int) -> str:
+        """The newly visible text this token adds; sets `stopped` when a stop string completes."""
+        assert not self.stopped, "no text follows a stop string"
+        self._pending += self._detokenizer.push(token_id)
+        if not self._stop:
+            return self._take(len(self._pending))
+        positions = [found for text in self._stop if (found := self._pending.find(text)) >= 0]
+        if positions:
+            self.stopped = True
+            self._pending = self._pending[: min(positions)]
+            return self._take(len(self._pending))
+        return self._take(len(self._pending) - self._holdback)
+
+    def finish(self, flush: bool) -> str:
+        """The held-back rest, at the end of the sequence; flush: also an incomplete UTF-8 tail (as
+        replacement characters), when the sequence ended for its length rather than on a stop token."""
+        if flush and not self.stopped:
+            self._pending += self._detokenizer.flush()
+        return self._take(len(self._pending))
+
+    def _take(self, num_chars: int) -> str:
+        if num_chars <= 0:
+            return ""
+        visible, self._pending = self._pending[:num_chars], self._pending[num_chars:]
+        return visible

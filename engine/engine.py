@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.block_manager import BlockManager
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import TextStream
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.kv_budget import kv_bytes_per_token, kv_cache_tokens_from_memory, step_reserve_bytes
 from engine.loader import LoadedModel, load_model
@@ -69,6 +69,10 @@ class EngineConfig:
     # A step with drafts over a plain decode step, for the same choice; None: measured as steps run (a
     # benchmark sets it to replay another machine's ratio).
     step_cost: float | None = None
+    # False: outputs carry token ids only (new_text ""), and stop strings are the caller's to find: the
+    # engine deployment, whose ingress replicas detokenize. EOS, stop token ids and max_tokens still end
+    # requests here.
+    detokenize: bool = True
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype not in DTYPES:
@@ -87,7 +91,7 @@ class EngineConfig:
         return device
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # one per request per step: slots make it cheaper to build
 class RequestOutput:
     """What one step produced for one request."""
 
@@ -104,9 +108,7 @@ class RequestOutput:
 @dataclasses.dataclass(eq=False)
 class _Request:
     seq: Sequence
-    detokenizer: IncrementalDetokenizer | None  # None when the engine has no tokenizer (benchmarks)
-    text: str = ""  # the generated text so far, cut at a stop string
-    num_emitted_chars: int = 0  # of text, already returned to the caller
+    text: TextStream | None  # None when the engine does not detokenize (no tokenizer, or detokenize off)
 
 
 class Engine:
@@ -161,7 +163,6 @@ class Engine:
         if self.max_model_len < 2:
             raise InvalidRequestError(f"max_model_len must be at least 2, got {self.max_model_len}")
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         decoder = Decoder.from_weights(
             model.spec, model.weights, self.max_model_len, ops_for(self.device), self.logit_vocab_size
         )
@@ -171,6 +172,13 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_logit_rows=max_logit_rows,
             capture_layers=self.speculator.target_layer_ids if self.speculator is not None else (),
         )  # fmt: skip
+        # A step's tokens fit the largest step graph (its padding sequence's keys fill one block-table row,
+        # so max_model_len caps it): a larger step would run eagerly and compile kernels for its shapes.
+        step_graphs = self.runner.step_graphs
+        self.max_num_batched_tokens = min(
+            config.max_num_batched_tokens, step_graphs.max_tokens if step_graphs is not None else 1 << 62
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
         # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's
         # hidden states come from step graphs or eager steps, not decode graphs, so it never runs ahead.
@@ -226,12 +234,10 @@ class Engine:
         # the CPU's host sampler draws from a torch generator; the device sampler keys Philox by the seed
         generator = make_generator(params.seed, self.device) if self.device.type == "cpu" else None
         seq = Sequence(request_id, list(prompt_token_ids), params, generator)
-        detokenizer = (
-            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-            if self.tokenizer is not None
-            else None
-        )
-        self.requests[request_id] = _Request(seq, detokenizer)
+        text = None
+        if self.tokenizer is not None and self.config.detokenize:
+            text = TextStream(self.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens)
+        self.requests[request_id] = _Request(seq, text)
         self.scheduler.add(seq)
         return request_id
 
@@ -264,7 +270,7 @@ class Engine:
                 outputs.extend(self._resolve_in_flight())
 
             drafts = self.speculator.plan(
-                self.scheduler.running, self.block_manager, self.config.max_num_batched_tokens,
+                self.scheduler.running, self.block_manager, self.max_num_batched_tokens,
                 self.max_model_len, read_launched,
             )  # fmt: skip
         batch = self.scheduler.schedule()
@@ -404,36 +410,30 @@ class Engine:
     def _emit(
         self, seq: Sequence, logprob: TokenLogprob | None, num_known_tokens: int | None = None
     ) -> RequestOutput:
-        """Detokenize and stop-check the sequence's newest known token (the last of its first
-        num_known_tokens; by default all of them) and say what it adds."""
-        request = self.requests[seq.request_id]
+        """Stop-check (and detokenize, when the engine does) the sequence's newest known token (the last
+        of its first num_known_tokens; by default all of them) and say what it adds."""
+        text = self.requests[seq.request_id].text
         params = seq.params
         num_known_tokens = num_known_tokens or seq.num_tokens
         token_id = seq.token_ids[num_known_tokens - 1]
         finish_reason = None
-        stops_on_token = token_id in params.stop_token_ids or (
-            token_id in self.eos_token_ids and not params.ignore_eos
-        )
-        if not stops_on_token and request.detokenizer is not None:
-            request.text += request.detokenizer.push(token_id)
-        if stops_on_token or params.stop and self._cut_at_stop_string(request):
-            finish_reason = "stop"
-        elif (
-            num_known_tokens - seq.num_prompt_tokens >= params.max_tokens
-            or num_known_tokens >= self.max_model_len
-        ):
-            finish_reason = "length"
-        if finish_reason is None:
-            # hold back what could still turn out to be the start of a stop string
-            holdback = max((len(stop) - 1 for stop in params.stop), default=0)
-            visible = len(request.text) - holdback
+        new_text = ""
+        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
+            finish_reason = "stop"  # a stop token adds no text
         else:
-            if finish_reason == "length" and request.detokenizer is not None:
-                request.text += request.detokenizer.flush()
-            visible = len(request.text)
+            if text is not None:
+                new_text = text.push(token_id)
+            if text is not None and text.stopped:
+                finish_reason = "stop"
+            elif (
+                num_known_tokens - seq.num_prompt_tokens >= params.max_tokens
+                or num_known_tokens >= self.max_model_len
+            ):
+                finish_reason = "length"
+        if finish_reason is not None:
+            if text is not None:
+                new_text += text.finish(flush=finish_reason == "length")
             self._finish(seq, finish_reason)
-        new_text = request.text[request.num_emitted_chars : max(visible, request.num_emitted_chars)]
-        request.num_emitted_chars += len(new_text)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token_id],
@@ -444,20 +444,6 @@ class Engine:
             num_cached_tokens=seq.num_cached_prompt_tokens,
             new_logprobs=[logprob] if logprob is not None else [],
         )
-
-    @staticmethod
-    def _cut_at_stop_string(request: _Request) -> bool:
-        """Cut request.text at the first stop string in it; True when one was found."""
-        longest = max(len(stop) for stop in request.seq.params.stop)
-        # only the new text, plus what a stop string could straddle, needs searching
-        search_from = max(0, request.num_emitted_chars - longest)
-        positions = [
-            found for stop in request.seq.params.stop if (found := request.text.find(stop, search_from)) >= 0
-        ]
-        if not positions:
-            return False
-        request.text = request.text[: min(positions)]
-        return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -528,13 +514,13 @@ class Engine:
         # More rows at once: the first row count of each sampling variant (Triton compiles one per constexpr
         # power of two of the chunk count and per specialization of its ints: 1, divisible by 16, other).
         seen = set()
-        for rows in range(1, min(config.max_num_seqs, config.max_num_batched_tokens) + 1):
+        for rows in range(1, min(config.max_num_seqs, self.max_num_batched_tokens) + 1):
             chunk_size, num_chunks = sampling_chunking(rows, vocab_size, self.device)
             variant = (1 << (num_chunks - 1).bit_length(), num_chunks == 1, num_chunks % 16, chunk_size % 16)
             if rows > 1 and (variant not in seen or rows in (2, 16)):
                 batches.append([(1, variants[row % len(variants)]) for row in range(rows)])
             seen.add(variant)
-        long_prompt = config.max_num_batched_tokens + 1  # first chunks of the whole budget, and of it less 2
+        long_prompt = self.max_num_batched_tokens + 1  # first chunks of the whole budget, and of it less 2
         if long_prompt <= self.max_prompt_tokens:
             batches += [[(long_prompt, greedy)], [(2, greedy), (long_prompt, greedy)]]
         if self.speculator is not None:
