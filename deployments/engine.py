@@ -13,9 +13,12 @@ The engine here runs without text work (EngineConfig.detokenize False): it ends 
 tokens and max_tokens, and the ingress replicas, which scale with num_ingress_replicas, detokenize
 and find stop strings (engine.detokenizer.TextStream), aborting a request once its stop string shows.
 
-Failures: a subscriber's stream that ends (its ingress replica went away, or Serve cancelled it) aborts
-all its requests here; an engine replica that dies or restarts ends the ingress's stream, which fails
-that replica's requests in flight (an OpenAI error, in band once streaming) and subscribes again.
+Failures: a subscriber's stream that ends aborts all its requests here. Serve cancels it when the
+ingress replica stops reading or shuts down; Ray does not when the caller's process dies (measured:
+a killed ingress replica's requests ran to their end), so a stream whose heartbeats (every
+HEARTBEAT_S) stop for SUBSCRIBER_LEASE_S ends too. An engine replica that dies or restarts ends the
+ingress's stream, which fails that replica's requests in flight (an OpenAI error, in band once
+streaming) and subscribes again.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ logger = logging.getLogger(__name__)
 ATTACH_AT_START_S = 60.0  # the engine waits this long for its proposer before it serves without one
 ATTACH_CALL_TIMEOUT_S = 30.0
 PROPOSER_START_S = 600.0  # DFlash: the engine waits this long for the proposer to say what it reads
+HEARTBEAT_S = 2.0  # an ingress replica tells the engine this often that it still reads its stream
+SUBSCRIBER_LEASE_S = 20.0  # a stream without a heartbeat for this long ends, aborting its requests
 T = TypeVar("T")
 
 
@@ -146,19 +151,38 @@ class EngineDeployment:
 
     async def outputs(self, subscriber_id: str) -> AsyncIterator[list[Delta]]:
         """The subscriber's outputs, one list of Delta per item: an empty list first (the subscription
-        is open; submit may follow), then every step's lists that are ready, joined. Ends only when the
-        caller cancels it (Serve does, when the caller stops reading or goes away), which aborts the
-        subscriber's requests."""
+        is open; submit may follow), then every step's lists that are ready, joined. Ends when the caller
+        cancels it or its heartbeats stop, which aborts the subscriber's requests."""
         queue = self.loop.subscribe(subscriber_id)
+        watchdog = asyncio.get_running_loop().create_task(self._watch(subscriber_id, queue))
         try:
             yield []
             while True:
                 ready = await queue.get()
-                while not queue.empty():
-                    ready += queue.get_nowait()
+                while ready is not None and not queue.empty():
+                    more = queue.get_nowait()
+                    if more is None:
+                        ready = None
+                    else:
+                        ready += more
+                if ready is None:  # the watchdog: no heartbeat
+                    logger.warning(
+                        "subscriber %s sent no heartbeat for %.0f s", subscriber_id, SUBSCRIBER_LEASE_S
+                    )
+                    return
                 yield ready
         finally:
+            watchdog.cancel()
             self.loop.unsubscribe(subscriber_id, queue)
+
+    def heartbeat(self, subscriber_id: str) -> None:
+        self.loop.heartbeat(subscriber_id)
+
+    async def _watch(self, subscriber_id: str, queue: asyncio.Queue) -> None:
+        """Ends the subscriber's stream (a None on its queue) once its heartbeats stop."""
+        while not self.loop.lapsed(subscriber_id, SUBSCRIBER_LEASE_S):
+            await asyncio.sleep(HEARTBEAT_S)
+        queue.put_nowait(None)
 
     def metrics(self) -> str:
         speculator = self.engine.speculator
@@ -244,9 +268,17 @@ class EngineClient:
             self._pump = asyncio.get_running_loop().create_task(self._read(self._subscribed))
         await asyncio.shield(self._subscribed)
 
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            # a failure here shows in the outputs stream too (it ends or errors), and is handled there
+            with contextlib.suppress(Exception):
+                await self.engine.heartbeat.remote(self.subscriber_id)
+
     async def _read(self, subscribed: asyncio.Future) -> None:
         """Route the outputs stream's Deltas until it ends; then fail the requests it carried."""
         stream = self.engine.options(stream=True).outputs.remote(self.subscriber_id)
+        beating = asyncio.get_running_loop().create_task(self._beat())
         error: BaseException = OpenAIError.service_unavailable(
             "the engine stopped while running this request (it restarts); please retry"
         )
@@ -267,6 +299,7 @@ class EngineClient:
             if not subscribed.done():
                 error = failure  # the subscription itself failed: the submit that waits gets the cause
         finally:
+            beating.cancel()
             stream.cancel()  # if this task was cancelled: the engine aborts this replica's requests
             routes, self._routes = self._routes, {}
             for request_id, (queue, tag) in routes.items():

@@ -40,6 +40,7 @@ class _Subscriber:
     queue: asyncio.Queue  # of list[Delta], one list per step
     loop: asyncio.AbstractEventLoop
     request_ids: set[str] = dataclasses.field(default_factory=set)
+    last_seen: float = dataclasses.field(default_factory=time.monotonic)  # its latest heartbeat
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,6 +87,22 @@ class EngineLoop:
                 return  # replaced by a newer stream of the same subscriber
             del self._subscribers[subscriber_id]
         self._abort_all(subscriber)
+
+    def heartbeat(self, subscriber_id: str) -> None:
+        """The subscriber is alive; raises UnknownSubscriberError when its stream is not open here."""
+        with self._lock:
+            subscriber = self._subscribers.get(subscriber_id)
+            if subscriber is None:
+                raise UnknownSubscriberError(f"no outputs stream is open for subscriber {subscriber_id}")
+            subscriber.last_seen = time.monotonic()
+
+    def lapsed(self, subscriber_id: str, lease_s: float) -> bool:
+        """Whether the subscriber sent no heartbeat for lease_s (or is gone). Ray does not cancel a
+        streaming call whose caller died (an ingress replica killed mid-stream kept its requests
+        running to the end), so the lease is what frees a dead replica's requests."""
+        with self._lock:
+            subscriber = self._subscribers.get(subscriber_id)
+            return subscriber is None or time.monotonic() - subscriber.last_seen > lease_s
 
     def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber_id: str

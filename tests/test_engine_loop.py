@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,22 @@ def test_a_subscriber_that_goes_away_has_its_requests_aborted(prompts: list[list
     gauges = loop_under_test.gauges()
     assert gauges["num_requests_waiting"][0] == 0 and gauges["num_requests_running"][0] == 0
     assert loop_under_test.metrics.requests_by_finish_reason == {"abort": len(prompts)}
+
+
+def test_a_subscriber_lapses_without_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop_under_test = EngineLoop(_engine(False), max_queue_len=8)
+
+    async def run() -> None:
+        loop_under_test.subscribe("alive")
+        assert not loop_under_test.lapsed("alive", lease_s=5)
+        clock = time.monotonic() + 6
+        monkeypatch.setattr(time, "monotonic", lambda: clock)
+        assert loop_under_test.lapsed("alive", lease_s=5)
+        loop_under_test.heartbeat("alive")
+        assert not loop_under_test.lapsed("alive", lease_s=5)
+        with pytest.raises(UnknownSubscriberError):
+            loop_under_test.heartbeat("gone")
+        assert loop_under_test.lapsed("gone", lease_s=5)
+
+    asyncio.run(run())
+    loop_under_test.stop()
