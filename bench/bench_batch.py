@@ -347,8 +347,8 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
 
-    def sizes(text: str) -> list[int]:
-        return [int(size) for size in text.split(",")]
+    def sizes(text: str) -> list[int]:  # "" (or "none"): no sizes, e.g. no peer
+        return [int(size) for size in text.split(",") if size and size != "none"]
 
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))

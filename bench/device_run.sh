@@ -24,6 +24,9 @@
 #   bash bench/device_run.sh skinny   # the linear kernels' GPU tests, then bench_linear at M = 1..256
 #   bash bench/device_run.sh skinnysweep  # the skinny GEMM's tiles swept at M = 16: a tuned table
 #   bash bench/device_run.sh batchprof  # profile_decode --batches: batched decode steps' kernels
+#   bash bench/device_run.sh gputests # the engine's GPU tests of decode graphs, run-ahead, batched steps
+#   MODEL=qwen3-4b PEER=64,256 LIMIT=300 bash bench/device_run.sh batch  # bench_batch for one model
+#   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
 set -u
@@ -159,6 +162,26 @@ skinnysweep)  # the skinny GEMM's tiles at M = 16 on the decoder layers' shapes,
     timeout 330 python3 bench/bench_linear.py "$OUT" --models qwen3-0.6b,qwen3-4b --layers qkv,o,gate_up,down \
         --m 16 --sweep --replays 20 --write-tuned "$OUT/skinny_tuned.json" > "$OUT/skinny_sweep.log" 2>&1
     grep -E "heuristic .* best" "$OUT/skinny_sweep.log"
+    ;;
+gputests)  # the engine's GPU tests that cover decode graphs, run-ahead and batched steps, in parallel shards
+    sharded 8 170 tests/test_graphs_cuda.py tests/test_run_ahead.py tests/test_engine_cuda.py
+    ;;
+batch)  # bench_batch for one model: MODEL=qwen3-0.6b|qwen3-4b, PEER=the peer's batches
+    timeout "${LIMIT:-400}" python3 bench/bench_batch.py --out "$OUT" --models "${MODEL:-qwen3-0.6b}" \
+        --peer-batches "${PEER:-1,8,64,256}" --batches "${BATCHES:-1,2,4,8,16,32,64,128,256}" \
+        --budget-s "$(( ${LIMIT:-400} - 40 ))" > "$OUT/batch_${MODEL:-qwen3-0.6b}.log" 2>&1
+    cp "$OUT/bench_batch.json" "$OUT/bench_batch_${MODEL:-qwen3-0.6b}.json" 2>/dev/null
+    grep -v -i warn "$OUT/batch_${MODEL:-qwen3-0.6b}.log" | tail -16
+    ;;
+serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under serve run: HTTP load against
+    # engine-direct, the first requests after ready, the time to ready cold and on a restart
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        > /dev/null 2>&1 || { echo "the wheels did not install"; exit 1; }
+    mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/
+    RAY_USAGE_STATS_ENABLED=0 timeout "${LIMIT:-420}" python3 bench/serve_load.py --serve-config serve_config.yaml \
+        --model qwen3-0.6b --dtype bfloat16 --restart --client-processes 4 --ingress-replicas 4 --out "$OUT" \
+        > "$OUT/serve_load.log" 2>&1
+    grep -v -i warn "$OUT/serve_load.log" | grep -v "^(" | tail -32
     ;;
 batchprof)
     timeout 200 python3 bench/profile_decode.py "$OUT" --models qwen3-0.6b,qwen3-4b --batches 1,8,64,256 \

@@ -25,7 +25,10 @@ head runs with --block), then runs engine-direct with the same args in this proc
 again) and prints both, with HTTP/engine-direct ratios.
 --model: a model_shapes name other than the default smollm2-135m becomes a folder of random weights of
 that shape with the real Qwen3 tokenizer (tests/assets.py); anything else is passed on as given.
-Results as JSON in --out (default $OUT, else bench_out).
+--restart then starts the app once more (Triton's kernels cached by then) to time a restart; the first
+start's and the restart's times to a healthy app are in the JSON (ready_s), as are the TTFTs of the
+first 8 requests after ready and of the same 8 once warm (first_requests). --client-processes spreads a
+level's clients over several processes. Results as JSON in --out (default $OUT, else bench_out).
 """
 
 from __future__ import annotations
@@ -127,9 +130,11 @@ async def _stream_one(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
     return _record(start, first, last, tokens, error)
 
 
-async def http_level(
+async def http_records(
     base_url: str, model: str, prompts: list[list[int]], concurrency: int, output_tokens: int
-) -> dict[str, Any]:
+) -> tuple[list[dict[str, Any]], float, float]:
+    """Per-request records, and when the level began and ended (time.monotonic: one clock for every
+    process of the machine)."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -146,10 +151,37 @@ async def http_level(
             records.append(await _stream_one(client, url, body))
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=60), limits=limits) as client:
-        start = time.perf_counter()
+        start = time.monotonic()
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-    return summarize(records, wall)
+        end = time.monotonic()
+    return records, start, end
+
+
+def _client_process(job: tuple[str, str, list[list[int]], int, int]) -> tuple[list[dict], float, float]:
+    return asyncio.run(http_records(*job))
+
+
+def http_level(
+    base_url: str, model: str, prompts: list[list[int]], concurrency: int, output_tokens: int, processes: int
+) -> dict[str, Any]:
+    """The clients of one level, spread over `processes` client processes (each its own event loop), so
+    that parsing every server-sent event does not bound what is measured."""
+    processes = max(1, min(processes, concurrency))
+    if processes == 1:
+        records, start, end = asyncio.run(http_records(base_url, model, prompts, concurrency, output_tokens))
+        return summarize(records, end - start)
+    import concurrent.futures
+    import multiprocessing
+
+    jobs = [
+        (base_url, model, prompts[index::processes], len(range(index, concurrency, processes)), output_tokens)
+        for index in range(processes)
+    ]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        parts = list(pool.map(_client_process, jobs))
+    records = [record for part in parts for record in part[0]]
+    return summarize(records, max(part[2] for part in parts) - min(part[1] for part in parts))
 
 
 def served_model(base_url: str) -> str:
@@ -158,17 +190,31 @@ def served_model(base_url: str) -> str:
     return httpx.get(base_url.rstrip("/") + "/v1/models", timeout=60).json()["data"][0]["id"]
 
 
-def run_http(base_url: str, args: argparse.Namespace, vocab: tuple[int, int]) -> dict[int, dict[str, Any]]:
+FIRST_REQUESTS = 8  # sent together right after the server is ready, and again once it is warm
+
+
+def run_http(
+    base_url: str, args: argparse.Namespace, vocab: tuple[int, int], meta: dict[str, Any]
+) -> dict[int, dict[str, Any]]:
+    """The levels; before them the first requests after ready, and after them the same ones warm (their
+    TTFT p50 in meta["first_requests"])."""
     model = served_model(base_url)
-    warm = make_prompts(2, args.prompt_tokens, vocab, seed=args.seed + 1)
-    asyncio.run(http_level(base_url, model, warm, 1, args.output_tokens))
+    first = make_prompts(FIRST_REQUESTS, args.prompt_tokens, vocab, seed=args.seed + 1)
+    cold = http_level(base_url, model, first, FIRST_REQUESTS, args.output_tokens, 1)
     results = {}
     for concurrency in args.concurrency:
         prompts = make_prompts(_num_requests(args, concurrency), args.prompt_tokens, vocab, args.seed)
-        results[concurrency] = asyncio.run(
-            http_level(base_url, model, prompts, concurrency, args.output_tokens)
+        results[concurrency] = http_level(
+            base_url, model, prompts, concurrency, args.output_tokens, args.client_processes
         )
         _log(f"http C={concurrency}: {_brief(results[concurrency])}")
+    warm = http_level(base_url, model, first, FIRST_REQUESTS, args.output_tokens, 1)
+    meta["first_requests"] = {
+        "requests": FIRST_REQUESTS, "after_ready_ttft_p50_ms": cold["ttft_p50_ms"],
+        "warm_ttft_p50_ms": warm["ttft_p50_ms"], "after_ready": cold, "warm": warm,
+    }  # fmt: skip
+    _log(f"first {FIRST_REQUESTS} requests after ready: TTFT p50 {_ms(cold['ttft_p50_ms'])}, "
+         f"the same warm: {_ms(warm['ttft_p50_ms'])}")  # fmt: skip
     return results
 
 
@@ -356,6 +402,8 @@ def app_args_for(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     for key in ("max_num_seqs", "max_model_len", "kv_cache_tokens"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
+    if args.ingress_replicas is not None:
+        raw["num_ingress_replicas"] = args.ingress_replicas
     config["applications"] = [{**config["applications"][0], "args": raw}]
     return config, parse_app_args(raw)
 
@@ -429,6 +477,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output tokens")
     parser.add_argument("--kv-cache-tokens", type=int, default=None, help="default: what max_num_seqs need")
     parser.add_argument("--health-timeout", type=float, default=900)
+    parser.add_argument("--client-processes", type=int, default=1, help="client processes per level")
+    parser.add_argument("--ingress-replicas", type=int, default=None, help="num_ingress_replicas")
+    parser.add_argument("--restart", action="store_true", help="then serve run once more: restart time")
     parser.add_argument("--ray-port", type=int, default=6390)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
@@ -459,7 +510,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         info = httpx.get(args.url.rstrip("/") + "/v1/models", timeout=60).json()["data"][0]
         vocab = _vocab(args, None)
-        results["http"] = run_http(args.url, args, vocab)
+        results["http"] = run_http(args.url, args, vocab, meta)
         meta["model"] = info["id"]
     else:
         import yaml
@@ -476,12 +527,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT),
                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
             log = out / "serve_load_serve.log"
+            started = time.monotonic()
             processes = start_serve(config_path, env, log, args.ray_port)
             try:
                 wait_healthy(base_url, processes[1], log, args.health_timeout)
-                results["http"] = run_http(base_url, args, vocab)
+                meta["ready_s"] = {"first_start": time.monotonic() - started}
+                _log(f"serve run ready in {meta['ready_s']['first_start']:.1f} s")
+                results["http"] = run_http(base_url, args, vocab, meta)
             finally:
                 stop_serve(processes)
+            if args.restart:  # the same app again: Triton's kernels come from its cache this time
+                started = time.monotonic()
+                processes = start_serve(config_path, env, out / "serve_load_restart.log", args.ray_port)
+                try:
+                    wait_healthy(base_url, processes[1], out / "serve_load_restart.log", args.health_timeout)
+                    meta["ready_s"]["restart"] = time.monotonic() - started
+                    _log(f"serve run ready again in {meta['ready_s']['restart']:.1f} s")
+                finally:
+                    stop_serve(processes)
         results["engine-direct"] = run_engine_direct(app_args, args, vocab)
     meta["vocab"] = vocab
     payload = {
@@ -489,6 +552,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "results": {path: {str(k): v for k, v in rows.items()} for path, rows in results.items()},
     }
     (out / "serve_load.json").write_text(json.dumps(payload, indent=2, default=str))
+    if "ready_s" in meta or "first_requests" in meta:
+        first = meta.get("first_requests", {})
+        print(f"ready: {json.dumps({k: round(v, 1) for k, v in meta.get('ready_s', {}).items()})}; first "
+              f"{FIRST_REQUESTS} requests TTFT p50 after ready {_ms(first.get('after_ready_ttft_p50_ms'))}, "
+              f"warm {_ms(first.get('warm_ttft_p50_ms'))}")  # fmt: skip
     print_table(results)
     return payload
 

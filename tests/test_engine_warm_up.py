@@ -32,7 +32,11 @@ def test_warm_up_leaves_the_engine_clean(smollm2_gguf: Path) -> None:
     engine.add_request = lambda tokens, *args, **kwargs: prompts.append(tokens) or add_request(
         tokens, *args, **kwargs
     )
-    engine.speculator.reset_measurements = lambda: stats_before_reset.append(engine.speculator.stats) or reset()
+    def reset_measurements() -> None:
+        stats_before_reset.append(engine.speculator.stats)
+        reset()
+
+    engine.speculator.reset_measurements = reset_measurements
     assert engine.warm_up(force=True) > 0
     del engine.add_request, engine.speculator.reset_measurements
 
