@@ -29,9 +29,10 @@ def test_warm_up_leaves_the_engine_clean(smollm2_gguf: Path) -> None:
     prompts: list[list[int]] = []
     stats_before_reset: list[SpeculationStats] = []
     add_request, reset = engine.add_request, engine.speculator.reset_measurements
-    engine.add_request = lambda tokens, *args, **kwargs: prompts.append(tokens) or add_request(
-        tokens, *args, **kwargs
+    engine.add_request = lambda tokens, *args, **kwargs: (
+        prompts.append(tokens) or add_request(tokens, *args, **kwargs)
     )
+
     def reset_measurements() -> None:
         stats_before_reset.append(engine.speculator.stats)
         reset()
