@@ -177,7 +177,7 @@ serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under se
     # engine-direct, the first requests after ready, the time to ready cold and on a restart
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
         > /dev/null 2>&1 || { echo "the wheels did not install"; exit 1; }
-    mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/
+    mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
     RAY_USAGE_STATS_ENABLED=0 timeout "${LIMIT:-420}" python3 bench/serve_load.py --serve-config serve_config.yaml \
         --model qwen3-0.6b --dtype bfloat16 --restart --client-processes 4 --ingress-replicas 4 --out "$OUT" \
         > "$OUT/serve_load.log" 2>&1

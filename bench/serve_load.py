@@ -524,7 +524,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             http = config.get("http_options") or {}
             base_url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
             base_url += (config["applications"][0].get("route_prefix") or "/").rstrip("/")
-            env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT),
+            # the project first, then whatever the caller's path holds (the GPU machine's wheels: Ray)
+            python_path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+            env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": python_path,
                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
             log = out / "serve_load_serve.log"
             started = time.monotonic()

@@ -499,7 +499,7 @@ class Engine:
         if self.has_unfinished():
             raise InvalidRequestError("warm_up runs on an idle engine only")
         started = time.perf_counter()
-        config, vocab_size = self.config, self.spec.vocab_size
+        config, vocab_size = self.config, self.logit_vocab_size  # the ids a prompt may hold and logits have
         greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         sampled = dataclasses.replace(greedy, temperature=0.8)
         variants = [

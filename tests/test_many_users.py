@@ -252,3 +252,17 @@ def test_an_id_the_tokenizer_cannot_map_detokenizes_to_nothing(model: LoadedMode
     assert detokenizer.text == tokenizer.decode([hello])
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):  # explicit checks stay
         tokenizer.token_bytes(tokenizer.vocab_size + 5)
+
+
+def test_warm_up_keeps_to_the_tokenizers_ids(model: LoadedModel) -> None:
+    """Warm-up prompts are valid requests of a model whose embedding is larger than its tokenizer (a
+    Qwen3 engine failed its warm-up on prompt ids past the tokenizer's 151,669). Here half the embedding's
+    rows are padding, so a prompt drawn from all of them would be refused."""
+    embedding = model.weights["model.embed_tokens.weight"]
+    padded_embedding = torch.cat([embedding, torch.zeros_like(embedding)])
+    weights = {**model.weights, "model.embed_tokens.weight": padded_embedding}
+    spec = dataclasses.replace(model.spec, vocab_size=2 * embedding.shape[0])
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=24, kv_cache_tokens=256, max_model_len=256)
+    engine = Engine(dataclasses.replace(model, spec=spec, weights=weights), config)
+    assert engine.warm_up(force=True) > 0
+    assert not engine.has_unfinished()
