@@ -14,8 +14,7 @@ the same run; "% of copy bw" counts the weight, x and the output once each.
 
 --sweep also times every candidate tile configuration per shape (GEMV block sizes and warps, the skinny
 GEMM's tiles and K splits, the GEMM candidate tiles) and reports the heuristic's pick beside the fastest,
-to tune kernels/linear.py. --compare-gemv times the batch-1 GEMV kernel's many-row form (one fp32 tile per
-row of x) at 2 <= M <= 8 beside the skinny GEMM.
+to tune kernels/linear.py.
 
 The last thing printed is the table; the full results go to OUT_DIR/bench_linear.json (OUT_DIR: the
 argument, else $OUT, else ./bench_out).
@@ -276,9 +275,6 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate tile config")
     parser.add_argument(
-        "--compare-gemv", action="store_true", help="at 2 <= M <= 8 also time the GEMV kernel's many-row form"
-    )
-    parser.add_argument(
         "--write-tuned",
         metavar="PATH",
         help="with --sweep: write the fastest config per shape as a kernels/tuned/<device>.json table",
@@ -315,16 +311,11 @@ def main() -> None:
                     "kernel": KINDS[type(case.heuristic())],
                     "relative_error_vs_cublas": error,
                 }
-                if args.compare_gemv and 2 <= m <= 8:
-                    gemv = linear.gemv_config(m, case.n_out, k, case.gate_up)
-                    seconds = time_in_graph(case.triton_call(gemv), case.copies, args.replays)
-                    row["gemv_many_rows_us"] = seconds * 1e6
                 rows.append(row)
                 print(
                     f"{model:13s} {layer:8s} {row['shape']:>12s} M={m:<4d} triton {row['triton_us']:8.2f} us"
                     f"  cuBLAS {row['cublas_us']:8.2f} us  x{row['speedup']:.2f}"
                     f"  {row['triton_pct_copy_bw']:5.1f}% bw  err {error:.1e}  {case.heuristic()}"
-                    f"  many-row GEMV {row.get('gemv_many_rows_us', float('nan')):.2f} us"
                     f"  ({time.perf_counter() - started:.1f} s)",
                     flush=True,
                 )

@@ -113,24 +113,20 @@ def gate_up_silu_reference(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [M, K], K contiguous
+    x_ptr,  # [1, K], K contiguous
     w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous
     bias_ptr,  # [N] (HAS_BIAS)
-    out_ptr,  # [M, N], N contiguous
-    M,
+    out_ptr,  # [1, N], N contiguous
     N,  # output columns: weight rows, or intermediate size for GATE_UP
     K,
-    stride_xm,
     stride_wn,
-    stride_om,
     HAS_BIAS: tl.constexpr,
     GATE_UP: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # next power of two >= M (all rows of x in one program)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # The products are formed in fp32 on every path (weights are upcast on load), so there is no bf16
-    # arithmetic for the interpreter to get wrong and no UPCAST flag is needed here.
+    # The products are formed in fp32 (weights are upcast on load), so there is no bf16 arithmetic for
+    # the interpreter to get wrong and no UPCAST flag is needed here.
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -140,50 +136,24 @@ def _gemv_kernel(
     up_rows = w_ptr + (rows + N)[:, None] * stride_wn  # [BLOCK_N, 1] (GATE_UP only)
     offs_k0 = tl.arange(0, BLOCK_K)
 
-    if BLOCK_M == 1:
-        # [BLOCK_N, BLOCK_K] partial sums, reduced across K once after the loop.
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + offs_k0
-            k_mask = offs_k < K
-            xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * xk
-            if GATE_UP:
-                w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-                acc_up += w_up.to(tl.float32) * xk
-        result = tl.sum(acc, axis=1)  # [BLOCK_N]
-        if HAS_BIAS:
-            result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    # [BLOCK_N, BLOCK_K] partial sums, reduced across K once after the loop.
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + offs_k0
+        k_mask = offs_k < K
+        xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * xk
         if GATE_UP:
-            result = result / (1.0 + tl.exp(-result)) * tl.sum(acc_up, axis=1)
-        tl.store(out_ptr + offs_n, result.to(out_ptr.dtype.element_ty), mask=n_mask)
-    else:
-        # A few rows of x (batched decode): [BLOCK_M, BLOCK_N, BLOCK_K] partial sums; each weight tile
-        # is loaded once and used for every row of x.
-        offs_m = tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
-        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + offs_k0
-            k_mask = offs_k < K
-            xk = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            xk = xk.to(tl.float32)[:, None, :]  # [BLOCK_M, 1, BLOCK_K]
-            w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32)[None, :, :] * xk
-            if GATE_UP:
-                w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-                acc_up += w_up.to(tl.float32)[None, :, :] * xk
-        result = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-        if HAS_BIAS:
-            result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GATE_UP:
-            result = result / (1.0 + tl.exp(-result)) * tl.sum(acc_up, axis=2)
-        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+            w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+            acc_up += w_up.to(tl.float32) * xk
+    result = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if HAS_BIAS:
+        result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if GATE_UP:
+        result = result / (1.0 + tl.exp(-result)) * tl.sum(acc_up, axis=1)
+    tl.store(out_ptr + offs_n, result.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 class GemvConfig(NamedTuple):
@@ -200,17 +170,17 @@ def gemv_config(m: int, n: int, k: int, gate_up: bool) -> GemvConfig:
     every thread has 4-8 16-byte loads in flight per iteration and several programs fit on an SM.
     A tile measured fastest for this shape on this GPU (tuned_config) takes precedence.
     """
+    assert m == 1, "the GEMV takes one row of x; more take the skinny GEMM"
     tuned = tuned_config("gemv", m, n, k, gate_up)
     if tuned is not None:
         return GemvConfig(**tuned)
-    block_m = triton.next_power_of_2(m)
     tiles = 2 if gate_up else 1
     block_n = 16 if gate_up else 32
     while block_n > 1 and triton.cdiv(n, block_n) < 4 * num_sms():
         block_n //= 2
-    num_warps = 4 if block_m <= 2 else 8
+    num_warps = 4
     budget = 64 * 32 * num_warps  # fp32 accumulator elements per program
-    block_k = max(16, budget // (block_m * block_n * tiles))
+    block_k = max(16, budget // (block_n * tiles))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     return GemvConfig(block_n, block_k, num_warps)
 
@@ -225,21 +195,18 @@ def _launch_gemv(
 ) -> None:
     m, k = x.shape
     n = out.shape[1]
+    assert m == 1, "the GEMV takes one row of x; more take the skinny GEMM"
     block_n, block_k, num_warps = config or gemv_config(m, n, k, gate_up)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
         bias if bias is not None else out,  # never read without HAS_BIAS
         out,
-        m,
         n,
         k,
-        x.stride(0),
         weight.stride(0),
-        out.stride(0),
         HAS_BIAS=bias is not None,
         GATE_UP=gate_up,
-        BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,

@@ -155,17 +155,6 @@ def _weight_tile(gate_rows, up_rows, offs_k, k_mask, GATE_UP: tl.constexpr):
 
 
 @triton.jit
-def _products(x, w, BLOCK_M: tl.constexpr):
-    """w [BLOCK_N, BLOCK_K] times every row of x [BLOCK_M, BLOCK_K]: [BLOCK_N, BLOCK_K] when BLOCK_M is 1
-    (x broadcasts as one row), else [BLOCK_M, BLOCK_N, BLOCK_K] (each weight tile serves every row)."""
-    if BLOCK_M == 1:  # noqa: SIM108 (a constexpr branch)
-        products = w * x
-    else:
-        products = w[None, :, :] * x[:, None, :]
-    return products
-
-
-@triton.jit
 def _statistics_tile(
     hidden_ptr,
     residual_ptr,
@@ -220,7 +209,7 @@ def _add_rms_norm_gemv_kernel(
     GATE_UP: tl.constexpr,
     SINGLE_K: tl.constexpr,  # BLOCK_K >= K (then BLOCK_K_NORM == BLOCK_K): one tile holds the whole row
     ONE_NORM_TILE: tl.constexpr,  # BLOCK_K_NORM >= K: the statistics pass is one tile, no loop
-    BLOCK_M: tl.constexpr,  # next power of two >= M (all rows in one program)
+    BLOCK_M: tl.constexpr,  # 1: the row of x (more rows take the skinny GEMM); the statistics keep the dim
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_K_NORM: tl.constexpr,  # columns per statistics tile (pass 1): >= BLOCK_K
@@ -274,10 +263,10 @@ def _add_rms_norm_gemv_kernel(
             hidden_ptr, residual_ptr, offs_m, offs_k0, mask, stride_hm, stride_rm, HAS_RESIDUAL
         )
     x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k0, k_mask, act_dtype)
-    acc = _products(x, w, BLOCK_M)
+    acc = w * x  # [BLOCK_N, BLOCK_K]: x [1, BLOCK_K] broadcasts over the weight rows
     acc_up = acc
     if GATE_UP:
-        acc_up = _products(x, w_up, BLOCK_M)
+        acc_up = w_up * x
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
@@ -287,17 +276,13 @@ def _add_rms_norm_gemv_kernel(
             hidden_ptr, residual_ptr, offs_m, offs_k, mask, stride_hm, stride_rm, HAS_RESIDUAL
         )
         x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype)
-        acc += _products(x, w, BLOCK_M)
+        acc += w * x
         if GATE_UP:
-            acc_up += _products(x, w_up, BLOCK_M)
+            acc_up += w_up * x
 
-    # [BLOCK_M, BLOCK_N] results
-    if BLOCK_M == 1:
-        result = tl.sum(acc, axis=1)[None, :]
-        result_up = tl.sum(acc_up, axis=1)[None, :]
-    else:
-        result = tl.sum(acc, axis=2)
-        result_up = tl.sum(acc_up, axis=2)
+    # [1, BLOCK_N] results
+    result = tl.sum(acc, axis=1)[None, :]
+    result_up = tl.sum(acc_up, axis=1)[None, :]
     if HAS_BIAS:
         result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATE_UP:
@@ -327,6 +312,7 @@ def _launch_gemv(
     (tests, sweeps)."""
     m, k = hidden.shape
     n = out.shape[1]
+    assert m == 1, "the fused GEMV takes one row; more take the norm, then the skinny GEMM"
     block_n, block_k, num_warps = config or gemv_config(m, n, k, gate_up)
     block_m = triton.next_power_of_2(m)
     if block_k_norm is None:
