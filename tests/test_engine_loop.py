@@ -99,6 +99,8 @@ def test_a_subscriber_that_goes_away_has_its_requests_aborted(prompts: list[list
             loop_under_test.submit(f"r{index}", prompt, long, "gone")
         await queue.get()  # it runs
         loop_under_test.unsubscribe("gone", queue)
+        # right after a disconnect, before the engine thread takes the aborts (it went to -15 and -8)
+        assert loop_under_test.gauges()["num_requests_waiting"][0] >= 0
         for _ in range(200):
             if not engine.requests and not engine.has_unfinished():
                 return
