@@ -6,6 +6,7 @@ program passes its result to `serve.run(...)` just the same.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
@@ -15,6 +16,8 @@ from deployments.config import AppArgs, parse_app_args
 from deployments.engine import EngineDeployment
 from deployments.ingress import OpenAIIngress
 from deployments.proposer import SEE_ALL_GPUS, ProposerDeployment
+
+logger = logging.getLogger(__name__)
 
 # Calls beyond the request streams (info, metrics, health) that the engine actor must still take.
 _CONTROL_CALLS = 32
@@ -67,6 +70,11 @@ def resolve_device(requested: str) -> str:
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     app_args = args if isinstance(args, AppArgs) else parse_app_args(args)
+    if app_args.api_key is not None:
+        logger.warning(
+            "args.api_key: Serve logs the application's args as given, key included; give the key in a "
+            "file (api_key_file) or in TILEINFER_API_KEY where the ingress runs instead"
+        )
     device = resolve_device(app_args.device)
     app_args = app_args.for_device(device)
     dtype = app_args.dtype if app_args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from engine.default_model import DEFAULT_MODEL_ALIAS
 from engine.engine import EngineConfig
@@ -14,6 +16,9 @@ from engine.engine import EngineConfig
 GPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 64
 CPU_KV_CACHE_TOKENS = 16384
+# The API key from the environment of the ingress replicas (as vLLM's VLLM_API_KEY), when the args give
+# neither api_key nor api_key_file.
+API_KEY_ENV = "TILEINFER_API_KEY"
 
 
 class AppArgs(BaseModel):
@@ -40,7 +45,15 @@ class AppArgs(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed in one step")
     max_queue_len: int = Field(256, ge=0, description="requests that may wait beyond max_num_seqs; then 503")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get 413")
-    api_key: str | None = Field(None, min_length=1, description="when set, requests need this Bearer key")
+    # Serve logs the args as given (its controller's "Importing application ... with arguments"), so a key
+    # written here shows in its logs; api_key_file and TILEINFER_API_KEY are read by the ingress replicas.
+    api_key: SecretStr | None = Field(
+        None, min_length=1, description="when set, requests need this Bearer key (masked in reprs)"
+    )
+    api_key_file: str | None = Field(
+        None, min_length=1, description="a file holding the key, read where the ingress replicas run"
+    )
+    metrics_require_key: bool = Field(False, description="/metrics needs the key too (by default not)")
     engine_num_cpus: float = Field(1.0, ge=0)
     ingress_num_cpus: float = Field(0.0, ge=0)
     num_ingress_replicas: int = Field(1, ge=1)
@@ -69,6 +82,28 @@ class AppArgs(BaseModel):
         description="the proposer drafts the next block while the engine verifies; default: on when "
         "the proposer has a GPU of its own (draft-model and DFlash proposers)",
     )
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> AppArgs:
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give api_key or api_key_file, not both")
+        return self
+
+    def resolve_api_key(self) -> str | None:
+        """The key requests need, or None: api_key, else api_key_file's content (stripped), else the
+        TILEINFER_API_KEY environment variable. Call it where the ingress runs (the file and the variable
+        are that machine's)."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        if self.api_key_file is not None:
+            try:
+                key = Path(self.api_key_file).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as error:
+                raise ValueError(f"args.api_key_file: cannot read {self.api_key_file}: {error}") from None
+            if not key:
+                raise ValueError(f"args.api_key_file: {self.api_key_file} is empty")
+            return key
+        return os.environ.get(API_KEY_ENV) or None
 
     def proposer_draft_ahead(self, device: str, num_gpus: float) -> bool:
         """Whether the proposer actor drafts ahead: as asked, else when it holds a whole GPU."""

@@ -10,6 +10,11 @@ token that completed it is returned or counted, and the engine request is aborte
 a step). Each SSE event carries everything of a choice that is ready when it is written: the first
 token goes out at once (no batching timer), and a client or step that outpaces the writer gets the
 tokens that piled up in one event rather than one event each.
+
+The API key (AppArgs.resolve_api_key: args, a file or TILEINFER_API_KEY, read here) guards the
+completions and /v1/models. /health and /openapi.json answer without it, and so does /metrics unless
+metrics_require_key (vLLM's convention). Calls to the engine beyond requests (/health, /v1/models,
+/metrics) answer 503 within a second or two while the engine replica restarts, rather than hang.
 """
 
 import asyncio
@@ -43,8 +48,11 @@ from deployments.protocol import (
     completion_chunk,
     completion_response,
     echo_text,
+    json_body_of,
     max_tokens_for,
     openai_error_from,
+    original_exception,
+    parse_json_body,
     parse_request,
     sampling_params_for,
     sse,
@@ -54,6 +62,9 @@ from deployments.protocol import (
 from engine.detokenizer import TextStream
 from engine.engine import RequestOutput
 from engine.loader import load_tokenizer
+
+HEALTH_TIMEOUT_S = 1.0  # /health: the engine answers its health check within this, or is not healthy
+CONTROL_CALL_TIMEOUT_S = 2.0  # /v1/models and /metrics: 503 when the engine does not answer within this
 
 
 @dataclasses.dataclass(eq=False)
@@ -79,12 +90,14 @@ class _Prepared:
     outputs: asyncio.Queue
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class BodySizeLimit:
-    """ASGI middleware: a request body over max_bytes gets 413, whether or not it declares its length."""
+    """ASGI middleware: a request body over max_bytes gets 413, whether or not it declares its length.
+
+    A declared Content-Length over the limit is refused before the app runs. A chunked body is counted as
+    the app reads it: receive raises the 413 OpenAIError, which the app's own handler turns into the
+    response (an exception of another type came out as a 500: FastAPI's catch-all handler answered it
+    before it reached this middleware).
+    """
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app = app
@@ -105,13 +118,10 @@ class BodySizeLimit:
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_bytes:
-                raise _BodyTooLarge
+                raise OpenAIError.request_too_large(self.max_bytes)
             return message
 
-        try:
-            await self.app(scope, counting_receive, send)
-        except _BodyTooLarge:
-            await self._reject(send)
+        await self.app(scope, counting_receive, send)
 
     async def _reject(self, send: Callable) -> None:
         error = OpenAIError.request_too_large(self.max_bytes)
@@ -128,6 +138,7 @@ class OpenAIIngress:
         self.args = args
         self.engine = engine
         self.client = EngineClient(engine)
+        self.api_key = args.resolve_api_key()  # here, where the replica runs: never in the args' logs
         self.tokenizer = load_tokenizer(args.model)
         self.info: EngineInfo | None = None
         self.created = int(time.time())
@@ -139,28 +150,32 @@ class OpenAIIngress:
 
     async def _engine_info(self) -> EngineInfo:
         if self.info is None:
-            self.info = await self.engine.info.remote()
+            self.info = await _control_call(self.engine.info.remote(), "info call", CONTROL_CALL_TIMEOUT_S)
         return self.info
 
     # --- calls for Python handles (serve.get_app_handle): OpenAI request dicts in, dicts out ------
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """A chat completion, as the HTTP API returns it (stream is ignored)."""
+        body = json_body_of(body)
         prepared = await self._prepare_chat({**body, "stream": False})
         return await self._chat_response(prepared, self._parse_chat(body))
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The chunks of a streamed chat completion (call with handle.options(stream=True))."""
+        body = json_body_of(body)
         request = self._parse_chat({**body, "stream": True})
         prepared = await self._prepare_chat({**body, "stream": True})
         async for chunk in self._chat_chunks(prepared, request):
             yield chunk
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        body = json_body_of(body)
         prepared = await self._prepare_completion({**body, "stream": False})
         return await self._completion_response(prepared, self._parse_completion(body))
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        body = json_body_of(body)
         request = self._parse_completion({**body, "stream": True})
         prepared = await self._prepare_completion({**body, "stream": True})
         async for chunk in self._completion_chunks(prepared, request):
@@ -173,7 +188,7 @@ class OpenAIIngress:
 
         @app.exception_handler(OpenAIError)
         async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
-            return JSONResponse(error.body(), status_code=error.status_code)
+            return _error_response(error)
 
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -184,8 +199,7 @@ class OpenAIIngress:
 
         @app.exception_handler(Exception)
         async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
-            converted = openai_error_from(error)
-            return JSONResponse(converted.body(), status_code=converted.status_code)
+            return _error_response(openai_error_from(error))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Response:
@@ -219,38 +233,38 @@ class OpenAIIngress:
             return JSONResponse({"object": "list", "data": [model]})
 
         @app.get("/health")
-        async def health() -> JSONResponse:
+        async def health() -> JSONResponse:  # no key: a load balancer's probe
             try:
-                await self.engine.check_health.remote()
-            except Exception as error:  # noqa: BLE001 - any failure means unhealthy
-                unavailable = OpenAIError.service_unavailable(f"the engine is not healthy: {error}")
-                return JSONResponse(unavailable.body(), status_code=unavailable.status_code)
+                await _control_call(self.engine.check_health.remote(), "health check", HEALTH_TIMEOUT_S)
+            except OpenAIError as unavailable:
+                return _error_response(unavailable)
             return JSONResponse({"status": "ok"})
 
         @app.get("/metrics")
-        async def metrics() -> PlainTextResponse:
-            text = await self.engine.metrics.remote()
+        async def metrics(request: Request) -> PlainTextResponse:
+            if self.args.metrics_require_key:
+                self._authorize(request)
+            text = await _control_call(self.engine.metrics.remote(), "metrics call", CONTROL_CALL_TIMEOUT_S)
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
         return BodySizeLimit(app, self.args.max_request_bytes)
 
     def _authorize(self, request: Request) -> None:
-        if self.args.api_key is None:
+        if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), self.args.api_key):
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        key = key.strip()
+        # RFC 7235: the auth scheme is case-insensitive, so "bearer" is Bearer too
+        if scheme.lower() != "bearer" or not key:
+            raise OpenAIError.invalid_api_key(provided=False)
+        # bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500); Starlette
+        # decoded the header as Latin-1, so this is the header's own bytes
+        if not hmac.compare_digest(key.encode("latin-1"), self.api_key.encode("utf-8")):
             raise OpenAIError.invalid_api_key()
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise OpenAIError.invalid_request(f"the request body is not valid JSON: {error}") from None
-        if not isinstance(body, dict):
-            raise OpenAIError.invalid_request("the request body must be a JSON object")
-        return body
+        return parse_json_body(await request.body())
 
     @staticmethod
     def _sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -464,6 +478,34 @@ class OpenAIIngress:
 
     def _echo(self, request: CompletionRequest, choice: _Choice) -> str:
         return echo_text(request.prompt_list()[choice.prompt_index], self.tokenizer)
+
+
+def _error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers())
+
+
+async def _control_call(response: Any, what: str, timeout_s: float) -> Any:
+    """The result of an engine call beyond a request's own (health, info, metrics), or a 503 when the
+    engine does not answer within timeout_s: while its replica restarts, Serve holds the call until a new
+    one is up (seconds: loading and warm-up), and these must not hang that long."""
+
+    async def result() -> Any:
+        return await response
+
+    try:
+        return await asyncio.wait_for(result(), timeout_s)
+    except TimeoutError:
+        response.cancel()
+        raise OpenAIError.service_unavailable(
+            f"The engine did not answer the {what} within {timeout_s:g} s (it may be restarting); "
+            "please retry."
+        ) from None
+    except Exception as error:  # noqa: BLE001 - the engine replica died, or its check failed
+        cause = original_exception(error)
+        detail = (str(cause).strip().splitlines() or [""])[0][:200]
+        raise OpenAIError.service_unavailable(
+            f"The engine is not healthy ({type(cause).__name__}: {detail}); please retry."
+        ) from None
 
 
 def _join(output: RequestOutput, later: RequestOutput) -> None:

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -36,6 +37,8 @@ MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
 # What OpenAI reports for a logprob too small to matter; JSON has no -Infinity.
 LOWEST_LOGPROB = -9999.0
+MAX_TOP_K = 2**31 - 1  # the engine's buffers hold top_k as int32; any k past the vocabulary means "off"
+RETRY_AFTER_S = 1  # every 503 (overloaded, or the engine restarting) tells the client to retry this soon
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -68,6 +71,10 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def headers(self) -> dict[str, str]:
+        """The HTTP headers of this error's response: Retry-After on a 503 (RFC 9110 15.6.4)."""
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status_code == 503 else {}
+
     @classmethod
     def invalid_request(cls, message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
         return cls(400, message, param=param, code=code)
@@ -86,7 +93,11 @@ class OpenAIError(Exception):
         if provided:
             message = "Incorrect API key provided."
         else:
-            message = "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
+            # OpenAI's own words
+            message = (
+                "You didn't provide an API key. You need to provide your API key in an Authorization header "
+                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+            )
         return cls(401, message, code="invalid_api_key")
 
     @classmethod
@@ -122,7 +133,7 @@ def openai_error_from(exc: BaseException, prompt_param: str | None = None) -> Op
     `prompt_param` ("messages" or "prompt") is the field a context-length error names. Errors the user did
     not cause become a generic 500, so internals never reach the client.
     """
-    exc = _original_exception(exc)
+    exc = original_exception(exc)
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, ContextLengthExceededError):
@@ -134,7 +145,7 @@ def openai_error_from(exc: BaseException, prompt_param: str | None = None) -> Op
     return OpenAIError.internal()
 
 
-def _original_exception(exc: BaseException) -> BaseException:
+def original_exception(exc: BaseException) -> BaseException:
     # Ray re-raises an actor's exception as a RayTaskError subclass that is also an instance of the
     # original class and keeps it in `.cause`; its str() is a traceback, so take the cause's message.
     cause = getattr(exc, "cause", None)
@@ -149,7 +160,8 @@ def _original_exception(exc: BaseException) -> BaseException:
 class _OpenAIModel(BaseModel):
     """Strict JSON types (no "1" for 1), unknown fields rejected, null taken as "not given"."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # allow_inf_nan: JSON has no NaN or Infinity, but 1e999 parses as inf
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     # field -> the values that leave the output unchanged; any other value is rejected as unsupported
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {}
@@ -239,7 +251,7 @@ class _GenerationRequest(_OpenAIModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = None
     # extensions, as vLLM names them
-    top_k: int = Field(0, ge=-1)  # 0 or -1: off
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # 0 or -1: off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
@@ -413,6 +425,36 @@ class CompletionRequest(_GenerationRequest):
 
 
 RequestT = TypeVar("RequestT", bound=_GenerationRequest)
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """An HTTP request body as a dict; 400 for what is not a JSON object.
+
+    pydantic's JSON parser (jiter), not json.loads: it refuses lone surrogates ("\\ud800", which the
+    tokenizer cannot take), NaN and Infinity (not JSON), and nesting past 200 levels, where json.loads
+    raised RecursionError (a 500) past about 1,000.
+    """
+    try:
+        body = pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as error:
+        raise OpenAIError.invalid_request(f"The request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError.invalid_request("The request body must be a JSON object.")
+    return body
+
+
+def json_body_of(body: Any) -> dict[str, Any]:
+    """A Python handle's request dict held to what an HTTP body may be (parse_json_body): it goes through
+    JSON, so a lone surrogate, NaN, a non-JSON type or deep nesting gets the same 400."""
+    try:
+        raw = json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise OpenAIError.invalid_request(f"The request's text is not valid Unicode: {error}") from None
+    except RecursionError:
+        raise OpenAIError.invalid_request("The request is nested too deeply.") from None
+    except (TypeError, ValueError) as error:
+        raise OpenAIError.invalid_request(f"The request is not what a JSON body can hold: {error}") from None
+    return parse_json_body(raw)
 
 
 def parse_request(model_cls: type[RequestT], body: Any) -> RequestT:

@@ -22,8 +22,7 @@ from bench.random_dflash import smollm2_135m_config, write_checkpoint
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 API_KEY = "test-key"
-GUARDED_ARGS = {
-    "api_key": API_KEY,
+GUARDED_ARGS = {  # its key comes from a file (api_key_file, written at start): Serve logs the args
     "max_num_seqs": 1,
     "max_queue_len": 1,
     "max_request_bytes": 4096,
@@ -99,7 +98,9 @@ def serve_application(workdir: Path) -> Iterator[Served]:
     main_app = config["applications"][0]
     main_app["args"]["engine_num_cpus"] = 0  # four engines on a two-core machine
     guarded = {**main_app, "name": "guarded", "route_prefix": "/guarded"}
-    guarded["args"] = {**main_app["args"], **GUARDED_ARGS}
+    key_file = workdir / "api-key"
+    key_file.write_text(API_KEY + "\n")
+    guarded["args"] = {**main_app["args"], **GUARDED_ARGS, "api_key_file": str(key_file)}
     speculative = {**main_app, "name": "speculative", "route_prefix": "/speculative"}
     speculative["args"] = {**main_app["args"], **SPECULATIVE_ARGS}
     dflash = {**main_app, "name": "dflash", "route_prefix": "/dflash"}

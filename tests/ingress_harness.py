@@ -1,0 +1,133 @@
+"""The ingress's HTTP app without Ray: OpenAIIngress's own class, built with a stand-in for the engine's
+DeploymentHandle, served in process through httpx's ASGI transport (tests/test_hardening.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from deployments import ingress as ingress_module
+from deployments.config import AppArgs
+from deployments.engine import EngineInfo
+from deployments.engine_loop import Delta
+from engine.errors import InvalidRequestError
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
+
+MODEL = "smollm2-135m"
+INFO = EngineInfo(MODEL, max_model_len=512, max_prompt_tokens=511, vocab_size=49152, device="cpu",
+                  dtype="float32")  # fmt: skip
+
+
+class _Response:
+    """What a handle call returns: awaitable once, cancellable (like Serve's DeploymentResponse)."""
+
+    def __init__(self, call: Any) -> None:
+        self._task = asyncio.get_running_loop().create_task(call)
+        self.cancelled = False
+
+    def __await__(self):  # noqa: ANN204
+        return self._task.__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._task.cancel()
+
+
+class _Stream:
+    def __init__(self, items: AsyncIterator[list[Delta]]) -> None:
+        self._items = items
+
+    def __aiter__(self) -> AsyncIterator[list[Delta]]:
+        return self._items
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Method:
+    def __init__(self, function: Any, stream: bool = False) -> None:
+        self.function, self.stream = function, stream
+
+    def remote(self, *args: Any) -> Any:
+        return _Stream(self.function(*args)) if self.stream else _Response(self.function(*args))
+
+
+class FakeEngine:
+    """The engine deployment's calls, as an EngineClient and the ingress make them. A request gets one
+    token and ends ("length"); `stalled` makes every call wait for ever (an engine replica restarting)."""
+
+    def __init__(self, token_id: int) -> None:
+        self.token_id = token_id
+        self.stalled = asyncio.Event()
+        self.stalled.set()  # set: not stalled
+        self.outputs_queue: asyncio.Queue[list[Delta]] = asyncio.Queue()
+        self.submitted: list[tuple[list[int], SamplingParams]] = []
+
+    def options(self, stream: bool = False) -> FakeEngine:
+        return _Streaming(self) if stream else self
+
+    async def _wait(self) -> None:
+        await self.stalled.wait()
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self, "_" + name))
+
+    async def _info(self) -> EngineInfo:
+        await self._wait()
+        return INFO
+
+    async def _check_health(self) -> None:
+        await self._wait()
+
+    async def _metrics(self) -> str:
+        await self._wait()
+        return "# TYPE tileinfer_num_requests_waiting gauge\ntileinfer_num_requests_waiting 0\n"
+
+    async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, _: str) -> None:
+        await self._wait()
+        params.validate()
+        if not prompt or any(not 0 <= token < INFO.vocab_size for token in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {INFO.vocab_size})")
+        self.submitted.append((prompt, params))
+        self.outputs_queue.put_nowait([(request_id, [self.token_id], "length", None, None)])
+
+    async def _abort(self, request_id: str, reason: str = "abort") -> None:
+        pass
+
+    async def _heartbeat(self, subscriber_id: str) -> None:
+        pass
+
+    async def _outputs(self, subscriber_id: str) -> AsyncIterator[list[Delta]]:
+        await self._wait()
+        yield []
+        while True:
+            yield await self.outputs_queue.get()
+
+
+class _Streaming:
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self.engine, "_" + name), stream=True)
+
+
+def make_ingress(tokenizer: Tokenizer, monkeypatch: Any, **args: Any) -> tuple[Any, FakeEngine]:
+    """An OpenAIIngress (its own class, not Serve's wrapper) on a FakeEngine, with the args given."""
+    monkeypatch.setattr(ingress_module, "load_tokenizer", lambda model: tokenizer)
+    engine = FakeEngine(tokenizer.encode("a", add_special_tokens=False)[0])
+    cls = ingress_module.OpenAIIngress.func_or_class.__mro__[1]  # the class under Serve's wrapper
+    ingress = cls.__new__(cls)
+    cls.__init__(ingress, AppArgs.model_validate({"served_model_name": MODEL, **args}), engine)
+    return ingress, engine
+
+
+def build(tokenizer: Tokenizer, monkeypatch: Any, **args: Any) -> tuple[httpx.AsyncClient, FakeEngine]:
+    """An httpx client of an OpenAIIngress's ASGI app (no Serve), with the args given; call in a loop."""
+    ingress, engine = make_ingress(tokenizer, monkeypatch, **args)
+    transport = httpx.ASGITransport(app=ingress.__serve_build_asgi_app__(), raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://ingress.test", timeout=30), engine

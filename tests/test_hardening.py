@@ -1,0 +1,361 @@
+"""Issue #16's hardening of the ingress: bad inputs get a 4xx (never a 5xx), the API key comes from a file
+or the environment and never shows in the args' logs, what the key covers, 503s with Retry-After, and
+/health, /v1/models and /metrics answering at once while the engine replica restarts.
+
+Most run the ingress's own HTTP app in process (tests/ingress_harness.py: no Ray); the last ones run
+against the real application (the `served` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from ingress_harness import MODEL, build, make_ingress
+from serving import API_KEY, Served
+
+from deployments import ingress as ingress_module
+from deployments.config import API_KEY_ENV, parse_app_args
+from deployments.protocol import RETRY_AFTER_S, OpenAIError, json_body_of
+from engine.errors import CapacityError
+from engine.loader import load_tokenizer
+from engine.tokenizer import Tokenizer
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+NO_KEY_MESSAGE = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header using "
+    "Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_gguf: Path) -> Tokenizer:
+    return load_tokenizer("smollm2-135m")
+
+
+def _chat(**fields: Any) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                       **fields}).encode()  # fmt: skip
+
+
+def _completion(**fields: Any) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, **fields}).encode()
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def _nested_list(depth: int) -> list:
+    nested: list = []
+    for _ in range(depth - 1):
+        nested = [nested]
+    return nested
+
+
+_MODEL = MODEL.encode()
+# (name, path, raw body): each got a 5xx before the fix (the first six are issue #16's), or is a bad input
+# of our own that must keep its 4xx
+BAD_INPUTS = [
+    ("lone surrogate in chat content", CHAT,
+     b'{"model":"%s","messages":[{"role":"user","content":"\\ud800"}]}' % _MODEL),
+    ("lone surrogate in a prompt", COMPLETIONS, b'{"model":"%s","prompt":"\\udfff abc"}' % _MODEL),
+    ("1,000 deep in an unknown field", CHAT, _chat()[:-1] + b',"extra":' + _nested(1000) + b"}"),
+    ("100,000 deep in an unknown field", CHAT, _chat()[:-1] + b',"extra":' + _nested(100_000) + b"}"),
+    ("50,000 deep in messages", CHAT, b'{"model":"%s","messages":' % _MODEL + _nested(50_000) + b"}"),
+    ("lone surrogate in a prompt list", COMPLETIONS, b'{"model":"%s","prompt":["ok","\\udfff"]}' % _MODEL),
+    ("lone surrogate in a stop string", CHAT, _chat()[:-1] + b',"stop":"\\udbff"}'),
+    ("lone surrogate in a key", CHAT, _chat()[:-1] + b',"\\ud800":1}'),
+    ("lone surrogate in chat_template_kwargs", CHAT,
+     _chat()[:-1] + b',"chat_template_kwargs":{"x":"\\ud800"}}'),
+    ("top_k past int32", CHAT, _chat(top_k=10**18)),  # the engine's step buffers hold top_k as int32
+    ("NaN", CHAT, _chat()[:-1] + b',"temperature":NaN}'),
+    ("Infinity", CHAT, _chat()[:-1] + b',"repetition_penalty":Infinity}'),
+    ("1e999 (inf)", CHAT, _chat()[:-1] + b',"repetition_penalty":1e999}'),
+    ("invalid UTF-8", CHAT, b'{"model":"%s","messages":[{"role":"user","content":"\xff\xfe"}]}' % _MODEL),
+    ("empty body", CHAT, b""),
+    ("an array", CHAT, b"[" + _chat() + b"]"),
+    ("a string", COMPLETIONS, b'"hi"'),
+    ("a 5,000-digit number", CHAT, _chat()[:-1] + b',"seed":1' + b"0" * 5000 + b"}"),
+    ("seed past 64 bits", CHAT, _chat(seed=10**30)),
+    ("negative max_tokens", CHAT, _chat(max_tokens=-1)),
+    ("max_tokens 10**40", CHAT, _chat(max_tokens=10**40)),
+    ("n=0", CHAT, _chat(n=0)),
+    ("huge n", COMPLETIONS, _completion(n=10**9)),
+    ("prompts x n over 128", COMPLETIONS, _completion(prompt=["a"] * 65, n=2)),
+    ("top_logprobs 99", CHAT, _chat(logprobs=True, top_logprobs=99)),
+    ("completions logprobs 6", COMPLETIONS, _completion(logprobs=6)),
+    ("five stop strings", CHAT, _chat(stop=["a", "b", "c", "d", "e"])),
+    ("stop of the wrong type", CHAT, _chat(stop=[["a"]])),
+    ("messages as an object", CHAT, _chat(messages={"role": "user", "content": "hi"})),
+    ("content of the wrong type", CHAT, _chat(messages=[{"role": "user", "content": 5}])),
+    ("prompt token ids past the vocabulary", COMPLETIONS, _completion(prompt=[10**30])),
+    ("prompt of floats", COMPLETIONS, _completion(prompt=[1.5])),
+    ("a string for a number", CHAT, _chat(temperature="1")),
+    ("prompt over the context", COMPLETIONS, _completion(prompt="word " * 600)),
+]  # fmt: skip
+
+
+def _run(coroutine: Any) -> Any:
+    return asyncio.run(coroutine)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS]
+)
+def test_bad_inputs_get_a_4xx_error_object(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, path: str, body: bytes
+) -> None:
+    async def run() -> httpx.Response:
+        client, _ = build(tokenizer, monkeypatch)
+        async with client:
+            return await client.post(path, content=body, headers={"content-type": "application/json"})
+
+    response = _run(run())
+    assert response.status_code == 400, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_chunked_body_over_the_limit_gets_413(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def chunks() -> Any:  # no Content-Length: sent as Transfer-Encoding: chunked
+        for _ in range(5):
+            yield b" " * 1000
+        yield _chat()
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        client, _ = build(tokenizer, monkeypatch, max_request_bytes=4096)
+        async with client:
+            over = await client.post(CHAT, content=chunks())
+            under = await client.post(CHAT, content=b" " * 3000 + _chat())
+            return over, under
+
+    over, under = _run(run())
+    assert over.status_code == 413 and over.json()["error"]["code"] == "request_too_large"
+    assert under.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": MODEL, "prompt": "\udfff abc"},  # the tokenizer's TypeError, a 500 before
+        {"model": MODEL, "prompt": "hi", "extra": _nested_list(5000)},
+        {"model": MODEL, "prompt": "hi", "temperature": float("nan")},
+        {"model": MODEL, "prompt": "hi", "seed": b"bytes"},
+        ["not", "a", "dict"],
+    ],
+    ids=["lone surrogate", "5,000 deep", "NaN", "bytes", "a list"],
+)
+def test_handle_bodies_are_held_to_what_json_holds(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, body: Any
+) -> None:
+    with pytest.raises(OpenAIError) as raised:
+        json_body_of(body)
+    assert raised.value.status_code == 400
+    ingress, _ = make_ingress(tokenizer, monkeypatch)
+    with pytest.raises(OpenAIError) as raised:
+        _run(ingress.complete(body))
+    assert raised.value.status_code == 400
+
+
+# ---- the API key -------------------------------------------------------------------------------
+
+
+def _statuses(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, requests: list[tuple[str, str, dict]],
+              **args: Any) -> list[httpx.Response]:  # fmt: skip
+    async def run() -> list[httpx.Response]:
+        client, _ = build(tokenizer, monkeypatch, **args)
+        async with client:
+            return [
+                await client.request(
+                    method, path, headers=headers, content=_chat() if method == "POST" else None
+                )
+                for method, path, headers in requests
+            ]
+
+    return _run(run())
+
+
+def test_what_the_key_covers(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    good, lower = {"Authorization": "Bearer s3cret"}, {"Authorization": "bearer s3cret"}
+    requests = [
+        ("POST", CHAT, {}),  # no key
+        ("POST", CHAT, {"Authorization": "Bearer "}),  # an empty one
+        ("POST", CHAT, {"Authorization": "Basic czNjcmV0"}),  # not Bearer auth
+        ("POST", CHAT, {"Authorization": "Bearer nope"}),
+        ("POST", CHAT, {"Authorization": "Bearer s3cr\u00e9t".encode()}),  # compare_digest raised: a 500
+        ("POST", CHAT, good),
+        ("POST", CHAT, lower),  # RFC 7235: the scheme is case-insensitive
+        ("GET", "/v1/models", {}),
+        ("GET", "/v1/models", good),
+        ("GET", "/health", {}),
+        ("GET", "/openapi.json", {}),
+        ("GET", "/metrics", {}),
+    ]
+    responses = _statuses(tokenizer, monkeypatch, requests, api_key="s3cret")
+    assert [response.status_code for response in responses] == [401] * 5 + [200, 200, 401, 200, 200, 200, 200]
+    messages = [response.json()["error"]["message"] for response in responses[:5]]
+    assert messages[:3] == [NO_KEY_MESSAGE] * 3
+    assert messages[3].startswith("Incorrect API key provided") and messages[4] == messages[3]
+    assert all(response.json()["error"]["code"] == "invalid_api_key" for response in responses[:5])
+    guarded_metrics = _statuses(tokenizer, monkeypatch, [("GET", "/metrics", {}), ("GET", "/metrics", good)],
+                                api_key="s3cret", metrics_require_key=True)  # fmt: skip
+    assert [response.status_code for response in guarded_metrics] == [401, 200]
+
+
+def test_the_key_from_a_file_or_the_environment_and_masked_in_the_args(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("from-a-file\n")
+    monkeypatch.setenv(API_KEY_ENV, "from-the-env")
+    assert parse_app_args({"api_key_file": str(key_file)}).resolve_api_key() == "from-a-file"
+    assert parse_app_args({}).resolve_api_key() == "from-the-env"
+    in_args = parse_app_args({"api_key": "in-the-args"})
+    assert in_args.resolve_api_key() == "in-the-args"
+    for shown in (repr(in_args), str(in_args), in_args.model_dump_json(), str(in_args.model_dump())):
+        assert "in-the-args" not in shown
+    monkeypatch.delenv(API_KEY_ENV)
+    assert parse_app_args({}).resolve_api_key() is None
+    with pytest.raises(ValueError, match="not both"):
+        parse_app_args({"api_key": "a", "api_key_file": str(key_file)})
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        parse_app_args({"api_key_file": str(key_file)}).resolve_api_key()
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_app_args({"api_key_file": str(tmp_path / "missing")}).resolve_api_key()
+
+
+# ---- 503s: Retry-After, and no hanging while the engine restarts -------------------------------
+
+
+def test_engine_calls_answer_503_with_retry_after_when_the_engine_does_not_answer(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ingress_module, "HEALTH_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(ingress_module, "CONTROL_CALL_TIMEOUT_S", 0.05)
+
+    async def run() -> list[httpx.Response]:
+        client, engine = build(tokenizer, monkeypatch)
+        async with client:
+            healthy = await client.get("/health")
+            engine.stalled.clear()  # its replica restarting: Serve holds every call
+            stalled = [await client.get(path) for path in ("/health", "/v1/models", "/metrics")]
+            engine.stalled.set()
+            return [healthy, *stalled, await client.get("/health"), await client.get("/v1/models")]
+
+    responses = _run(run())
+    assert [response.status_code for response in responses] == [200, 503, 503, 503, 200, 200]
+    for response in responses[1:4]:
+        assert response.headers["retry-after"] == str(RETRY_AFTER_S)
+        assert "restarting" in response.json()["error"]["message"]
+
+
+def test_queue_full_503_carries_retry_after(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def run() -> httpx.Response:
+        client, engine = build(tokenizer, monkeypatch)
+
+        async def refuse(*_: Any) -> None:
+            raise CapacityError("full")
+
+        engine._submit = refuse
+        async with client:
+            return await client.post(CHAT, content=_chat())
+
+    response = _run(run())
+    assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
+    assert response.headers["retry-after"] == str(RETRY_AFTER_S)
+
+
+# ---- the real application ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bad_inputs_over_http(served: Served) -> None:
+    headers = {"content-type": "application/json"}
+    for name, path, body in BAD_INPUTS[:5]:
+        response = httpx.post(served.base_url + path, content=body, headers=headers, timeout=60)
+        assert response.status_code == 400, (name, response.text)
+
+    def chunks() -> Any:
+        yield b" " * 3000
+        yield b" " * 3000 + _chat()
+
+    keyed = {"Authorization": f"Bearer {API_KEY}", **headers}
+    over = httpx.post(served.guarded_url + CHAT, content=chunks(), headers=keyed, timeout=60)
+    assert over.status_code == 413 and over.json()["error"]["code"] == "request_too_large"
+    missing = httpx.post(served.guarded_url + CHAT, content=_chat(), headers=headers, timeout=60)
+    assert missing.status_code == 401 and missing.json()["error"]["message"] == NO_KEY_MESSAGE
+    lower = httpx.post(served.guarded_url + CHAT, content=_chat(), timeout=60,
+                       headers={**headers, "Authorization": f"bearer {API_KEY}"})  # fmt: skip
+    assert lower.status_code == 200
+
+
+def _engine_replica_pids(app_name: str) -> list[int]:
+    """The processes of an app's engine replica (Ray titles a replica ray::ServeReplica:<app>:Engine)."""
+    title = f"ServeReplica:{app_name}:Engine".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if title in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.slow
+def test_health_answers_503_at_once_while_the_engine_restarts(served: Served) -> None:
+    """Kill the guarded app's engine replica: /health answers 503 (with Retry-After) again and again until
+    the new replica is up, where it used to hang until then; the app serves again before this returns."""
+    health = served.guarded_url + "/health"
+    assert httpx.get(health, timeout=60).status_code == 200
+    pids = _engine_replica_pids("guarded")
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    statuses: list[int] = []
+    deadline = time.monotonic() + 240  # a bound on the test, not a threshold it asserts
+    while time.monotonic() < deadline:
+        response = httpx.get(health, timeout=120)
+        statuses.append(response.status_code)
+        if response.status_code == 200 and len(statuses) > 1:
+            break
+        assert response.status_code == 503 and response.headers["retry-after"] == str(RETRY_AFTER_S)
+        time.sleep(0.2)
+    assert statuses[-1] == 200
+    # the replica takes seconds to load and warm up; a hanging /health would answer once (or twice: the
+    # dead replica's error) and then wait for it
+    assert statuses.count(503) >= 3, statuses
+    metrics = httpx.get(served.guarded_url + "/metrics", timeout=60)
+    assert metrics.status_code == 200
+    keyed = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    for _ in range(30):  # the ingress subscribes to the new replica on its next request
+        chat = httpx.post(served.guarded_url + CHAT, content=_chat(), headers=keyed, timeout=120)
+        if chat.status_code == 200:
+            break
+        time.sleep(1)
+    assert chat.status_code == 200, chat.text
+
+
+@pytest.mark.slow
+def test_the_key_is_in_no_log(served: Served) -> None:
+    """The guarded app's key (from its api_key_file) shows neither in `serve run`'s output nor in Ray's
+    session logs (the controller's build log, the replicas' stdout and stderr). Last in this module, so
+    that the restart above is in the logs too."""
+    keyed = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    assert (
+        httpx.post(served.guarded_url + CHAT, content=_chat(), headers=keyed, timeout=120).status_code == 200
+    )
+    logs = [served.log, *Path("/tmp/ray/session_latest/logs").rglob("*")]
+    scanned = [path for path in logs if path.is_file()]
+    assert any("controller" in path.name for path in scanned)  # the session's logs are there
+    holding = [str(path) for path in scanned if API_KEY.encode() in path.read_bytes()]
+    assert holding == []
