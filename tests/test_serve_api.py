@@ -215,6 +215,7 @@ def test_requests_beyond_the_queue_get_503(served: Served) -> None:
         assert running.status_code == 200 and queued.status_code == 200
         refused = httpx.post(url, json={**body, "stream": False}, headers=headers, timeout=60)
         assert refused.status_code == 503 and _error(refused)["code"] == "queue_full"
+        assert refused.headers["retry-after"] == "1"
 
 
 def test_disconnect_mid_stream_frees_the_sequence_and_its_blocks(served: Served) -> None:
