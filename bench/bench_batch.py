@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import signal
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import limits  # noqa: E402
 from bench.bench_engine import (  # noqa: E402
-    Interrupted,
     attempt,
     free_memory,
     log,
     random_prompt,
+    run_models,
     step_summary,
-    versions,
 )
 from bench.model_shapes import DISPLAY_NAMES, MODELS, kv_bytes_per_token, random_weights, weight_bytes  # noqa: E402
 from bench.peer import PeerModel, compile_greedy_step, greedy_step  # noqa: E402
@@ -394,50 +390,10 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
 def main() -> None:
     settings, model_names, out_dir = parse_settings()
 
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise Interrupted("SIGTERM")
+    def bench(record: dict[str, Any], name: str, measured: dict[str, Any]) -> None:
+        bench_model(record, name, settings, measured["copy_bandwidth_bytes_per_s"])
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    device = settings.device
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "gpu": gpu,
-        "versions": versions(),
-        "dtype": str(settings.dtype).removeprefix("torch."),
-        "settings": {
-            key: value
-            for key, value in dataclasses.asdict(settings).items()
-            if key not in ("device", "dtype", "started")
-        },
-        "models": [],
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_path = out_dir / "bench_batch.json"
-    try:
-        results["limits"] = limits.measure(device, settings.tiny)
-        bandwidth = results["limits"]["copy_bandwidth_bytes_per_s"]
-        log(f"limits: copy {bandwidth / 1e12:.3f} TB/s ({gpu})")
-        for name in model_names:
-            record: dict[str, Any] = {}
-            results["models"].append(record)
-            try:
-                bench_model(record, name, settings, bandwidth)
-            except Exception as error:  # the parts catch their own; this is the last net for a model
-                traceback.print_exc()
-                record["error"] = f"{type(error).__name__}: {error}"[:2000]
-                free_memory()
-            out_path.write_text(json.dumps(results, indent=1, default=str))
-    except (Interrupted, KeyboardInterrupt) as stop:
-        log(f"\nstopped early ({type(stop).__name__}); the table holds what was measured")
-        results["stopped_early"] = True
-    finally:
-        results["elapsed_s"] = time.perf_counter() - settings.started
-        out_path.write_text(json.dumps(results, indent=1, default=str))
-        log(f"\nraw results: {out_path} ({results['elapsed_s']:.0f} s in all)")
-        if "limits" in results:
-            print_table(results)
+    run_models(settings, model_names, out_dir / "bench_batch.json", bench, print_table)
 
 
 if __name__ == "__main__":

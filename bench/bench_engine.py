@@ -531,8 +531,16 @@ def versions() -> dict[str, str]:
     return found
 
 
-def main() -> None:
-    settings, model_names, out_dir = parse_settings()
+def run_models(
+    settings: Any,
+    model_names: list[str],
+    out_path: Path,
+    bench_model: Callable[[dict[str, Any], str, dict[str, Any]], None],
+    print_table: Callable[[dict[str, Any]], None],
+) -> None:
+    """The run the engine benchmarks share: the limits, then bench_model(record, name, limits) for each
+    model, the JSON rewritten after each, and the table printed last, also when SIGTERM (a timeout) or
+    Ctrl-C stops it early. settings: a dataclass with device, dtype, tiny and started."""
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise Interrupted("SIGTERM")
@@ -553,8 +561,7 @@ def main() -> None:
         },
         "models": [],
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_path = out_dir / "bench_engine.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         results["limits"] = limits.measure(device, settings.tiny)
         log(
@@ -565,7 +572,7 @@ def main() -> None:
             record: dict[str, Any] = {}
             results["models"].append(record)
             try:
-                bench_model(record, name, settings, results["limits"])
+                bench_model(record, name, results["limits"])
             except Exception as error:  # the parts catch their own; this is the last net for a model
                 traceback.print_exc()
                 record["error"] = f"{type(error).__name__}: {error}"[:2000]
@@ -580,6 +587,14 @@ def main() -> None:
         log(f"\nraw results: {out_path} ({results['elapsed_s']:.0f} s in all)")
         if "limits" in results:
             print_table(results)
+
+
+def main() -> None:
+    settings, model_names, out_dir = parse_settings()
+    run_models(
+        settings, model_names, out_dir / "bench_engine.json",
+        lambda record, name, measured: bench_model(record, name, settings, measured), print_table,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
