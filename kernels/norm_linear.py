@@ -39,8 +39,7 @@ from kernels.linear import (
     GEMV_MAX_M,
     SKINNY_MAX_M,
     GemvConfig,
-    _launch_gemm,
-    _launch_skinny,
+    _launch,
     gate_up_silu_reference,
     gate_up_silu_triton,
     gemv_config,
@@ -373,7 +372,6 @@ def _norm_then_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Several rows: the add and the norm in one launch, then the skinny GEMM (a few rows) or the tiled
     GEMM, straight into out (fp32 logits too)."""
-    m = hidden.shape[0]
     normed = torch.empty_like(hidden)
     if residual is None:
         rms_norm_triton(hidden, norm_weight, eps, out=normed)
@@ -381,10 +379,7 @@ def _norm_then_linear(
     else:
         summed = residual_out if residual_out is not None else torch.empty_like(hidden)
         add_rms_norm_into_triton(hidden, residual, norm_weight, eps, normed, summed)
-    if m <= SKINNY_MAX_M:
-        _launch_skinny(normed, weight, bias, out, gate_up)
-    else:
-        _launch_gemm(normed, weight, bias, out, gate_up)
+    _launch(normed, weight, bias, out, gate_up)  # linear.py's choice of the skinny or the tiled GEMM
     return out, summed
 
 
