@@ -71,11 +71,7 @@ def profile(name: str) -> dict:
     end.record()
     end.synchronize()
     back_to_back = start.elapsed_time(end) / 1e3 / STEPS
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            graph.replay()
-        torch.cuda.synchronize()
-    table = kernel_table(prof, 10)
+    table = replay_kernels(graph, 10)
     kernel_sum = sum(row["us_per_step"] for row in table)
     launches = sum(row["calls_per_step"] for row in table)
     result = {
@@ -131,11 +127,7 @@ def profile_batches(name: str, batches: list[int], prompt_len: int = 512) -> dic
         bucket = next(size for size in engine.runner.graphs.batch_sizes if size >= batch)
         graph = engine.runner.graphs.graphs[bucket]
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                graph.replay()
-            torch.cuda.synchronize()
-        table = kernel_table(prof, 5)
+        table = replay_kernels(graph, 5)
         row = {"batch": batch, "engine_step_ms": statistics.median(wall) * 1e3,
                "kernel_sum_ms": sum(r["us_per_step"] for r in table) / 1e3, "kernels": table}  # fmt: skip
         results["batches"].append(row)
@@ -186,6 +178,15 @@ def profile_prefill(engine: Engine, vocab_size: int, length: int = 512) -> dict:
     for event in cpu:
         print(f"    host {event.self_cpu_time_total / 1e3:8.2f} ms {event.count:5d} x  {event.key[:70]}")
     return {"wall_ms": wall * 1e3, "kernel_sum_ms": gpu_ms, "kernels": table}
+
+
+def replay_kernels(graph: torch.cuda.CUDAGraph, replays: int) -> list[dict]:
+    """The per-kernel GPU time of one replay of the graph (kernel_table), over `replays` profiled ones."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return kernel_table(prof, replays)
 
 
 def kernel_table(prof: torch.profiler.profile, steps: int) -> list[dict]:
@@ -239,11 +240,7 @@ def profile_verify(engine: Engine, vocab_size: int, num_drafts: int = 6) -> dict
     end.record()
     end.synchronize()
     replay_ms = start.elapsed_time(end) / STEPS
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            graph.replay()
-        torch.cuda.synchronize()
-    table = kernel_table(prof, 10)
+    table = replay_kernels(graph, 10)
     del seq.token_ids[-num_drafts:]
     engine.abort(request_id)
     result = {
