@@ -182,6 +182,8 @@ serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under se
         --model qwen3-0.6b --dtype bfloat16 --restart --client-processes 4 --ingress-replicas 4 --out "$OUT" \
         > "$OUT/serve_load.log" 2>&1
     grep -v -i warn "$OUT/serve_load.log" | grep -v "^(" | tail -32
+    grep -h -o "engine built in.*" "$OUT"/serve_load_serve.log "$OUT"/serve_load_restart.log 2>/dev/null
+    echo "kernels in Triton's cache: $(find /tmp/tc/triton -name '*.cubin' | wc -l)"
     ;;
 batchprof)
     timeout 200 python3 bench/profile_decode.py "$OUT" --models qwen3-0.6b,qwen3-4b --batches 1,8,64,256 \
