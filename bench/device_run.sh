@@ -26,6 +26,7 @@
 #   bash bench/device_run.sh batchprof  # profile_decode --batches: batched decode steps' kernels
 #   bash bench/device_run.sh gputests # the engine's GPU tests of decode graphs, run-ahead, batched steps
 #   MODEL=qwen3-4b PEER=64,256 LIMIT=300 bash bench/device_run.sh batch  # bench_batch for one model
+#   bash bench/device_run.sh profilesteps  # (carry .assets) engine-direct serving steps, classed and profiled
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
@@ -184,6 +185,12 @@ serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under se
     grep -v -i warn "$OUT/serve_load.log" | grep -v "^(" | tail -32
     grep -h -o "engine built in.*" "$OUT"/serve_load_serve.log "$OUT"/serve_load_restart.log 2>/dev/null
     echo "kernels in Triton's cache: $(find /tmp/tc/triton -name '*.cubin' | wc -l)"
+    ;;
+profilesteps)  # (carrying .assets/qwen3-tokenizer) the engine-direct closed loop's steps, classed and profiled
+    mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
+    timeout "${LIMIT:-300}" python3 bench/profile_steps.py "$OUT" --model "${MODEL:-qwen3-0.6b}" \
+        --concurrency "${LEVELS:-64,256}" > "$OUT/profile_steps.log" 2>&1
+    grep -v -i warn "$OUT/profile_steps.log" | grep -v USDT | tail -"${TAIL:-150}"
     ;;
 batchprof)
     timeout 200 python3 bench/profile_decode.py "$OUT" --models qwen3-0.6b,qwen3-4b --batches 1,8,64,256 \
