@@ -179,12 +179,23 @@ serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under se
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
         > /dev/null 2>&1 || { echo "the wheels did not install"; exit 1; }
     mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
+    # .assets/triton_cache.txz (a cache from an earlier call): the first start is then not a cold one
+    [ -e .assets/triton_cache.txz ] && tar -xJf .assets/triton_cache.txz -C /tmp/tc && echo "Triton cache carried in"
     RAY_USAGE_STATS_ENABLED=0 timeout "${LIMIT:-420}" python3 bench/serve_load.py --serve-config serve_config.yaml \
         --model qwen3-0.6b --dtype bfloat16 --restart --client-processes 4 --ingress-replicas 4 --out "$OUT" \
         > "$OUT/serve_load.log" 2>&1
     grep -v -i warn "$OUT/serve_load.log" | grep -v "^(" | tail -32
-    grep -h -o "engine built in.*" "$OUT"/serve_load_serve.log "$OUT"/serve_load_restart.log 2>/dev/null
+    grep -rh -o "engine built in.*" /tmp/ray/session_*/logs/serve/ 2>/dev/null | head -4
     echo "kernels in Triton's cache: $(find /tmp/tc/triton -name '*.cubin' | wc -l)"
+    if [ -n "${SWITCH_AB:-}" ]; then  # HTTP only again, with Python's default GIL switch interval
+        mkdir -p "$OUT/switch_default"
+        TILEINFER_SWITCH_INTERVAL_S=0.005 RAY_USAGE_STATS_ENABLED=0 timeout "${SWITCH_AB}" python3 bench/serve_load.py \
+            --serve-config serve_config.yaml --model qwen3-0.6b --dtype bfloat16 --client-processes 4 \
+            --ingress-replicas 4 --concurrency "${SWITCH_LEVELS:-64,256}" --no-engine-direct \
+            --out "$OUT/switch_default" > "$OUT/switch_default/serve_load.log" 2>&1
+        echo "== with the default switch interval (5 ms):"
+        grep -v -i warn "$OUT/switch_default/serve_load.log" | grep -E "^\| [0-9]" | tail -6
+    fi
     ;;
 profilesteps)  # (carrying .assets/qwen3-tokenizer) the engine-direct closed loop's steps, classed and profiled
     mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz

@@ -480,6 +480,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-processes", type=int, default=1, help="client processes per level")
     parser.add_argument("--ingress-replicas", type=int, default=None, help="num_ingress_replicas")
     parser.add_argument("--restart", action="store_true", help="then serve run once more: restart time")
+    parser.add_argument("--no-engine-direct", action="store_true", help="with --serve-config: HTTP only")
     parser.add_argument("--ray-port", type=int, default=6390)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
@@ -547,7 +548,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     _log(f"serve run ready again in {meta['ready_s']['restart']:.1f} s")
                 finally:
                     stop_serve(processes)
-        results["engine-direct"] = run_engine_direct(app_args, args, vocab)
+        if not args.no_engine_direct:
+            results["engine-direct"] = run_engine_direct(app_args, args, vocab)
     meta["vocab"] = vocab
     payload = {
         **meta,

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -39,7 +40,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppArgs
-from deployments.engine_loop import Delta, EngineLoop, UnknownSubscriberError
+from deployments.engine_loop import ENGINE_SWITCH_INTERVAL_S, Delta, EngineLoop, UnknownSubscriberError
 from deployments.metrics import render_speculation
 from deployments.protocol import OpenAIError
 from engine.engine import Engine
@@ -124,6 +125,8 @@ class EngineDeployment:
         warm_up_s = self.engine.warm_up()
         logger.info("engine built in %.1f s (CUDA graph capture included); warmed up in %.1f s", built,
                     warm_up_s)  # fmt: skip
+        if device != "cpu":  # the engine thread is host-bound there: it must not wait for the GIL
+            sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
         self.loop = EngineLoop(self.engine, args.max_queue_len)
         self.info_value = EngineInfo(
             model_name=args.model_name,

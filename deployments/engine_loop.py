@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 
@@ -24,6 +25,12 @@ from engine.errors import CapacityError, InvalidRequestError, TileInferError
 from engine.sampling import SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
+
+# A thread that wants the GIL gets it from a busy holder only after the switch interval (5 ms by
+# default). The engine thread lets go of it at every torch call, so while the event loop's thread
+# worked (Serve's streams, submits), each step could wait that long several times. On a GPU the
+# deployment sets it shorter; TILEINFER_SWITCH_INTERVAL_S overrides it (for benchmarks).
+ENGINE_SWITCH_INTERVAL_S = float(os.environ.get("TILEINFER_SWITCH_INTERVAL_S", "0.0005"))
 
 # One request's share of a step: (request_id, new_token_ids, finish_reason, new_logprobs or None,
 # error or None). finish_reason is "stop" (a stop token, the last of new_token_ids) or "length", or
