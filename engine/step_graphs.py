@@ -174,8 +174,9 @@ class StepGraphs:
         lengths = inputs.seq_lens + [padding] + [0] * (self.max_seqs - num_seqs - 1)
         int32s_host[:] = torch.tensor(starts + lengths, dtype=torch.int32)
         tables_host.zero_()
+        tables = tables_host.numpy()  # a view: numpy takes a row's list far faster than torch.tensor
         for row, table in enumerate(inputs.block_tables):
-            tables_host[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            tables[row, : len(table)] = table
         num_rows = len(inputs.logit_rows)  # <= num_tokens <= size
         rows_host[:] = torch.tensor(inputs.logit_rows + [0] * (self.max_logit_rows - num_rows))
         self.ints[:, :size].copy_(ints_host[:, :size], non_blocking=True)
