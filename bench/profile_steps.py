@@ -181,7 +181,7 @@ def main() -> None:
     vocab = serve_load._vocab(load_args, engine.logit_vocab_size)
     results = []
     for level in concurrency:
-        prompts = serve_load.make_prompts(max(4 * level, 32), load_args.prompt_tokens, vocab, load_args.seed)
+        prompts = serve_load.level_prompts(load_args, level, vocab)
         result = closed_loop(engine, prompts, level, load_args.output_tokens, args.profile_steps)
         tokens = len(prompts) * load_args.output_tokens
         print(

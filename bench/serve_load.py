@@ -54,7 +54,7 @@ QWEN3_ORDINARY_TOKENS = 151643  # ids below are the Qwen3 tokenizer's ordinary (
 # --- prompts and results ------------------------------------------------------------------------
 
 
-def make_prompts(count: int, length: int, vocab: tuple[int, int], seed: int) -> list[list[int]]:
+def make_prompts(count: int, length: int, vocab: tuple[int, int], seed: int | str) -> list[list[int]]:
     import random
 
     rng = random.Random(seed)
@@ -203,7 +203,7 @@ def run_http(
     cold = http_level(base_url, model, first, FIRST_REQUESTS, args.output_tokens, 1)
     results = {}
     for concurrency in args.concurrency:
-        prompts = make_prompts(_num_requests(args, concurrency), args.prompt_tokens, vocab, args.seed)
+        prompts = level_prompts(args, concurrency, vocab)
         results[concurrency] = http_level(
             base_url, model, prompts, concurrency, args.output_tokens, args.client_processes
         )
@@ -274,7 +274,7 @@ def run_engine_direct(app_args: Any, args: argparse.Namespace, vocab: tuple[int,
     )
     results = {}
     for concurrency in args.concurrency:
-        prompts = make_prompts(_num_requests(args, concurrency), args.prompt_tokens, vocab, args.seed)
+        prompts = level_prompts(args, concurrency, vocab)
         results[concurrency] = engine_level(engine, prompts, concurrency, args.output_tokens)
         _log(f"engine-direct C={concurrency}: {_brief(results[concurrency])}")
     return results
@@ -413,6 +413,13 @@ def app_args_for(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
 
 def _num_requests(args: argparse.Namespace, concurrency: int) -> int:
     return args.requests or max(4 * concurrency, 32)
+
+
+def level_prompts(args: argparse.Namespace, concurrency: int, vocab: tuple[int, int]) -> list[list[int]]:
+    """A level's prompts, its own: with one seed for all, each level began with the earlier levels'
+    prompts, whose KV the prefix cache still held."""
+    seed = f"{args.seed}:{concurrency}"
+    return make_prompts(_num_requests(args, concurrency), args.prompt_tokens, vocab, seed)
 
 
 def _log(message: str) -> None:
