@@ -247,7 +247,7 @@ def test_64_concurrent_streams_each_equal_their_solo_run(served: Served) -> None
 
         async def stream(prompt: str) -> str:
             chunks = await client.chat.completions.create(
-                model=served.model, messages=[{"role": "user", "content": prompt}], max_tokens=24,
+                model=served.model, messages=[{"role": "user", "content": prompt}], max_tokens=12,
                 temperature=0, stream=True,
             )  # fmt: skip
             return "".join([chunk.choices[0].delta.content or "" async for chunk in chunks if chunk.choices])

@@ -20,7 +20,7 @@ CODE_EDIT = (
     "def add_all(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
     "    return total\n"
 )
-GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+GREEDY = SamplingParams(max_tokens=28, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_a_separate_draft_model_and_a_one_hot_sampled_distribution(
     assert engine.generate(prompts[1], GREEDY)[0] == plain[1]
     stats = engine.speculator.stats
     assert stats.drafts_accepted == stats.drafts_proposed > 0
-    one_hot = SamplingParams(max_tokens=40, temperature=0.7, top_k=1, seed=3)
+    one_hot = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.7, top_k=1, seed=3)
     assert engine.generate(prompts[0], one_hot)[0] == plain[0]
 
 
