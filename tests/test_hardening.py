@@ -345,6 +345,51 @@ def test_health_answers_503_at_once_while_the_engine_restarts(served: Served) ->
     assert chat.status_code == 200, chat.text
 
 
+def _listening_sockets() -> dict[int, tuple[str, int]]:
+    """inode -> (host, port) of every listening TCP socket of this machine (/proc/net/tcp and tcp6)."""
+    import socket
+
+    sockets = {}
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+            raw = b"".join(raw[index : index + 4][::-1] for index in range(0, len(raw), 4))
+            sockets[int(fields[9])] = (socket.inet_ntop(family, raw), int(port, 16))
+    return sockets
+
+
+def _ray_listeners() -> list[tuple[str, int, str]]:
+    """(host, port, process) of the sockets that this user's Ray processes listen on."""
+    sockets = _listening_sockets()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            links = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+        except OSError:  # gone, or another user's
+            continue
+        if "ray" not in command:
+            continue
+        for link in links:
+            if link.startswith("socket:[") and int(link[8:-1]) in sockets:
+                found.append((*sockets[int(link[8:-1])], command[:80]))
+    return found
+
+
+def test_every_listener_is_on_loopback(served: Served) -> None:
+    """Ray on 127.0.0.1, and each Serve replica's inter-deployment gRPC server on the node's address
+    (deployments/listeners.py), not on [::] as Ray binds it: nothing of the app listens beyond loopback."""
+    listeners = _ray_listeners()
+    replicas = [listener for listener in listeners if "ServeReplica" in listener[2]]
+    assert len(replicas) >= 8  # four apps' engines and ingresses, each with its servers: the scan sees them
+    loopback = ("127.", "::ffff:127.", "::1")
+    assert [listener for listener in listeners if not listener[0].startswith(loopback)] == []
+
+
 @pytest.mark.slow
 def test_the_key_is_in_no_log(served: Served) -> None:
     """The guarded app's key (from its api_key_file) shows neither in `serve run`'s output nor in Ray's

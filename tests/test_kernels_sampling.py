@@ -457,7 +457,9 @@ def test_search_paths_match_reference(monkeypatch: pytest.MonkeyPatch, candidate
     vocab_size = 241
     generator = torch.Generator().manual_seed(candidates)
     statuses = []
-    for design in ["normal", "bf16", "integers", "cluster", "masked"]:
+    # the crowded designs matter with few candidates; with many, two designs keep the suite's time
+    designs = ["normal", "bf16", "integers", "cluster", "masked"] if candidates == 2 else ["normal", "masked"]
+    for design in designs:
         params = [
             SamplingParams(
                 temperature=temperature,
@@ -488,7 +490,7 @@ def test_search_paths_match_reference(monkeypatch: pytest.MonkeyPatch, candidate
     if candidates == 2:  # crowded brackets: every level, and the slow path
         assert {1, 2, 3} <= compacted_in and (statuses[:, -1] == fallback).any(), statuses
     if candidates == 64:  # top-k (small) with top-p: over the candidates
-        both = torch.tensor([0 < k < 64 and p < 1 for _, k, p, _ in FILTER_MIXES]).repeat(5)
+        both = torch.tensor([0 < k < 64 and p < 1 for _, k, p, _ in FILTER_MIXES]).repeat(len(designs))
         assert (statuses[both, -1] != fallback).all(), statuses
 
 
