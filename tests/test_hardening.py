@@ -278,6 +278,33 @@ def test_queue_full_503_carries_retry_after(tokenizer: Tokenizer, monkeypatch: p
 
 
 @pytest.mark.slow
+def test_an_abort_is_not_made_in_the_request_context_it_is_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve cancels the handle calls made in a request's context when that request is cancelled (its
+    client went away); an abort made there could be cancelled with it, and the sequence ran on."""
+    from ingress_harness import FakeEngine
+    from ray.serve import context as serve_context
+
+    from deployments.engine import EngineClient
+
+    contexts = []
+
+    async def abort(request_id: str, reason: str = "abort") -> None:
+        contexts.append(serve_context._serve_request_context.get())
+
+    engine = FakeEngine(token_id=1)
+    monkeypatch.setattr(engine, "_abort", abort)
+
+    async def run() -> None:
+        client = EngineClient(engine)
+        serve_context._serve_request_context.set(serve_context._RequestContext(request_id="the-request"))
+        client._routes["r"] = (asyncio.Queue(), None)  # a request that runs, as submit leaves it
+        client.abort("r")
+        await asyncio.gather(*client._calls)
+
+    asyncio.run(run())
+    assert len(contexts) == 1 and contexts[0] is None  # made outside "the-request"'s context
+
+
 def test_bad_inputs_over_http(served: Served) -> None:
     headers = {"content-type": "application/json"}
     for name, path, body in BAD_INPUTS[:5]:
