@@ -33,6 +33,20 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def transformers_smollm2(smollm2_gguf: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """transformers' own reading of that GGUF: its config and its dequantized tensors (read once: each
+    reading costs seconds)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = load_gguf_checkpoint(str(smollm2_gguf))["config"]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**config))
+    tensors = load_gguf_checkpoint(str(smollm2_gguf), return_tensors=True, model_to_load=model)["tensors"]
+    return config, tensors
+
+
+@pytest.fixture(scope="session")
 def served(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path):  # noqa: ANN201
     """The real application, started once for the test run with `serve run` (see tests/serving.py)."""
     from serving import serve_application

@@ -31,13 +31,10 @@ def engine(smollm2_gguf: Path) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def reference_model(smollm2_gguf: Path) -> transformers.PreTrainedModel:
+def reference_model(transformers_smollm2: tuple[dict, dict]) -> transformers.PreTrainedModel:
     """transformers' own reading of the same GGUF (its dequantization, its modelling code)."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = transformers.LlamaConfig(**load_gguf_checkpoint(str(smollm2_gguf))["config"])
-    model = transformers.LlamaForCausalLM(config)
-    tensors = load_gguf_checkpoint(str(smollm2_gguf), return_tensors=True, model_to_load=model)["tensors"]
+    config, tensors = transformers_smollm2
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # the head is tied to the embedding
     model.tie_weights()
