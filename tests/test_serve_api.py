@@ -290,3 +290,22 @@ def test_python_handle_from_another_process(served: Served, via: str) -> None:
     assert payload["reply"]
     if via == "driver":
         assert payload["streamed"] == payload["reply"]
+
+
+def _readme_example(heading: str) -> str:
+    """The first python block after a heading of README.md, as a user copies it."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("```python\n", text.index(heading)) + len("```python\n")
+    return text[start : text.index("\n```", start)]
+
+
+def test_readme_python_example_runs_as_written(served: Served) -> None:
+    """The README's "From Python, through Ray" example, from a second process with a plain environment
+    (no RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER): with ray.init(address="auto") it once retried for ever."""
+    env = {key: value for key, value in served.env.items() if key != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    result = subprocess.run(
+        [sys.executable, "-c", _readme_example("### From Python, through Ray")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(result.stdout.strip()) > 10  # the reply, then the same streamed
