@@ -98,10 +98,7 @@ class EngineLoop:
     def heartbeat(self, subscriber_id: str) -> None:
         """The subscriber is alive; raises UnknownSubscriberError when its stream is not open here."""
         with self._lock:
-            subscriber = self._subscribers.get(subscriber_id)
-            if subscriber is None:
-                raise UnknownSubscriberError(f"no outputs stream is open for subscriber {subscriber_id}")
-            subscriber.last_seen = time.monotonic()
+            self._open_subscriber(subscriber_id).last_seen = time.monotonic()
 
     def lapsed(self, subscriber_id: str, lease_s: float) -> bool:
         """Whether the subscriber sent no heartbeat for lease_s (or is gone). Ray does not cancel a
@@ -118,9 +115,7 @@ class EngineLoop:
         and CapacityError when full."""
         self.engine.check_request(prompt_token_ids, params)
         with self._lock:
-            subscriber = self._subscribers.get(subscriber_id)
-            if subscriber is None:
-                raise UnknownSubscriberError(f"no outputs stream is open for subscriber {subscriber_id}")
+            subscriber = self._open_subscriber(subscriber_id)
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             if len(self._streams) >= self.capacity:
@@ -170,6 +165,13 @@ class EngineLoop:
     def render_metrics(self, model_name: str) -> str:
         with self._lock:
             return self.metrics.render(self.gauges(), model_name, self.engine.scheduler.num_preemptions)
+
+    def _open_subscriber(self, subscriber_id: str) -> _Subscriber:
+        """The subscriber (under the lock); UnknownSubscriberError when its stream is not open here."""
+        subscriber = self._subscribers.get(subscriber_id)
+        if subscriber is None:
+            raise UnknownSubscriberError(f"no outputs stream is open for subscriber {subscriber_id}")
+        return subscriber
 
     def _abort_all(self, subscriber: _Subscriber) -> None:
         with self._lock:  # the engine thread discards finished ones

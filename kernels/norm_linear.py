@@ -313,11 +313,10 @@ def _launch_gemv(
     n = out.shape[1]
     assert m == 1, "the fused GEMV takes one row; more take the norm, then the skinny GEMM"
     block_n, block_k, num_warps = config or gemv_config(m, n, k, gate_up)
-    block_m = triton.next_power_of_2(m)
     if block_k_norm is None:
         # The statistics pass takes whole rows in one tile where registers allow (up to 32 fp32 per
         # thread per tensor, before the accumulators are live), else loops.
-        block_k_norm = max(block_k, min(triton.next_power_of_2(k), 32 * 32 * num_warps // block_m))
+        block_k_norm = max(block_k, min(triton.next_power_of_2(k), 32 * 32 * num_warps))
     single_k = block_k >= k
     if single_k:
         block_k_norm = block_k  # the statistics tile is the product tile, kept in registers
@@ -346,7 +345,7 @@ def _launch_gemv(
         GATE_UP=gate_up,
         SINGLE_K=single_k,
         ONE_NORM_TILE=block_k_norm >= k,
-        BLOCK_M=block_m,
+        BLOCK_M=1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_K_NORM=block_k_norm,
