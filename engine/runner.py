@@ -157,12 +157,10 @@ class ModelRunner:
             launch.read()
             token_ids, logits = launch.token_ids, self.graphs.logits[: len(scheduled)]
         else:
-            # the sampling tensors first: copied behind the forward, they would hold the host until it ends
-            tensors = self.sampling_tensors(sampled) if self.device.type == "cuda" and sampled else None
             logits = self.forward_eager(scheduled, is_decode)
             if not sampled:
                 return []
-            token_ids = self._sample_eager(logits, sampled, tensors)
+            token_ids = self._sample_eager(logits, sampled)
         return self._results(sampled, token_ids, logits)
 
     @torch.inference_mode()
@@ -407,11 +405,7 @@ class ModelRunner:
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=device)
         return self.decoder.compute_logits(hidden[rows], residual[rows])
 
-    def _sample_eager(
-        self, logits: torch.Tensor, seqs: list[Sequence], tensors: SamplingTensors | None = None
-    ) -> torch.Tensor:
-        """The sequences' tokens from their logit rows; on a GPU with `tensors`, when given, as built by
-        sampling_tensors(seqs)."""
+    def _sample_eager(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         if self.device.type != "cuda":
             token_ids, _ = sample(
                 logits,
@@ -421,7 +415,8 @@ class ModelRunner:
                 [seq.generator for seq in seqs],
             )
             return torch.tensor(token_ids)
-        return sample_triton(logits, tensors if tensors is not None else self.sampling_tensors(seqs))
+        tensors = self.sampling_tensors(seqs)
+        return sample_triton(logits, tensors)
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row parameters on the device; the token counts only for rows that use penalties."""
