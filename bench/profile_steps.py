@@ -44,12 +44,11 @@ def closed_loop(
     engine: Any, prompts: list[list[int]], concurrency: int, output_tokens: int, profile_steps: int = 0
 ) -> dict[str, Any]:
     """serve_load.engine_level's loop, with each step's class and wall time; with profile_steps, a
-    torch.profiler window over that many steps from the middle of the run."""
-    from engine.sampling import SamplingParams
+    torch.profiler window over that many steps from the middle of the run, and a cProfile one before it."""
+    import cProfile
+    import io
+    import pstats
 
-    params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
-    pending = iter(prompts)
-    left: dict[str, int] = {}
     classes: list[str] = []
     schedule = engine.scheduler.schedule
 
@@ -58,47 +57,39 @@ def closed_loop(
         classes.append(step_class(batch.scheduled) if batch else "empty")
         return batch
 
-    engine.scheduler.schedule = recording_schedule
     times: list[float] = []
-    prof = None
     window = (len(prompts) * output_tokens // concurrency // 2, profile_steps)
     host_window = (window[0] // 2, profile_steps)  # cProfile: where the host's Python time goes
-    import cProfile
-    import io
-    import pstats
-
     host_profile = cProfile.Profile()
-    for _ in range(concurrency):
-        engine.add_request(next(pending), params)
-    started = time.perf_counter()
-    try:
-        while engine.has_unfinished():
-            if profile_steps and len(times) == window[0]:
-                _synchronize()
-                prof = torch.profiler.profile(
+    profiling: list[torch.profiler.profile] = []  # the torch.profiler window, once it has begun
+
+    def timed_step() -> list:
+        if profile_steps and len(times) == window[0]:
+            _synchronize()
+            profiling.append(
+                torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 )
-                prof.__enter__()
-            profiling_host = profile_steps and host_window[0] <= len(times) < sum(host_window)
-            before = time.perf_counter()
-            if profiling_host:
-                host_profile.enable()
-            outputs = engine.step()
-            if profiling_host:
-                host_profile.disable()
-            times.append(time.perf_counter() - before)
-            if prof is not None and len(times) == window[0] + window[1]:
-                _synchronize()
-                prof.__exit__(None, None, None)
-                profiled, prof = prof, None
-            for output in outputs:
-                if output.finished:
-                    prompt = next(pending, None)
-                    if prompt is not None:
-                        engine.add_request(prompt, params)
+            )
+            profiling[0].__enter__()
+        profiling_host = profile_steps and host_window[0] <= len(times) < sum(host_window)
+        before = time.perf_counter()
+        if profiling_host:
+            host_profile.enable()
+        outputs = engine.step()
+        if profiling_host:
+            host_profile.disable()
+        times.append(time.perf_counter() - before)
+        if profiling and len(times) == sum(window):
+            _synchronize()
+            profiling[0].__exit__(None, None, None)
+        return outputs
+
+    engine.scheduler.schedule = recording_schedule
+    try:
+        wall = serve_load.engine_level(engine, prompts, concurrency, output_tokens, timed_step)["wall_s"]
     finally:
         engine.scheduler.schedule = schedule
-    wall = time.perf_counter() - started
     by_class: dict[str, list[float]] = collections.defaultdict(list)
     for name, seconds in zip(classes, times, strict=False):
         by_class[name].append(seconds)
@@ -121,7 +112,8 @@ def closed_loop(
         "steps": len(times),
         "classes": rows,
     }
-    if profile_steps and "profiled" in locals():
+    if profiling and len(times) >= sum(window):
+        profiled = profiling[0]
         result["window_classes"] = collections.Counter(classes[window[0] : window[0] + window[1]])
         kernels = kernel_table(profiled, window[1])
         result["gpu_ms_per_step"] = sum(row["us_per_step"] for row in kernels) / 1e3

@@ -42,6 +42,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -222,10 +223,16 @@ def run_http(
 
 
 def engine_level(
-    engine: Any, prompts: list[list[int]], concurrency: int, output_tokens: int
+    engine: Any,
+    prompts: list[list[int]],
+    concurrency: int,
+    output_tokens: int,
+    step: Callable[[], list] | None = None,
 ) -> dict[str, Any]:
+    """step: what runs one engine step (default engine.step; bench/profile_steps.py times it)."""
     from engine.sampling import SamplingParams
 
+    step = step or engine.step
     params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
     pending = iter(prompts)
     state: dict[str, list] = {}  # request_id -> [start, first, last, tokens]
@@ -240,7 +247,7 @@ def engine_level(
     for _ in range(concurrency):
         add_next()
     while state:
-        outputs = engine.step()
+        outputs = step()
         now = time.perf_counter()
         for output in outputs:
             entry = state[output.request_id]
