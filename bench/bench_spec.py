@@ -197,7 +197,7 @@ def main() -> None:
             timer = CallTimer()
             timer.wrap(engine.speculator, "plan")
             timer.wrap(engine.speculator.proposer, "propose")  # each ask ends a step's run-ahead
-            for method in ("execute_speculative", "execute", "launch_decode"):
+            for method in ("execute_speculative", "execute", "launch"):
                 timer.wrap(engine.runner, method)
             spec = run_set(engine, prompts, args.max_tokens)
             stats = engine.speculator.stats

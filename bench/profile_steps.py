@@ -52,8 +52,10 @@ def closed_loop(
     classes: list[str] = []
     schedule = engine.scheduler.schedule
 
-    def recording_schedule():  # the bench's own wrapper: the class of the step about to run
-        batch = schedule()
+    def recording_schedule(
+        *args: Any, **kwargs: Any
+    ):  # the bench's own wrapper: the class of the step about to run
+        batch = schedule(*args, **kwargs)
         classes.append(step_class(batch.scheduled) if batch else "empty")
         return batch
 

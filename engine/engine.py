@@ -22,7 +22,7 @@ from engine.kv_budget import kv_bytes_per_token, kv_cache_tokens_from_memory, st
 from engine.loader import LoadedModel, load_model
 from engine.model import Decoder
 from engine.ops import ops_for
-from engine.runner import PENDING_TOKEN, DecodeLaunch, ModelRunner, Verification
+from engine.runner import PENDING_TOKEN, Launch, ModelRunner, Verification
 from engine.sampling import SamplingParams, TokenLogprob, make_generator
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -51,7 +51,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # on a GPU, replay decode steps from CUDA graphs
     # On a GPU, also replay prefill, mixed and verify steps from CUDA graphs (one per token-count bucket).
     step_graphs: bool = True
-    # Launch decode step n+1 before reading step n's tokens (the host works while the GPU runs).
+    # Launch step n+1 before reading step n's tokens (the host works while the GPU runs): decode steps,
+    # and mixed ones (prompt chunks beside decoding sequences) that step graphs run.
     # None: on a GPU only; on the CPU it only delays each token by a step, but exercises the same path.
     run_ahead: bool | None = None
     # Speculative decoding: "ngram", "draft" (draft_model, or the target's first draft_layers layers),
@@ -183,7 +184,7 @@ class Engine:
         # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's
         # hidden states come from step graphs or eager steps, not decode graphs, so it never runs ahead.
         self.run_ahead = run_ahead and (self.speculator is None or not self.speculator.target_layer_ids)
-        self.in_flight: DecodeLaunch | None = None  # the launched decode step whose tokens are unread
+        self.in_flight: Launch | None = None  # the launched step whose tokens are unread
 
     @classmethod
     def load(cls, model: str, config: EngineConfig | None = None) -> Engine:
@@ -257,11 +258,11 @@ class Engine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step. With run-ahead, a decode step is launched and the previous one's tokens are
-        returned, so each token comes back one step after the step that sampled it."""
+        """Run one step. With run-ahead, a step is launched and the previous one's tokens are returned,
+        so each token comes back one step after the step that sampled it."""
         started = time.perf_counter()
         outputs: list[RequestOutput] = []
-        if self.in_flight is not None and not self._can_run_ahead():
+        if self.in_flight is not None and not self._can_schedule_ahead():
             outputs += self._resolve_in_flight()
         drafts: dict[Sequence, list[int]] = {}
         if self.speculator is not None:
@@ -273,7 +274,8 @@ class Engine:
                 self.scheduler.running, self.block_manager, self.max_num_batched_tokens,
                 self.max_model_len, read_launched,
             )  # fmt: skip
-        batch = self.scheduler.schedule()
+        # with a launch in flight, a sequence whose pending token is its last (by length) sits this one out
+        batch = self.scheduler.schedule(exclude=self._last_token_pending())
         if not batch:
             return outputs + self._resolve_in_flight()
         if drafts:
@@ -282,23 +284,27 @@ class Engine:
             self.speculator.record_step(time.perf_counter() - started, verified_drafts=True)
             return outputs
         self.runner.copy_blocks(batch.block_copies)
-        seqs = [item.seq for item in batch.scheduled]
+        scheduled = batch.scheduled
         is_decode = all(
             item.num_new_tokens == 1 and item.seq.num_computed_tokens + 1 == item.seq.num_tokens
-            for item in batch.scheduled
+            for item in scheduled
         )
-        if self.run_ahead and is_decode and self.runner.can_launch_ahead(seqs):
-            launch = self.runner.launch_decode(batch.scheduled, self.in_flight)
-            for seq in seqs:
+        if self.run_ahead and self.runner.can_launch_ahead(scheduled):
+            launch = self.runner.launch(scheduled, self.in_flight)
+            for seq in launch.seqs:
                 seq.token_ids.append(PENDING_TOKEN)
             outputs += self._resolve_in_flight()
-            self._commit(batch.scheduled)
+            self._commit(scheduled)
             self.in_flight = launch
         else:
-            assert self.in_flight is None, "a step that needs the host's tokens ran with a launch unread"
-            sampled = self.runner.execute(batch.scheduled)
-            self._keep_hidden(batch.scheduled, {})
-            self._commit(batch.scheduled)
+            if self.in_flight is not None:  # scheduled ahead, yet this step needs the host's tokens
+                outputs += self._resolve_in_flight()
+                scheduled = [item for item in scheduled if not item.seq.is_finished]
+                if not scheduled:
+                    return outputs
+            sampled = self.runner.execute(scheduled)
+            self._keep_hidden(scheduled, {})
+            self._commit(scheduled)
             for result in sampled:
                 result.seq.token_ids.append(result.token_id)
             outputs += [self._emit(result.seq, result.logprob) for result in sampled]
@@ -366,22 +372,27 @@ class Engine:
         merged.new_text = "".join(part.new_text for part in parts)
         return merged
 
-    def _can_run_ahead(self) -> bool:
-        """Whether the next step can be launched before the in-flight one's tokens are read: it will
-        decode exactly the same sequences (nothing waits, none finished), each wants another token,
-        and the cache has room for all of them without preempting."""
-        assert self.in_flight is not None
-        running = self.scheduler.running
-        if self.scheduler.waiting or running != self.in_flight.seqs:
-            return False
-        if any(
-            seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
-            for seq in running
-        ):
-            return False
+    def _can_schedule_ahead(self) -> bool:
+        """Whether the next step can be scheduled before the in-flight launch's tokens are read: the cache
+        has room for every running sequence's next token without preempting (a preempted sequence
+        would lose its pending token)."""
         manager = self.block_manager
-        new_blocks = sum(manager.blocks_needed(seq.num_tokens) - len(seq.block_table) for seq in running)
-        return new_blocks <= manager.num_free_blocks and self.runner.can_launch_ahead(running)
+        new_blocks = sum(
+            manager.blocks_needed(seq.num_tokens) - len(seq.block_table) for seq in self.scheduler.running
+        )
+        return new_blocks <= manager.num_free_blocks
+
+    def _last_token_pending(self) -> set[Sequence]:
+        """The running sequences whose pending token ends them by length: max_tokens or max_model_len.
+        They finish once it is read (a stop token or string is only known then)."""
+        if self.in_flight is None:
+            return set()
+        return {
+            seq
+            for seq in self.scheduler.running
+            if seq.token_ids[-1] == PENDING_TOKEN
+            and (seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len)
+        }
 
     def _resolve_in_flight(self) -> list[RequestOutput]:
         """Read the in-flight launch's tokens into their sequences (in place of PENDING_TOKEN) and emit

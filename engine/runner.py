@@ -5,9 +5,11 @@ decoder runs Triton kernels and samples on the device; a step that only decodes 
 sequence) replays a CUDA graph captured for its batch-size bucket, whose inputs are written into
 static buffers, so the step costs the GPU's time and not the host's.
 
-A decode step can also be launched ahead (launch_decode): its input tokens may be the device-side
-samples of the previous launch, which the host has not read yet (PENDING_TOKEN in the sequence), so
-the host prepares step n+1 while the GPU still runs step n and reads tokens back one step later.
+A step can also be launched ahead (launch): a decode step (a decode-graph replay) or a mixed one
+(prompt chunks beside decoding sequences: a step-graph replay, then sampling on the device). Its input
+tokens may be the device-side samples of the previous launch, which the host has not read yet
+(PENDING_TOKEN in the sequence), so the host prepares step n+1 while the GPU still runs step n and
+reads tokens back one step later.
 """
 
 from __future__ import annotations
@@ -65,10 +67,12 @@ class Verification:
 
 
 @dataclasses.dataclass
-class DecodeLaunch:
-    """A decode step sent to the device; its sampled tokens reach the host when `ready` has fired."""
+class Launch:
+    """A step sent to the device; its sampled tokens reach the host when `ready` has fired. On a GPU the
+    same tokens stay on the device in DecodeGraphs.token_ids (row order), where the next launch reads
+    those it takes as inputs."""
 
-    seqs: list[Sequence]  # row order
+    seqs: list[Sequence]  # the sequences it samples a token for, in row order
     token_ids: torch.Tensor  # [num_seqs] int64 on the host (pinned on a GPU)
     ready: torch.cuda.Event | None  # None: token_ids is filled already (CPU)
 
@@ -76,6 +80,13 @@ class DecodeLaunch:
         if self.ready is not None:
             self.ready.synchronize()
         return self.token_ids.tolist()
+
+
+class Feedback(NamedTuple):
+    """A launched step's input tokens that the previous launch sampled and the host has not read."""
+
+    rows: dict[int, int]  # packed token row -> row of `samples`
+    samples: torch.Tensor  # the previous launch's tokens: DecodeGraphs.token_ids (its host copy on the CPU)
 
 
 def _random_seed() -> int:
@@ -124,6 +135,7 @@ class ModelRunner:
             self.step_graphs = StepGraphs(
                 decoder, self.kv_cache, max_num_seqs, max_num_batched_tokens,
                 max_logit_rows or max_num_seqs, self.max_blocks_per_seq, block_size, capture_layers,
+                feedback=self.graphs.token_ids if self.graphs is not None else None,
             )  # fmt: skip
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
@@ -146,12 +158,8 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSequence]) -> list[SampledToken]:
         """Compute the scheduled tokens and sample the next token of every sequence whose tokens are
         then all computed (in scheduled order)."""
-        sampled = [
-            item.seq
-            for item in scheduled
-            if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
-        ]
-        is_decode = all(item.num_new_tokens == 1 for item in scheduled) and len(sampled) == len(scheduled)
+        sampled = [item.seq for item in scheduled if _completes(item)]
+        is_decode = _is_decode(scheduled)
         if self.graphs is not None and is_decode and self.graphs.fits(len(scheduled)):
             launch = self.graphs.launch(scheduled, [-1] * len(scheduled))
             launch.read()
@@ -291,53 +299,72 @@ class ModelRunner:
         num_accepted = int(verified.num_accepted[0])
         return Verification(seq, verified.output_token_ids[0, : num_accepted + 1].tolist(), num_accepted)
 
-    def can_launch_ahead(self, seqs: list[Sequence]) -> bool:
-        """Whether a decode step of these sequences can run before the host has read the previous
-        step's tokens: a graph replay on a GPU (the eager CPU path also can, to test the bookkeeping);
-        penalties and logprobs need the tokens on the host, so they run step by step."""
-        if self.capture_layers:
+    def can_launch_ahead(self, scheduled: list[ScheduledSequence]) -> bool:
+        """Whether this step can run before the host has read the previous launch's tokens: a decode-graph
+        or step-graph replay on a GPU (the eager CPU path also can, to test the bookkeeping); penalties
+        and logprobs need the tokens on the host, so they run step by step."""
+        if self.capture_layers or any(
+            item.seq.params.has_penalties or item.seq.params.logprobs is not None for item in scheduled
+        ):
             return False
-        if self.device.type == "cuda" and (self.graphs is None or not self.graphs.fits(len(seqs))):
+        if self.device.type != "cuda":
+            return True
+        if self.graphs is None:
             return False
-        return all(not seq.params.has_penalties and seq.params.logprobs is None for seq in seqs)
+        if _is_decode(scheduled):
+            return self.graphs.fits(len(scheduled))
+        num_sampled = sum(_completes(item) for item in scheduled)
+        step_graphs = self.step_graphs
+        return (
+            step_graphs is not None
+            and 0 < num_sampled <= min(step_graphs.max_logit_rows, self.graphs.max_bs)
+            and sum(item.num_new_tokens for item in scheduled) <= step_graphs.max_tokens
+            and len(scheduled) < step_graphs.max_seqs
+        )
 
     @torch.inference_mode()
-    def launch_decode(
-        self, scheduled: list[ScheduledSequence], previous: DecodeLaunch | None
-    ) -> DecodeLaunch:
-        """Launch a decode step (one token per sequence, all sampled) without waiting for it. A sequence
-        whose last token is PENDING_TOKEN takes its input from `previous`, the launch that sampled it."""
-        seqs = [item.seq for item in scheduled]
-        source_rows = [-1] * len(seqs)  # row of `previous` whose sample is the input; -1: from the host
+    def launch(self, scheduled: list[ScheduledSequence], previous: Launch | None) -> Launch:
+        """Launch a step (can_launch_ahead) without waiting for it. A sequence whose last token is
+        PENDING_TOKEN takes its input from `previous`, the launch that sampled it."""
         previous_rows = (
             {id(seq): row for row, seq in enumerate(previous.seqs)} if previous is not None else {}
         )
-        for row, seq in enumerate(seqs):
-            if seq.token_ids[-1] == PENDING_TOKEN:
-                assert previous is not None, "a pending token without the launch that samples it"
-                source_rows[row] = previous_rows[id(seq)]
-        if self.graphs is not None:
+        source_rows = [-1] * len(scheduled)  # row of `previous` whose sample is the input; -1: the host's
+        for index, item in enumerate(scheduled):
+            if item.seq.token_ids[-1] == PENDING_TOKEN:
+                assert item.num_new_tokens == 1, "a pending token is a decoding sequence's input"
+                source_rows[index] = previous_rows[id(item.seq)]
+        if self.graphs is not None and _is_decode(scheduled):
             return self.graphs.launch(scheduled, source_rows)
-        # CPU: the previous launch's tokens are on the host already
-        earlier = previous.read() if previous is not None else []
-        inputs = [
-            seq.token_ids[-1] if src < 0 else earlier[src] for seq, src in zip(seqs, source_rows, strict=True)
-        ]
-        logits = self.forward_eager(scheduled, is_decode=True, last_token_ids=inputs)
-        return DecodeLaunch(seqs, self._sample_eager(logits, seqs), ready=None)
+        rows: dict[int, int] = {}
+        end = 0
+        for item, source in zip(scheduled, source_rows, strict=True):
+            end += item.num_new_tokens
+            if source >= 0:
+                rows[end - 1] = source
+        feedback = None
+        if rows:
+            assert previous is not None
+            samples = self.graphs.token_ids if self.graphs is not None else previous.token_ids
+            feedback = Feedback(rows, samples)
+        sampled = [item.seq for item in scheduled if _completes(item)]
+        logits = self.forward_eager(scheduled, _is_decode(scheduled), feedback=feedback)
+        if self.graphs is not None:
+            return self.graphs.sample_rows(logits, sampled)
+        return Launch(sampled, self._sample_eager(logits, sampled), ready=None)  # CPU: filled already
 
     @torch.inference_mode()
     def forward_eager(
         self,
         scheduled: list[ScheduledSequence],
         is_decode: bool = False,
-        last_token_ids: list[int] | None = None,
+        feedback: Feedback | None = None,
         num_logits: dict[Sequence, int] | None = None,
         ring_read: RingRead | None = None,
     ) -> torch.Tensor:
         """The float32 logits [num_rows, logit_vocab_size] of each sequence whose tokens are all computed
         after this step, without sampling: its last token's row, or its last num_logits[seq] rows.
-        last_token_ids: a decode step's input tokens, where the sequences' own lists hold PENDING_TOKEN.
+        feedback: input tokens the previous launch sampled (PENDING_TOKEN in the sequences' lists).
         ring_read: input ids that come from the draft ring (PENDING_DRAFT in the sequences' lists)."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -359,9 +386,12 @@ class ModelRunner:
             if end == seq.num_tokens:
                 count = num_logits.get(seq, 1) if num_logits else 1
                 logit_rows += range(query_start_loc[-1] - count, query_start_loc[-1])
-        if last_token_ids is not None:
-            assert is_decode and len(last_token_ids) == len(input_ids)
-            input_ids = last_token_ids
+        source_rows = None
+        if feedback is not None:
+            source_rows = [-1] * len(input_ids)
+            for row, source in feedback.rows.items():
+                input_ids[row] = 0  # the graph (or the eager step below) takes it from feedback.samples
+                source_rows[row] = source
         gather_drafts = None
         if ring_read is not None:
             for row in ring_read.token_rows:  # a valid id, should the proposer never answer
@@ -370,9 +400,11 @@ class ModelRunner:
         if self.step_graphs is not None and logit_rows:
             inputs = StepInputs(
                 input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                [item.seq.block_table for item in scheduled], logit_rows,
+                [item.seq.block_table for item in scheduled], logit_rows, source_rows,
             )  # fmt: skip
-            if self.step_graphs.fits(inputs):
+            if self.step_graphs.fits(inputs) and (
+                feedback is None or feedback.samples is self.step_graphs.feedback
+            ):
                 logits = self.step_graphs.forward(inputs, gather_drafts)
                 if self.capture_layers:  # the graph's buffer is overwritten by its next replay
                     self.captured_hidden = self.step_graphs.captured[: len(input_ids)].clone()
@@ -394,6 +426,10 @@ class ModelRunner:
             dict.fromkeys(self.capture_layers) if self.capture_layers else None
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        if feedback is not None:
+            token_rows = torch.tensor(list(feedback.rows), dtype=torch.int64, device=device)
+            sources = torch.tensor(list(feedback.rows.values()), dtype=torch.int64, device=device)
+            ids[token_rows] = feedback.samples.to(device)[sources]
         position_ids = torch.tensor(positions, dtype=torch.int64, device=device)
         if gather_drafts is not None:  # last: a copy queued behind the ring's wait would block the host
             gather_drafts(ids)
@@ -406,6 +442,7 @@ class ModelRunner:
         return self.decoder.compute_logits(hidden[rows], residual[rows])
 
     def _sample_eager(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The next token of each row, on the host (int64)."""
         if self.device.type != "cuda":
             token_ids, _ = sample(
                 logits,
@@ -415,8 +452,11 @@ class ModelRunner:
                 [seq.generator for seq in seqs],
             )
             return torch.tensor(token_ids)
-        tensors = self.sampling_tensors(seqs)
-        return sample_triton(logits, tensors)
+        if self.graphs is not None and len(seqs) <= self.graphs.max_bs:
+            launch = self.graphs.sample_rows(logits, seqs)
+            launch.read()
+            return launch.token_ids.clone()  # the pinned buffer is reused two launches later
+        return sample_triton(logits, self.sampling_tensors(seqs)).cpu()
 
     def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """Per-row parameters on the device; the token counts only for rows that use penalties."""
@@ -452,6 +492,16 @@ class ModelRunner:
                     logprobs[row] = TokenLogprob(int(token_ids[row]), chosen[row], pairs)
         ids = token_ids.tolist()
         return [SampledToken(seq, ids[row], logprobs[row]) for row, seq in enumerate(seqs)]
+
+
+def _completes(item: ScheduledSequence) -> bool:
+    """Whether the step computes the sequence's last uncomputed token (so it samples the next)."""
+    return item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
+
+
+def _is_decode(scheduled: list[ScheduledSequence]) -> bool:
+    """One new token per sequence, each sampled: what a decode graph runs."""
+    return all(item.num_new_tokens == 1 and _completes(item) for item in scheduled)
 
 
 class DecodeGraphs:
@@ -563,7 +613,7 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[batch_size] = graph
 
-    def launch(self, scheduled: list[ScheduledSequence], source_rows: list[int]) -> DecodeLaunch:
+    def launch(self, scheduled: list[ScheduledSequence], source_rows: list[int]) -> Launch:
         """Write the step's inputs into the static buffers and replay, without waiting. source_rows[i]
         >= 0: row i's input is that row of the previous replay's samples. The logits stay in
         self.logits until the next replay.
@@ -604,12 +654,38 @@ class DecodeGraphs:
         self.block_tables[:batch_size].copy_(tables_host[:batch_size], non_blocking=True)
         self._write_penalty_counts(seqs)
         self.graphs[batch_size].replay()
-        host_token_ids = self.host_token_ids[self.parity][:num_seqs]
-        host_token_ids.copy_(self.token_ids[:num_seqs], non_blocking=True)
+        return self._read_back(seqs)
+
+    def sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> Launch:
+        """Sample the rows of eagerly computed (or step-graph) logits, one per sequence, into token_ids
+        as a replay would, without waiting: the next launch can take them as inputs on the device."""
+        num_seqs = len(seqs)
+        assert logits.shape[0] == num_seqs <= self.max_bs
+        ints, int32s, floats, _ = self.staging_arrays[self.parity]
+        constants = [self._row_constants(seq) for seq in seqs]
+        ints[3, :num_seqs] = [row.seed for row in constants]
+        ints[4, :num_seqs] = [seq.num_output_tokens for seq in seqs]
+        int32s[1, :num_seqs] = [row.top_k for row in constants]
+        floats[:, :num_seqs] = numpy.array([row.floats for row in constants], dtype=numpy.float32).T
+        ints_host, int32s_host, floats_host, _ = self.staging[self.parity]
+        self.ints[3:5, :num_seqs].copy_(ints_host[3:5, :num_seqs], non_blocking=True)
+        self.int32s[1, :num_seqs].copy_(int32s_host[1, :num_seqs], non_blocking=True)
+        self.floats[:, :num_seqs].copy_(floats_host[:, :num_seqs], non_blocking=True)
+        self._write_penalty_counts(seqs)
+        sample_triton(
+            logits, self._sampling_rows(num_seqs), out=self.token_ids[:num_seqs],
+            workspace=self.sampling_workspace,
+        )  # fmt: skip
+        return self._read_back(seqs)
+
+    def _read_back(self, seqs: list[Sequence]) -> Launch:
+        """Queue the copy of the sampled tokens to the host and return the launch that waits for it."""
+        host_token_ids = self.host_token_ids[self.parity][: len(seqs)]
+        host_token_ids.copy_(self.token_ids[: len(seqs)], non_blocking=True)
         ready = self.ready[self.parity]
         ready.record()
         self.parity ^= 1
-        return DecodeLaunch(seqs, host_token_ids, ready)
+        return Launch(seqs, host_token_ids, ready)
 
     def _row_constants(self, seq: Sequence) -> _RowConstants:
         """What a sequence's row holds at every step, computed on its first step."""

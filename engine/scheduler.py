@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Collection
 
 from engine.block_manager import BlockCopy, BlockManager
 from engine.sequence import Sequence, SequenceStatus
@@ -80,14 +81,16 @@ class Scheduler:
         self.times_passed_over[seq] = MAX_TIMES_PASSED_OVER  # it resumes before anything new starts
         self.num_preemptions += 1
 
-    def schedule(self) -> Batch:
+    def schedule(self, exclude: Collection[Sequence] = ()) -> Batch:
+        """exclude: running sequences that sit this step out (they finish once the host reads their
+        pending last token)."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:
-                continue  # preempted below to make room for an earlier sequence
+            if seq not in self.running or seq in exclude:
+                continue  # preempted below to make room for an earlier sequence, or sitting out
             while not self.block_manager.can_append(seq, 0):
                 victim = self.running[-1]
                 # alone, a sequence always fits (admission and max_model_len see to it)
@@ -122,5 +125,6 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         # an empty step with work left would repeat forever: the engine would spin without progress
-        assert scheduled or not self.has_unfinished(), "no sequence can run, yet some are unfinished"
+        # (sequences sitting out finish when their tokens are read)
+        assert scheduled or exclude or not self.has_unfinished(), "no sequence can run, yet work is left"
         return Batch(scheduled, copies)

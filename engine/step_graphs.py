@@ -54,6 +54,9 @@ class StepInputs:
     seq_lens: list[int]
     block_tables: list[list[int]]
     logit_rows: list[int]  # rows of the packed tokens whose logits the step needs
+    # per packed token: the row of the previous launch's samples (StepGraphs.feedback) that is its input
+    # id, or -1 for input_ids' own; None: all their own
+    source_rows: list[int] | None = None
 
 
 class StepGraphs:
@@ -67,9 +70,13 @@ class StepGraphs:
         max_blocks_per_seq: int,
         block_size: int,
         capture_layers: tuple[int, ...] = (),
+        feedback: torch.Tensor | None = None,
     ) -> None:
         """capture_layers: decoder layers whose output stream each replay also writes to `captured`
-        ([tokens, len(capture_layers) * hidden], the layers side by side; for DFlash)."""
+        ([tokens, len(capture_layers) * hidden], the layers side by side; for DFlash). feedback: the
+        buffer of the previous launch's sampled tokens (DecodeGraphs.token_ids), where a replay takes
+        the input ids of its tokens with a source row (StepInputs.source_rows): a step launched before
+        the host has read them."""
         spec = decoder.spec
         device = kv_cache.device
         self.decoder, self.kv_cache, self.block_size = decoder, kv_cache, block_size
@@ -80,7 +87,9 @@ class StepGraphs:
         self.max_tokens = self.buckets[-1]
         self.max_seqs = max_num_seqs + 1  # one more sequence owns the padding tokens
         self.max_logit_rows = max_logit_rows
-        self.ints = torch.zeros(3, self.max_tokens, dtype=torch.int64, device=device)  # ids, positions, slots
+        self.feedback = feedback
+        # ids, positions, slots, source rows (-1: the id is the host's)
+        self.ints = torch.zeros(4, self.max_tokens, dtype=torch.int64, device=device)
         self.int32s = torch.zeros(2 * self.max_seqs + 1, dtype=torch.int32, device=device)  # starts, lengths
         self.block_tables = torch.zeros(self.max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.logit_rows = torch.zeros(max_logit_rows, dtype=torch.int64, device=device)
@@ -92,9 +101,13 @@ class StepGraphs:
             self.max_tokens if capture_layers else 0, len(capture_layers) * spec.hidden_size,
             dtype=decoder.model.embed_tokens.weight.dtype, device=device,  # the residual stream's
         )  # fmt: skip
-        # The step waits for its logits before the next one is prepared, so one pinned set suffices.
+        # Two pinned sets, used by alternate replays: a step launched ahead (ModelRunner.launch) is
+        # prepared while the previous one's copies may not have run yet.
         buffers = (self.ints, self.int32s, self.block_tables, self.logit_rows)
-        self.staging = [torch.empty_like(buffer, device="cpu").pin_memory() for buffer in buffers]
+        self.staging = [
+            [torch.empty_like(buffer, device="cpu").pin_memory() for buffer in buffers] for _ in range(2)
+        ]
+        self.parity = 0
         # A bucket of T tokens holds at most T sequences and the padding one: its attention grid covers
         # that many sequence slots, not max_seqs (a verify step's 16-token bucket: 17, not 65).
         self.slots = {size: min(self.max_seqs, size + 1) for size in self.buckets}
@@ -122,7 +135,10 @@ class StepGraphs:
         )
 
     def _step(self, size: int) -> None:
-        ids, positions, slots = self.ints[0], self.ints[1], self.ints[2]
+        ids, positions, slots = self.ints[0, :size], self.ints[1], self.ints[2]
+        if self.feedback is not None:
+            sources = self.ints[3, :size]
+            ids = torch.where(sources >= 0, self.feedback[sources.clamp(min=0)], ids)
         num_slots = self.slots[size]
         metadata = AttentionMetadata(
             slot_mapping=slots[:size],
@@ -134,7 +150,7 @@ class StepGraphs:
             prefill_workspace=self.workspace,
         )
         capture = dict.fromkeys(self.capture_layers) if self.capture_layers else None
-        hidden, residual = self.decoder(ids[:size], positions[:size], self.kv_cache, metadata, capture)
+        hidden, residual = self.decoder(ids, positions[:size], self.kv_cache, metadata, capture)
         if capture is not None:
             torch.cat([capture[index] for index in self.capture_layers], dim=-1, out=self.captured[:size])
         rows = self.logit_rows[: self._num_logit_rows(size)]
@@ -148,7 +164,7 @@ class StepGraphs:
         self.int32s.zero_()
         self.int32s[1 : self.max_seqs + 1] = size  # every token in sequence 0 while capturing
         self.int32s[self.max_seqs + 1] = size
-        self.ints[2].fill_(-1)  # capture writes no KV
+        self.ints[2:].fill_(-1)  # capture writes no KV, and takes no ids from the feedback buffer
         graph = capture_graph(lambda: self._step(size), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
@@ -163,11 +179,15 @@ class StepGraphs:
         num_tokens, num_seqs = len(inputs.input_ids), len(inputs.seq_lens)
         size = next(bucket for bucket in self.buckets if bucket >= num_tokens)
         padding = size - num_tokens
-        ints_host, int32s_host, tables_host, rows_host = self.staging
+        ints_host, int32s_host, tables_host, rows_host = self.staging[self.parity]
+        self.parity ^= 1
+        sources = inputs.source_rows if inputs.source_rows is not None else [-1] * num_tokens
+        assert self.feedback is not None or inputs.source_rows is None
         ints_host[:, :size] = torch.tensor(
             [inputs.input_ids + [0] * padding,
              inputs.positions + list(range(padding)),
-             inputs.slot_mapping + [-1] * padding]
+             inputs.slot_mapping + [-1] * padding,
+             sources + [-1] * padding]
         )  # fmt: skip
         # starts: the real sequences, the padding sequence (it ends at `size`), then empty ones
         starts = inputs.query_start_loc + [size] * (self.max_seqs - num_seqs)

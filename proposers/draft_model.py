@@ -23,7 +23,7 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.loader import LoadedModel
 from engine.model import Decoder
 from engine.ops import ops_for
-from engine.runner import PENDING_TOKEN, DecodeLaunch, ModelRunner
+from engine.runner import PENDING_TOKEN, Launch, ModelRunner
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
@@ -215,14 +215,14 @@ class DraftModelProposer:
         goal[seq] tokens. Steps of one new token per sequence are launched without waiting for their
         tokens (on a GPU: CUDA-graph replays back to back); a step that needs the tokens on the host
         reads them first."""
-        unread: collections.deque[tuple[DecodeLaunch, list[int]]] = collections.deque()  # + token positions
-        previous: DecodeLaunch | None = None
+        unread: collections.deque[tuple[Launch, list[int]]] = collections.deque()  # + token positions
+        previous: Launch | None = None
         active = [seq for seq, num_tokens in goal.items() if seq.num_tokens < num_tokens]
         while active:
             if all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in active):
                 if len(unread) == 2:  # the runner's pinned buffers alternate between two launches
                     _read(*unread.popleft())
-                launch = self.runner.launch_decode([ScheduledSequence(seq, 1) for seq in active], previous)
+                launch = self.runner.launch([ScheduledSequence(seq, 1) for seq in active], previous)
                 positions = [seq.num_tokens for seq in active]
                 for seq in active:
                     seq.num_computed_tokens += 1
@@ -255,7 +255,7 @@ class DraftModelProposer:
         return scheduled
 
 
-def _read(launch: DecodeLaunch, positions: list[int]) -> None:
+def _read(launch: Launch, positions: list[int]) -> None:
     """Put a launch's sampled tokens in place of their PENDING_TOKEN."""
     for seq, position, token_id in zip(launch.seqs, positions, launch.read(), strict=True):
         seq.token_ids[position] = token_id

@@ -112,3 +112,43 @@ def test_run_ahead_in_a_small_cache_waits_and_preempts_without_losing_tokens(mod
     assert all(len(_summary(outputs[f"r{n}"])[0]) == 40 for n in range(6))
     assert _summary(outputs["r0"])[0] == alone
     assert all(PENDING_TOKEN not in seq_tokens for seq_tokens in (_summary(o)[0] for o in outputs.values()))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_mixed_steps_run_ahead_and_equal_step_by_step(device: str, request: pytest.FixtureRequest) -> None:
+    """Prompts that arrive while others decode, chunked by a small token budget, are launched ahead
+    beside the decoding sequences (their inputs fed back from the launch in flight: on a GPU inside the
+    step graph); a sequence that ends by length sits the next step out. Outputs equal step-by-step
+    decoding exactly."""
+    model: LoadedModel = request.getfixturevalue("model" if device == "cpu" else "cuda_model")
+    tokenizer = model.tokenizer
+    chat = tokenizer.encode_chat([{"role": "user", "content": "Name three rivers in Europe, and say why."}])
+    story = tokenizer.encode("Once upon a time, in a quiet village by the sea, there lived an old sailor")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    arrivals = {
+        0: [("first", story, greedy)],
+        3: [("chat", chat, greedy), ("short", story, SamplingParams(max_tokens=2, temperature=0.0))],
+        6: [("sampled", chat, SamplingParams(max_tokens=10, temperature=0.9, seed=3))],
+        8: [("stop-string", story, SamplingParams(max_tokens=12, temperature=0.0, stop=(" the",)))],
+    }
+
+    def engine(run_ahead: bool) -> Engine:
+        config = EngineConfig(device=device, run_ahead=run_ahead, max_num_batched_tokens=24, max_num_seqs=8)
+        return Engine(model, config)
+
+    ahead = engine(run_ahead=True)
+    launched: list[list[int]] = []  # the new tokens per sequence of every launch
+    launch = ahead.runner.launch
+
+    def recording_launch(scheduled, previous):  # noqa: ANN001, ANN202 - the runner's own signature
+        launched.append([item.num_new_tokens for item in scheduled])
+        return launch(scheduled, previous)
+
+    ahead.runner.launch = recording_launch
+    step_by_step, _ = _run(engine(run_ahead=False), arrivals, {})
+    run_ahead, _ = _run(ahead, arrivals, {})
+    for request_id in step_by_step:
+        assert _summary(run_ahead[request_id]) == _summary(step_by_step[request_id]), request_id
+    # mixed launches: a prompt chunk beside decoding rows, some of them fed back from the launch before
+    assert any(max(counts) > 1 and 1 in counts for counts in launched)
+    assert _summary(run_ahead["short"])[0] and len(_summary(run_ahead["short"])[0]) == 2
