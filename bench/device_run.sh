@@ -35,10 +35,11 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 export TILEINFER_CACHE=/tmp/tc PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0  # never NVLink multicast (shared host)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/tc/models
-for wheel in .whl/gguf-*.whl; do
-    [ -e "$wheel" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --target /tmp/site "$wheel" >/dev/null 2>&1
-done
+# the carried wheels (bash ../shared/device/wheels.sh): gguf and pydantic for every step, Ray for the app
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        > /dev/null 2>&1 || echo "the wheels did not install"
+fi
 
 run() {  # run LIMIT_S COMMAND...: one part, cut at its limit, its tail printed
     local limit=$1; shift
@@ -176,8 +177,7 @@ batch)  # bench_batch for one model: MODEL=qwen3-0.6b|qwen3-4b, PEER=the peer's 
     ;;
 serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under serve run: HTTP load against
     # engine-direct, the first requests after ready, the time to ready cold and on a restart
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-        > /dev/null 2>&1 || { echo "the wheels did not install"; exit 1; }
+    python3 -c "import ray" 2>/dev/null || { echo "no Ray: carry its wheels in .whl"; exit 1; }
     mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
     # .assets/triton_cache.txz (a cache from an earlier call): the first start is then not a cold one
     [ -e .assets/triton_cache.txz ] && tar -xJf .assets/triton_cache.txz -C /tmp/tc && echo "Triton cache carried in"

@@ -24,7 +24,12 @@ def node_host() -> str:
 
 def bind_replica_grpc_to_node_address() -> None:
     """Patch Serve's replica module once per process, before any replica there starts its server."""
-    from ray.serve._private import replica
+    try:
+        from ray.serve._private import replica
+    except ModuleNotFoundError as error:
+        if error.name != "ray":
+            raise
+        return  # no Ray in this process (a benchmark that reads the app's config): no replica to start
 
     original = replica.add_port_to_grpc_server
     if getattr(original, "binds_node_address", False):
