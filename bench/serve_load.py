@@ -205,10 +205,12 @@ def run_http(
     results = {}
     for concurrency in args.concurrency:
         prompts = level_prompts(args, concurrency, vocab)
+        _mark(args, f"http-C={concurrency}")
         results[concurrency] = http_level(
             base_url, model, prompts, concurrency, args.output_tokens, args.client_processes
         )
         _log(f"http C={concurrency}: {_brief(results[concurrency])}")
+    _mark(args, "http-warm-requests")
     warm = http_level(base_url, model, first, FIRST_REQUESTS, args.output_tokens, 1)
     meta["first_requests"] = {
         "requests": FIRST_REQUESTS, "after_ready_ttft_p50_ms": cold["ttft_p50_ms"],
@@ -429,6 +431,13 @@ def level_prompts(args: argparse.Namespace, concurrency: int, vocab: tuple[int, 
     return make_prompts(_num_requests(args, concurrency), args.prompt_tokens, vocab, seed)
 
 
+def _mark(args: argparse.Namespace, phase: str) -> None:
+    """With --marks FILE: a line "<unix time> <phase>" where a phase begins (bench/cpu_sampler.py)."""
+    if args.marks:
+        with open(args.marks, "a") as file:
+            file.write(f"{time.time():.3f} {phase}\n")
+
+
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -496,6 +505,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--restart", action="store_true", help="then serve run once more: restart time")
     parser.add_argument("--no-engine-direct", action="store_true", help="with --serve-config: HTTP only")
     parser.add_argument("--ray-port", type=int, default=6390)
+    parser.add_argument("--marks", default=None, help="append where each phase begins (bench/cpu_sampler.py)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
     if args.max_num_seqs is None and not args.url:
