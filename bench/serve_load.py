@@ -340,9 +340,17 @@ def _ray_cli(name: str) -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", module]
 
 
-def start_serve(config_path: Path, env: dict[str, str], log: Path, ray_port: int) -> list[subprocess.Popen]:
+def start_serve(
+    config_path: Path, env: dict[str, str], log: Path, ray_port: int, http_port: int
+) -> list[subprocess.Popen]:
     """Ray's head on 127.0.0.1 (--block: stopping that process stops this cluster only, where `ray stop`
-    would stop every cluster on a shared machine), then `serve run`; both processes, head first."""
+    would stop every cluster on a shared machine), then `serve run`; both processes, head first. Refuses
+    when something listens on either port already: a run cut short can leave its app serving there, and
+    the load would then measure that one."""
+    for port in (ray_port, http_port):
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                raise RuntimeError(f"port {port} on 127.0.0.1 is in use already (an earlier run's app?)")
     with log.open("w") as log_file:
         head = subprocess.Popen(
             [*_ray_cli("ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
@@ -413,6 +421,8 @@ def app_args_for(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
             raw[key] = getattr(args, key)
     if args.ingress_replicas is not None:
         raw["num_ingress_replicas"] = args.ingress_replicas
+    if args.stream_events_per_s is not None:
+        raw["max_stream_events_per_s"] = args.stream_events_per_s
     config["applications"] = [{**config["applications"][0], "args": raw}]
     return config, parse_app_args(raw)
 
@@ -502,6 +512,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--health-timeout", type=float, default=900)
     parser.add_argument("--client-processes", type=int, default=1, help="client processes per level")
     parser.add_argument("--ingress-replicas", type=int, default=None, help="num_ingress_replicas")
+    parser.add_argument("--stream-events-per-s", type=float, default=None, help="max_stream_events_per_s")
     parser.add_argument("--restart", action="store_true", help="then serve run once more: restart time")
     parser.add_argument("--no-engine-direct", action="store_true", help="with --serve-config: HTTP only")
     parser.add_argument("--ray-port", type=int, default=6390)
@@ -522,6 +533,16 @@ def _vocab(args: argparse.Namespace, model_vocab: int | None) -> tuple[int, int]
         low, high = (int(part) for part in args.vocab.split(":"))
         return low, high
     return 0, min(QWEN3_ORDINARY_TOKENS, model_vocab or QWEN3_ORDINARY_TOKENS)
+
+
+def _exit_on_sigterm() -> None:
+    """`timeout` stops a run with SIGTERM: exit through the finally blocks, which stop the app."""
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -547,7 +568,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             config_path = out / "serve_load_config.yaml"
             config_path.write_text(yaml.safe_dump(config))
             http = config.get("http_options") or {}
-            base_url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+            http_port = int(http.get("port", 8000))
+            base_url = f"http://{http.get('host', '127.0.0.1')}:{http_port}"
             base_url += (config["applications"][0].get("route_prefix") or "/").rstrip("/")
             # the project first, then whatever the caller's path holds (the GPU machine's wheels: Ray)
             python_path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
@@ -555,7 +577,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
             log = out / "serve_load_serve.log"
             started = time.monotonic()
-            processes = start_serve(config_path, env, log, args.ray_port)
+            processes = start_serve(config_path, env, log, args.ray_port, http_port)
             try:
                 wait_healthy(base_url, processes[1], log, args.health_timeout)
                 meta["ready_s"] = {"first_start": time.monotonic() - started}
@@ -565,7 +587,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 stop_serve(processes)
             if args.restart:  # the same app again: Triton's kernels come from its cache this time
                 started = time.monotonic()
-                processes = start_serve(config_path, env, out / "serve_load_restart.log", args.ray_port)
+                processes = start_serve(
+                    config_path, env, out / "serve_load_restart.log", args.ray_port, http_port
+                )
                 try:
                     wait_healthy(base_url, processes[1], out / "serve_load_restart.log", args.health_timeout)
                     meta["ready_s"]["restart"] = time.monotonic() - started
@@ -604,4 +628,5 @@ def _model_vocab(model: str) -> int | None:
 
 
 if __name__ == "__main__":
+    _exit_on_sigterm()
     main()

@@ -57,6 +57,12 @@ class AppArgs(BaseModel):
     engine_num_cpus: float = Field(1.0, ge=0)
     ingress_num_cpus: float = Field(0.0, ge=0)
     num_ingress_replicas: int = Field(1, ge=1)
+    # Serve's HTTP proxy (one process a node) forwards every SSE event on its own: at one event per step
+    # per stream it was what capped the service at 64 clients and more (BENCHMARKS.md, Serve-load).
+    max_stream_events_per_s: float = Field(
+        2000.0, ge=0, description="SSE events a second that all streams together get, at most (0: one "
+        "per step and stream); a stream's tokens between its events go together; its first never waits",
+    )  # fmt: skip
     # Speculative decoding: the proposer runs as its own deployment beside the engine (or in the engine's
     # process with proposer_in_process) and hands its drafts over through shared memory.
     proposer: Literal["ngram", "draft", "dflash"] | None = None

@@ -18,6 +18,7 @@ metrics_require_key (vLLM's convention). Calls to the engine beyond requests (/h
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -142,6 +143,7 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(args.model)
         self.info: EngineInfo | None = None
         self.created = int(time.time())
+        self._open_streams = 0  # streamed responses being sent (paced: _merged)
 
     def __del__(self) -> None:  # Serve calls it when it stops this replica
         client = getattr(self, "client", None)
@@ -343,16 +345,30 @@ class OpenAIIngress:
             f"{kind}-{uuid.uuid4().hex}", int(time.time()), request.model, prompts, choices, outputs
         )
 
-    async def _merged(self, prepared: _Prepared) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+    async def _merged(
+        self, prepared: _Prepared, paced: bool = False
+    ) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
         """Each choice's output that is ready, all its Deltas so far joined into one, in the order the
-        choices' first Deltas arrived; aborts what still runs when left early."""
+        choices' first Deltas arrived; aborts what still runs when left early.
+
+        paced (a stream): the next outputs come no sooner than _event_interval_s() after the last, and
+        carry every token that arrived meanwhile. Deltas are read (and stop strings found) as they
+        arrive; only the yield waits. The first output, and the one that ends the request, never wait."""
         remaining = len(prepared.choices)
+        loop = asyncio.get_running_loop()
+        joined: dict[_Choice, RequestOutput] = {}
+        next_yield = 0.0  # loop time
+        self._open_streams += paced
         try:
             while remaining:
-                ready = [await prepared.outputs.get()]
+                ready = []
+                if not joined:
+                    ready.append(await prepared.outputs.get())
+                elif (wait := next_yield - loop.time()) > 0:
+                    with contextlib.suppress(TimeoutError):  # Queue.get loses no item when cancelled
+                        ready.append(await asyncio.wait_for(prepared.outputs.get(), wait))
                 while not prepared.outputs.empty():
                     ready.append(prepared.outputs.get_nowait())
-                joined: dict[_Choice, RequestOutput] = {}
                 for choice, delta in ready:
                     if choice.finished:
                         continue  # past its stop string
@@ -362,12 +378,22 @@ class OpenAIIngress:
                     else:
                         joined[choice] = output
                     remaining -= output.finished
-                for item in joined.items():
-                    yield item
+                if joined and (not paced or not remaining or loop.time() >= next_yield):
+                    for item in joined.items():
+                        yield item
+                    joined = {}
+                    next_yield = loop.time() + self._event_interval_s() if paced else 0.0
         finally:
+            self._open_streams -= paced
             for choice in prepared.choices:
                 if not choice.finished:
                     self.client.abort(choice.engine_request_id)
+
+    def _event_interval_s(self) -> float:
+        """The least time between one stream's events: all streams' events together (this replica's open
+        streams, as many in each ingress replica) stay within max_stream_events_per_s."""
+        rate = self.args.max_stream_events_per_s
+        return self._open_streams * self.args.num_ingress_replicas / rate if rate else 0.0
 
     def _text_of(self, choice: _Choice, delta: Delta) -> RequestOutput:
         """A Delta's text; cut at a stop string, which ends the choice (and aborts its engine request)."""
@@ -426,7 +452,7 @@ class OpenAIIngress:
                 *head, choice.index, {"role": "assistant", "content": ""}, None, None, include_usage
             )
         num_tokens = 0
-        async for choice, output in self._merged(prepared):
+        async for choice, output in self._merged(prepared, paced=True):
             num_tokens += len(output.new_token_ids)
             logprobs = (
                 chat_logprobs_content(self.tokenizer, output.new_logprobs)
@@ -465,7 +491,7 @@ class OpenAIIngress:
                 yield completion_chunk(*head, choice.index, text, None, None, self.tokenizer, include_usage)
                 text_offsets[choice.index] = len(text)
         num_tokens = 0
-        async for choice, output in self._merged(prepared):
+        async for choice, output in self._merged(prepared, paced=True):
             num_tokens += len(output.new_token_ids)
             logprobs = output.new_logprobs if request.logprobs is not None else None
             yield completion_chunk(
