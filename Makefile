@@ -8,18 +8,13 @@ PYTHON = python3
 VENV = .venv
 # Written after a complete install, so an interrupted one is redone and a finished one is not.
 INSTALLED = $(VENV)/.installed
-# Ray on this machine's loopback address only (the env var makes Ray take 127.0.0.1 as the node's IP).
-# gRPC's fork handlers off: the Ray Client proxy forks a server per connection, and with them on the
-# child once segfaulted in gRPC's event engine before exec.
-RAY_ENV = RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 GRPC_ENABLE_FORK_SUPPORT=0
-
 .PHONY: run test
 
+# deployments/launch.py: Ray's head on 127.0.0.1 only, then `serve run serve_config.yaml`; Ctrl-C (or a
+# SIGTERM to it) stops the app, then the Ray it started.
 run: $(INSTALLED)
 	$(VENV)/bin/python -m engine.default_model
-	$(RAY_ENV) $(VENV)/bin/ray start --head --node-ip-address=127.0.0.1 --disable-usage-stats \
-		|| echo "ray start failed: serving on the Ray cluster already running here"
-	trap '$(VENV)/bin/ray stop' EXIT; $(RAY_ENV) $(VENV)/bin/serve run serve_config.yaml
+	exec $(VENV)/bin/python -m deployments.launch serve_config.yaml
 
 test: $(INSTALLED)
 	$(VENV)/bin/ruff check .

@@ -33,6 +33,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
+from deployments import openapi
 from deployments.config import AppArgs
 from deployments.engine import EngineClient, EngineInfo
 from deployments.engine_loop import Delta
@@ -203,7 +204,12 @@ class OpenAIIngress:
         async def unexpected_error(_: Request, error: Exception) -> JSONResponse:
             return _error_response(openai_error_from(error))
 
-        @app.post("/v1/chat/completions")
+        @app.post(
+            "/v1/chat/completions",
+            **openapi.generation_route(
+                ChatCompletionRequest, openapi.ChatCompletion, openapi.ChatCompletionChunk
+            ),
+        )
         async def chat_completions(request: Request) -> Response:
             body = await self._read_body(request)
             parsed = self._parse_chat(body)
@@ -212,7 +218,10 @@ class OpenAIIngress:
                 return self._sse_response(self._chat_chunks(prepared, parsed))
             return JSONResponse(await self._chat_response(prepared, parsed))
 
-        @app.post("/v1/completions")
+        @app.post(
+            "/v1/completions",
+            **openapi.generation_route(CompletionRequest, openapi.Completion, openapi.CompletionChunk),
+        )
         async def completions(request: Request) -> Response:
             body = await self._read_body(request)
             parsed = self._parse_completion(body)
@@ -221,7 +230,8 @@ class OpenAIIngress:
                 return self._sse_response(self._completion_chunks(prepared, parsed))
             return JSONResponse(await self._completion_response(prepared, parsed))
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", responses={200: {"model": openapi.ModelList}, 401: openapi.ERRORS[401],
+                                          503: openapi.ERRORS[503]})  # fmt: skip
         async def models(request: Request) -> JSONResponse:
             self._authorize(request)
             info = await self._engine_info()
@@ -234,7 +244,7 @@ class OpenAIIngress:
             }
             return JSONResponse({"object": "list", "data": [model]})
 
-        @app.get("/health")
+        @app.get("/health", responses={200: {"model": openapi.Health}, 503: openapi.ERRORS[503]})
         async def health() -> JSONResponse:  # no key: a load balancer's probe
             try:
                 await _control_call(self.engine.check_health.remote(), "health check", HEALTH_TIMEOUT_S)
@@ -242,13 +252,18 @@ class OpenAIIngress:
                 return _error_response(unavailable)
             return JSONResponse({"status": "ok"})
 
-        @app.get("/metrics")
+        @app.get(
+            "/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}},
+                       401: openapi.ERRORS[401], 503: openapi.ERRORS[503]},
+        )  # fmt: skip
         async def metrics(request: Request) -> PlainTextResponse:
             if self.args.metrics_require_key:
                 self._authorize(request)
             text = await _control_call(self.engine.metrics.remote(), "metrics call", CONTROL_CALL_TIMEOUT_S)
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+        openapi.install(app)
         return BodySizeLimit(app, self.args.max_request_bytes)
 
     def _authorize(self, request: Request) -> None:

@@ -158,7 +158,8 @@ def original_exception(exc: BaseException) -> BaseException:
 
 
 class _OpenAIModel(BaseModel):
-    """Strict JSON types (no "1" for 1), unknown fields rejected, null taken as "not given"."""
+    """Strict JSON types (no "1" for 1; 1.0 is 1, as in JSON), unknown fields rejected, null taken as "not
+    given"."""
 
     # allow_inf_nan: JSON has no NaN or Infinity, but 1e999 parses as inf
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -184,7 +185,27 @@ class _OpenAIModel(BaseModel):
                     {"field": name, "detail": detail},
                 )
         dropped = cls.ignored_fields | cls.unsupported_fields.keys()  # the latter hold harmless values now
-        return {name: value for name, value in data.items() if value is not None and name not in dropped}
+        return {
+            name: _integral(value) if name in cls._int_fields() else value
+            for name, value in data.items()
+            if value is not None and name not in dropped
+        }
+
+    @classmethod
+    def _int_fields(cls) -> frozenset[str]:
+        """Fields of integers, or of lists of them (token ids)."""
+        integers = (int, int | None, list[int], str | list[str] | list[int] | list[list[int]])
+        return frozenset(name for name, field in cls.model_fields.items() if field.annotation in integers)
+
+
+def _integral(value: Any) -> Any:
+    """2.0 as 2, in lists too: JSON has one number type (JSON Schema's integer takes 2.0); 2.5 and "2"
+    stay refused."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    if type(value) is list:
+        return [_integral(item) for item in value]
+    return value
 
 
 def _same_json(value: Any, harmless: Any) -> bool:
@@ -237,6 +258,16 @@ class ChatMessage(_OpenAIModel):
         return "\n".join(part.text for part in self.content)  # vLLM joins text parts the same way
 
 
+# What _GenerationRequest._stop_sequences checks, in its schema
+_STOP_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_SEQUENCES},
+        {"type": "null"},
+    ]
+}
+
+
 class _GenerationRequest(_OpenAIModel):
     """The fields chat and completions share."""
 
@@ -244,7 +275,7 @@ class _GenerationRequest(_OpenAIModel):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, json_schema_extra=lambda schema: schema.update(_STOP_SCHEMA))
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -256,7 +287,9 @@ class _GenerationRequest(_OpenAIModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(
+        default_factory=list, json_schema_extra={"items": {"type": "integer", "minimum": 0}}
+    )
 
     # the field a context-length error names
     prompt_field: ClassVar[str]
@@ -370,8 +403,22 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.top_logprobs if self.logprobs else None
 
 
+# The prompt's schema says what _non_empty_prompts checks: no empty list, no negative token id.
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        _TOKEN_IDS_SCHEMA,
+        {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1},
+    ]
+}
+
+
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        json_schema_extra=lambda schema: schema.update(_PROMPT_SCHEMA)
+    )
     max_tokens: int = Field(16, ge=1)  # OpenAI's default for this endpoint
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False

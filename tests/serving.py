@@ -110,16 +110,11 @@ def serve_application(workdir: Path) -> Iterator[Served]:
     config_path = workdir / "serve_config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     log = workdir / "serve.log"
-    subprocess.run(
-        [BIN / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ray_port}",
-         f"--ray-client-server-port={client_port}", "--num-cpus=2", "--disable-usage-stats",
-         "--include-dashboard=false"],
-        env=env, check=True, capture_output=True, cwd=ROOT,
-    )  # fmt: skip
     ray_address = f"127.0.0.1:{ray_port}"
-    with log.open("w") as log_file:
+    with log.open("w") as log_file:  # what `make run` runs: Ray's head, then `serve run`
         process = subprocess.Popen(
-            [BIN / "serve", "run", "--address", ray_address, str(config_path)],
+            [sys.executable, "-m", "deployments.launch", str(config_path), f"--ray-port={ray_port}",
+             f"--ray-client-server-port={client_port}", "--num-cpus=2"],
             env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
         )  # fmt: skip
     base_url = f"http://127.0.0.1:{http_port}"
@@ -130,9 +125,31 @@ def serve_application(workdir: Path) -> Iterator[Served]:
         model = main_app["args"]["served_model_name"]
         yield Served(*app_urls, ray_address, client_address, model, env, log)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        _stop_and_check(process, env, log, (ray_port, http_port, client_port))
+
+
+def _stop_and_check(
+    process: subprocess.Popen, env: dict[str, str], log: Path, ports: tuple[int, ...]
+) -> None:
+    """`make run`'s stop path, tested at the end of every run: a SIGTERM to the launcher stops the app and
+    the Ray it started, so nothing listens on their ports afterwards (an error at this fixture's teardown
+    says otherwise; `ray stop --force` then clears what was left)."""
+    process.terminate()
+    try:
+        process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    deadline = time.monotonic() + 30  # the workers exit once they see their raylet gone
+    while (left := [port for port in ports if _listening(port)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left or process.returncode != 0:
         subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True)
+        raise AssertionError(
+            f"after SIGTERM the launcher exited with {process.returncode} and ports {left} still listened:\n"
+            + log.read_text()[-3000:]
+        )
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0

@@ -1,0 +1,235 @@
+"""The HTTP API's OpenAPI schema (`/openapi.json`): the request bodies the routes read and the responses
+they send, so that clients and schema-driven tools (client generators, schemathesis) can use it.
+
+The routes read their bodies themselves (deployments/protocol.py parses them, with OpenAI's errors), so
+FastAPI knows no request model: the request schemas are added to the components here. The response models
+describe what protocol.py's builders return; the hot path builds plain dicts, not these models. A
+test (tests/test_openapi.py) sends schemathesis' requests to the running app and checks its responses
+against this schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from deployments.protocol import ChatCompletionRequest, CompletionRequest
+
+_REF = "#/components/schemas/{model}"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str  # its text, or "bytes:\\x.." where it holds part of a UTF-8 character
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None  # in a choice's first chunk
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[ChatChunkChoice]  # empty in the last chunk with include_usage
+    usage: Usage | None = None  # with include_usage: null, then the whole request's in the last chunk
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: None
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+ERRORS = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "a bad request: OpenAI's error object, with the parameter at fault"),
+        (401, "a missing or wrong API key"),
+        (404, "no such model"),
+        (413, "a body over max_request_bytes"),
+        (503, "the queue is full or the engine restarts; Retry-After says when to try again"),
+    )
+}
+
+
+# Models that FastAPI does not place in the components itself: the bodies the routes read, and the
+# chunks their event streams carry. As accepted (validation mode): a chunk field with a default may be
+# absent.
+COMPONENT_MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest, CompletionRequest, ChatCompletionChunk, CompletionChunk,
+)  # fmt: skip
+
+
+def _events(chunk: type[BaseModel]) -> dict[str, Any]:
+    """A server-sent event of the stream: `data` holds a chunk (or, once the stream had begun, an error
+    object) as JSON, and the last event's is [DONE]."""
+    payload = {
+        "anyOf": [{"$ref": _REF.format(model=chunk.__name__)}, {"$ref": _REF.format(model="ErrorResponse")}]
+    }
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+        "if": {"properties": {"data": {"const": "[DONE]"}}},
+        "else": {
+            "properties": {
+                "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}
+            }
+        },
+    }
+
+
+def generation_route(
+    request_model: type[BaseModel], response_model: type[BaseModel], chunk: type[BaseModel]
+) -> dict:
+    """A POST route's OpenAPI arguments: its JSON body, its JSON response or (stream: true) its events."""
+    return {
+        "openapi_extra": {
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": _REF.format(model=request_model.__name__)}}
+                },
+            }
+        },
+        "responses": {
+            200: {
+                "model": response_model,
+                "description": f"the {response_model.__name__}; with stream: true, server-sent events, each "
+                f"a {chunk.__name__}, then [DONE]",
+                "content": {"text/event-stream": {"schema": _events(chunk)}},
+            },
+            **ERRORS,
+        },
+    }
+
+
+def install(app: FastAPI) -> None:
+    """Have `app` publish COMPONENT_MODELS too (FastAPI adds the response models itself)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in COMPONENT_MODELS:
+                model_schema = model.model_json_schema(ref_template=_REF)
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
