@@ -28,7 +28,8 @@
 #   MODEL=qwen3-4b PEER=64,256 LIMIT=300 bash bench/device_run.sh batch  # bench_batch for one model
 #   bash bench/device_run.sh profilesteps  # (carry .assets) engine-direct serving steps, classed and profiled
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
-#   bash bench/device_run.sh serveprobe # (carry .whl, .assets) serve-load's processes' CPU; an A/B; run_ahead_check
+#   bash bench/device_run.sh serveprobe # (carry .whl, .assets) serve-load's processes' CPU; pacing and
+#                                       # user-code-thread A/Bs; run_ahead_check
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
 set -u
@@ -198,21 +199,23 @@ serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under se
         grep -v -i warn "$OUT/switch_default/serve_load.log" | grep -E "^\| [0-9]" | tail -6
     fi
     ;;
-serveprobe)  # (carrying .whl and .assets) serve-load over HTTP with each process's CPU sampled; the same with
-    # Serve running user code on the replicas' main event loop; then run-ahead against step-by-step
+serveprobe)  # (carrying .whl and .assets) serve-load over HTTP with each process's CPU sampled (default
+    # pacing); then without pacing; then with Serve running user code on the replicas' main loops; then
+    # run-ahead against step-by-step. Each run stops its app (serve_load.py refuses a port in use).
     python3 -c "import ray" 2>/dev/null || { echo "no Ray: carry its wheels in .whl"; exit 1; }
     mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
     python3 bench/cpu_sampler.py "$OUT/cpu.jsonl" & sampler=$!
     load() {  # load NAME LIMIT ARGS...: HTTP only, its table printed
         local name=$1 limit=$2; shift 2
+        echo "$(date +%s.%N) ---$name" >> "$OUT/marks.txt"
         RAY_USAGE_STATS_ENABLED=0 timeout "$limit" python3 bench/serve_load.py --serve-config serve_config.yaml \
             --model qwen3-0.6b --dtype bfloat16 --client-processes 4 --ingress-replicas 4 --no-engine-direct \
             --marks "$OUT/marks.txt" --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
-        echo "== $name"; grep -E "ready in|^\| [0-9]" "$OUT/$name.log"
+        echo "== $name"; grep -E "ready in|^\| [0-9]|refus|in use" "$OUT/$name.log"
     }
-    load base "${BASE_LIMIT:-280}"
-    echo "$(date +%s.%N) ---user-code-on-the-main-loop" >> "$OUT/marks.txt"
-    RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 load same_thread "${AB_LIMIT:-130}" --concurrency 8,64,256 --ray-port 6391
+    load paced "${BASE_LIMIT:-300}" --concurrency "${LEVELS:-1,8,64,256}"
+    load unpaced "${AB_LIMIT:-130}" --concurrency 8,64,256 --stream-events-per-s 0
+    RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 load same_thread "${AB_LIMIT:-130}" --concurrency 8,64,256
     echo "$(date +%s.%N) ---done" >> "$OUT/marks.txt"
     kill $sampler
     python3 bench/cpu_sampler.py "$OUT/cpu.jsonl" --report --marks "$OUT/marks.txt"

@@ -3,7 +3,7 @@ responses, and the running app keeps to it. Schemathesis generates requests from
 invalid, and sends them to the real application on the CPU with the default model: no response is a
 5xx, and each one's status, content type and JSON body are what the schema says.
 
-Bounded: 15 valid and 15 invalid requests a POST operation and 3 a GET, each asking for at most a few
+Bounded: 10 valid and 10 invalid requests a POST operation and 3 a GET, each asking for at most a few
 tokens (the CPU decodes slowly; how many tokens come back changes nothing the checks look at)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from engine.loader import load_tokenizer
 
 MAX_TOKENS = 3
 MAX_CHOICES = 2
-EXAMPLES = 15  # per POST operation and mode (valid, invalid)
+EXAMPLES = 10  # per POST operation and mode (valid, invalid)
 
 
 def _openapi(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:

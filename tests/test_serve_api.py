@@ -292,11 +292,42 @@ def test_python_handle_from_another_process(served: Served, via: str) -> None:
         assert payload["streamed"] == payload["reply"]
 
 
-def _readme_example(heading: str) -> str:
-    """The first python block after a heading of README.md, as a user copies it."""
+def _readme_example(after: str, language: str = "python") -> str:
+    """The first block of `language` after the text `after` in README.md, as a user copies it."""
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = text.index("```python\n", text.index(heading)) + len("```python\n")
+    fence = f"```{language}\n"
+    start = text.index(fence, text.index(after)) + len(fence)
     return text[start : text.index("\n```", start)]
+
+
+MAKE_RUN_URL = "http://127.0.0.1:8000"  # where the README's examples find `make run`'s app
+
+
+def test_readme_curl_examples_run_as_written(served: Served) -> None:
+    """The README's curl commands ("With `make run` up, in another terminal"), against this app's port."""
+    commands = _readme_example("With `make run` up, in another terminal", "sh")
+    assert commands.count("curl ") == 4 and MAKE_RUN_URL in commands
+    result = subprocess.run(
+        ["bash", "-e", "-c", commands.replace(MAKE_RUN_URL, served.base_url)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for expected in ('"object":"chat.completion"', '"object":"text_completion"', "data: [DONE]",
+                     '"object":"list"', "# TYPE tileinfer_"):  # fmt: skip
+        assert expected in result.stdout, expected
+    assert '"error"' not in result.stdout
+
+
+def test_readme_openai_example_runs_as_written(served: Served) -> None:
+    """The README's example with the official openai client, against this app's port."""
+    script = _readme_example("With the official `openai` client")
+    assert MAKE_RUN_URL in script
+    result = subprocess.run(
+        [sys.executable, "-c", script.replace(MAKE_RUN_URL, served.base_url)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(result.stdout.strip()) > 10  # the haiku, then the count
 
 
 def test_readme_python_example_runs_as_written(served: Served) -> None:
