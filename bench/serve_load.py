@@ -347,10 +347,11 @@ def start_serve(
     would stop every cluster on a shared machine), then `serve run`; both processes, head first. Refuses
     when something listens on either port already: a run cut short can leave its app serving there, and
     the load would then measure that one."""
+    from deployments.launch import listening
+
     for port in (ray_port, http_port):
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                raise RuntimeError(f"port {port} on 127.0.0.1 is in use already (an earlier run's app?)")
+        if listening(port):
+            raise RuntimeError(f"port {port} on 127.0.0.1 is in use already (an earlier run's app?)")
     with log.open("w") as log_file:
         head = subprocess.Popen(
             [*_ray_cli("ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",

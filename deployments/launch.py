@@ -33,7 +33,8 @@ RAY_ENV = {  # this machine's address is 127.0.0.1 (README, Security); no usage 
 STOP_TIMEOUT_S = 60.0
 
 
-def _listening(port: int) -> bool:
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:port."""
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        if _listening(args.ray_port):
+        if listening(args.ray_port):
             print(f"a Ray cluster runs on 127.0.0.1:{args.ray_port} already: serving on it", flush=True)
         else:
             # each child in a session of its own: a terminal's Ctrl-C reaches this launcher only, which
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 env=env, start_new_session=True,
             )  # fmt: skip
             children.append(head)
-            while not _listening(args.ray_port):
+            while not listening(args.ray_port):
                 if head.poll() is not None:
                     print(f"ray start failed (exit {head.returncode})", file=sys.stderr)
                     return 1

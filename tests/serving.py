@@ -18,6 +18,7 @@ import httpx
 import yaml
 
 from bench.random_dflash import smollm2_135m_config, write_checkpoint
+from deployments.launch import listening
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -140,7 +141,7 @@ def _stop_and_check(
     except subprocess.TimeoutExpired:
         process.kill()
     deadline = time.monotonic() + 30  # the workers exit once they see their raylet gone
-    while (left := [port for port in ports if _listening(port)]) and time.monotonic() < deadline:
+    while (left := [port for port in ports if listening(port)]) and time.monotonic() < deadline:
         time.sleep(0.5)
     if left or process.returncode != 0:
         subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True)
@@ -148,8 +149,3 @@ def _stop_and_check(
             f"after SIGTERM the launcher exited with {process.returncode} and ports {left} still listened:\n"
             + log.read_text()[-3000:]
         )
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
