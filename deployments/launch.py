@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
     args = parser.parse_args(argv)
     env = {**os.environ, **RAY_ENV}
-    children: list[subprocess.Popen] = []  # the Ray head, when started here
+    head: subprocess.Popen | None = None  # the Ray head, when started here
     stopping = False
 
     def stop(signum: int, frame: FrameType | None) -> None:
@@ -92,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
                  "--disable-usage-stats", "--include-dashboard=false"],
                 env=env, start_new_session=True,
             )  # fmt: skip
-            children.append(head)
             while not listening(args.ray_port):
                 if head.poll() is not None:
                     print(f"ray start failed (exit {head.returncode})", file=sys.stderr)
@@ -110,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if serve is not None:
             _stop(serve, signal.SIGINT)
-        for child in children:
-            _stop(child, signal.SIGTERM)  # `ray start --block` stops its cluster's processes on SIGTERM
+        if head is not None:
+            _stop(head, signal.SIGTERM)  # `ray start --block` stops its cluster's processes on SIGTERM
     return 0 if stopping else code
 
 

@@ -16,9 +16,11 @@ skip_special_tokens, stop_token_ids; for chat also chat_template_kwargs and add_
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import time
+import typing
 import uuid
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, TypeVar
@@ -192,10 +194,15 @@ class _OpenAIModel(BaseModel):
         }
 
     @classmethod
+    @functools.cache
     def _int_fields(cls) -> frozenset[str]:
-        """Fields of integers, or of lists of them (token ids)."""
-        integers = (int, int | None, list[int], str | list[str] | list[int] | list[list[int]])
-        return frozenset(name for name, field in cls.model_fields.items() if field.annotation in integers)
+        """Fields that hold integers (token ids among them), found once per model."""
+        return frozenset(name for name, field in cls.model_fields.items() if _holds_ints(field.annotation))
+
+
+def _holds_ints(annotation: Any) -> bool:
+    """Whether int appears in a type (int | None, list[int], a union of lists of them, ...)."""
+    return annotation is int or any(_holds_ints(argument) for argument in typing.get_args(annotation))
 
 
 def _integral(value: Any) -> Any:

@@ -22,7 +22,7 @@ from engine.kv_budget import kv_bytes_per_token, kv_cache_tokens_from_memory, st
 from engine.loader import LoadedModel, load_model
 from engine.model import Decoder
 from engine.ops import ops_for
-from engine.runner import PENDING_TOKEN, Launch, ModelRunner, Verification
+from engine.runner import PENDING_TOKEN, Launch, ModelRunner, Verification, is_decode_step
 from engine.sampling import SamplingParams, TokenLogprob, make_generator
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -285,10 +285,7 @@ class Engine:
             return outputs
         self.runner.copy_blocks(batch.block_copies)
         scheduled = batch.scheduled
-        is_decode = all(
-            item.num_new_tokens == 1 and item.seq.num_computed_tokens + 1 == item.seq.num_tokens
-            for item in scheduled
-        )
+        is_decode = is_decode_step(scheduled)
         if self.run_ahead and self.runner.can_launch_ahead(scheduled):
             launch = self.runner.launch(scheduled, self.in_flight)
             for seq in launch.seqs:

@@ -159,7 +159,7 @@ class ModelRunner:
         """Compute the scheduled tokens and sample the next token of every sequence whose tokens are
         then all computed (in scheduled order)."""
         sampled = [item.seq for item in scheduled if _completes(item)]
-        is_decode = _is_decode(scheduled)
+        is_decode = is_decode_step(scheduled)
         if self.graphs is not None and is_decode and self.graphs.fits(len(scheduled)):
             launch = self.graphs.launch(scheduled, [-1] * len(scheduled))
             launch.read()
@@ -311,7 +311,7 @@ class ModelRunner:
             return True
         if self.graphs is None:
             return False
-        if _is_decode(scheduled):
+        if is_decode_step(scheduled):
             return self.graphs.fits(len(scheduled))
         num_sampled = sum(_completes(item) for item in scheduled)
         step_graphs = self.step_graphs
@@ -334,7 +334,8 @@ class ModelRunner:
             if item.seq.token_ids[-1] == PENDING_TOKEN:
                 assert item.num_new_tokens == 1, "a pending token is a decoding sequence's input"
                 source_rows[index] = previous_rows[id(item.seq)]
-        if self.graphs is not None and _is_decode(scheduled):
+        is_decode = is_decode_step(scheduled)
+        if self.graphs is not None and is_decode:
             return self.graphs.launch(scheduled, source_rows)
         rows: dict[int, int] = {}
         end = 0
@@ -348,7 +349,7 @@ class ModelRunner:
             samples = self.graphs.token_ids if self.graphs is not None else previous.token_ids
             feedback = Feedback(rows, samples)
         sampled = [item.seq for item in scheduled if _completes(item)]
-        logits = self.forward_eager(scheduled, _is_decode(scheduled), feedback=feedback)
+        logits = self.forward_eager(scheduled, is_decode, feedback=feedback)
         if self.graphs is not None:
             return self.graphs.sample_rows(logits, sampled)
         return Launch(sampled, self._sample_eager(logits, sampled), ready=None)  # CPU: filled already
@@ -499,7 +500,7 @@ def _completes(item: ScheduledSequence) -> bool:
     return item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
 
 
-def _is_decode(scheduled: list[ScheduledSequence]) -> bool:
+def is_decode_step(scheduled: list[ScheduledSequence]) -> bool:
     """One new token per sequence, each sampled: what a decode graph runs."""
     return all(item.num_new_tokens == 1 and _completes(item) for item in scheduled)
 
@@ -626,8 +627,8 @@ class DecodeGraphs:
         batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
         block_size = runner.block_size
         seqs = [item.seq for item in scheduled]
+        self._stage_sampling(seqs)
         ints, int32s, floats, tables = self.staging_arrays[self.parity]
-        constants = [self._row_constants(seq) for seq in seqs]
         lengths = [len(seq.token_ids) for seq in seqs]
         ints[0, :num_seqs] = [max(seq.token_ids[-1], 0) for seq in seqs]  # PENDING_TOKEN: fed back
         ints[1, :num_seqs] = [length - 1 for length in lengths]  # positions
@@ -635,16 +636,10 @@ class DecodeGraphs:
             seq.block_table[(length - 1) // block_size] * block_size + (length - 1) % block_size
             for seq, length in zip(seqs, lengths, strict=True)
         ]  # slots
-        ints[3, :num_seqs] = [row.seed for row in constants]
-        ints[4, :num_seqs] = [
-            length - seq.num_prompt_tokens for seq, length in zip(seqs, lengths, strict=True)
-        ]
         ints[5, :num_seqs] = source_rows
         ints[:, num_seqs:batch_size] = _PADDING_INTS[:, None]  # slot -1: padding writes nothing
         int32s[0, :num_seqs] = lengths  # a length of 0 makes attention skip the row
-        int32s[1, :num_seqs] = [row.top_k for row in constants]
         int32s[:, num_seqs:batch_size] = 0
-        floats[:, :num_seqs] = numpy.array([row.floats for row in constants], dtype=numpy.float32).T
         floats[:, num_seqs:batch_size] = _PADDING_FLOATS[:, None]
         self._write_block_tables(tables, seqs)
         ints_host, int32s_host, floats_host, tables_host = self.staging[self.parity]
@@ -661,12 +656,7 @@ class DecodeGraphs:
         as a replay would, without waiting: the next launch can take them as inputs on the device."""
         num_seqs = len(seqs)
         assert logits.shape[0] == num_seqs <= self.max_bs
-        ints, int32s, floats, _ = self.staging_arrays[self.parity]
-        constants = [self._row_constants(seq) for seq in seqs]
-        ints[3, :num_seqs] = [row.seed for row in constants]
-        ints[4, :num_seqs] = [seq.num_output_tokens for seq in seqs]
-        int32s[1, :num_seqs] = [row.top_k for row in constants]
-        floats[:, :num_seqs] = numpy.array([row.floats for row in constants], dtype=numpy.float32).T
+        self._stage_sampling(seqs)
         ints_host, int32s_host, floats_host, _ = self.staging[self.parity]
         self.ints[3:5, :num_seqs].copy_(ints_host[3:5, :num_seqs], non_blocking=True)
         self.int32s[1, :num_seqs].copy_(int32s_host[1, :num_seqs], non_blocking=True)
@@ -677,6 +667,17 @@ class DecodeGraphs:
             workspace=self.sampling_workspace,
         )  # fmt: skip
         return self._read_back(seqs)
+
+    def _stage_sampling(self, seqs: list[Sequence]) -> None:
+        """Write the rows' sampling parameters (seeds, draw counts, top-k, the float fields) into this
+        launch's pinned staging buffers."""
+        ints, int32s, floats, _ = self.staging_arrays[self.parity]
+        constants = [self._row_constants(seq) for seq in seqs]
+        num_seqs = len(seqs)
+        ints[3, :num_seqs] = [row.seed for row in constants]
+        ints[4, :num_seqs] = [seq.num_output_tokens for seq in seqs]  # which draw of the request
+        int32s[1, :num_seqs] = [row.top_k for row in constants]
+        floats[:, :num_seqs] = numpy.array([row.floats for row in constants], dtype=numpy.float32).T
 
     def _read_back(self, seqs: list[Sequence]) -> Launch:
         """Queue the copy of the sampled tokens to the host and return the launch that waits for it."""
