@@ -28,8 +28,8 @@
 #   MODEL=qwen3-4b PEER=64,256 LIMIT=300 bash bench/device_run.sh batch  # bench_batch for one model
 #   bash bench/device_run.sh profilesteps  # (carry .assets) engine-direct serving steps, classed and profiled
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
-#   bash bench/device_run.sh serveprobe # (carry .whl, .assets) serve-load's processes' CPU; pacing and
-#                                       # user-code-thread A/Bs; run_ahead_check
+#   PROBES="unpaced throughput" bash bench/device_run.sh serveprobe  # (carry .whl, .assets) serve-load's
+#       # processes' CPU, paced; then each probe (unpaced, same_thread, throughput); then run_ahead_check
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
 set -u
@@ -214,12 +214,21 @@ serveprobe)  # (carrying .whl and .assets) serve-load over HTTP with each proces
         echo "== $name"; grep -E "ready in|^\| [0-9]|refus|in use" "$OUT/$name.log"
     }
     load paced "${BASE_LIMIT:-300}" --concurrency "${LEVELS:-1,8,64,256}"
-    load unpaced "${AB_LIMIT:-130}" --concurrency 8,64,256 --stream-events-per-s 0
-    RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 load same_thread "${AB_LIMIT:-130}" --concurrency 8,64,256
+    for probe in ${PROBES:-unpaced same_thread}; do
+        case $probe in
+        unpaced) load unpaced "${AB_LIMIT:-130}" --concurrency 8,64,256 --stream-events-per-s 0 ;;
+        same_thread) RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 load same_thread "${AB_LIMIT:-130}" \
+            --concurrency 8,64,256 ;;
+        throughput)  # Ray's throughput-optimized Serve (gRPC between deployments, user code on the main
+            # loops, GC frozen), without its direct ingress (which opens a port on every ingress replica)
+            RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=0 load throughput "${AB_LIMIT:-130}" \
+                --concurrency 8,64,256 ;;
+        esac
+    done
     echo "$(date +%s.%N) ---done" >> "$OUT/marks.txt"
     kill $sampler
     python3 bench/cpu_sampler.py "$OUT/cpu.jsonl" --report --marks "$OUT/marks.txt"
-    run "${CHECK_LIMIT:-120}" python3 bench/run_ahead_check.py
+    [ "${CHECK_LIMIT:-120}" = 0 ] || run "${CHECK_LIMIT:-120}" python3 bench/run_ahead_check.py
     ;;
 profilesteps)  # (carrying .assets/qwen3-tokenizer) the engine-direct closed loop's steps, classed and profiled
     mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
