@@ -574,8 +574,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             base_url += (config["applications"][0].get("route_prefix") or "/").rstrip("/")
             # the project first, then whatever the caller's path holds (the GPU machine's wheels: Ray)
             python_path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-            env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": python_path,
-                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
+            from deployments.launch import RAY_ENV, SERVE_ENV
+
+            env = {**SERVE_ENV, **os.environ, **RAY_ENV, "PYTHONPATH": python_path}  # as `make run`'s
             log = out / "serve_load_serve.log"
             started = time.monotonic()
             processes = start_serve(config_path, env, log, args.ray_port, http_port)

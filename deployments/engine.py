@@ -33,7 +33,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import torch
@@ -44,7 +44,7 @@ from deployments.config import AppArgs
 from deployments.engine_loop import ENGINE_SWITCH_INTERVAL_S, Delta, EngineLoop, UnknownSubscriberError
 from deployments.metrics import render_speculation
 from deployments.protocol import OpenAIError
-from engine.engine import Engine
+from engine.engine import Engine, EngineConfig
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from proposers.channel import ChannelCapacity
@@ -61,11 +61,19 @@ SUBSCRIBER_LEASE_S = 20.0  # a stream without a heartbeat for this long ends, ab
 T = TypeVar("T")
 
 
-def _off_the_event_loop(call: Callable[[], T]) -> T:
-    """Run a blocking handle call on a thread of its own: a replica's constructor runs on its event loop,
-    where Serve refuses a call that waits for a result."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(call).result()
+def _on_loop(loop: asyncio.AbstractEventLoop, call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    """Make a handle call from a thread other than the replica's: on the replica's event loop, where
+    Serve wants its handles used (its throughput-optimized mode runs their router there), waiting here."""
+
+    async def on_the_loop() -> T:
+        return await call()
+
+    future = asyncio.run_coroutine_threadsafe(on_the_loop(), loop)
+    try:
+        return future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +88,7 @@ class EngineInfo:
 
 @serve.deployment(name="Engine", health_check_period_s=10)
 class EngineDeployment:
-    def __init__(
+    async def __init__(
         self,
         args: AppArgs,
         device: str,
@@ -89,7 +97,10 @@ class EngineDeployment:
         draft_ahead: bool = False,
     ) -> None:
         """proposer_handle: the proposer deployment (deployments/proposer.py), when one runs beside;
-        draft_ahead: it drafts while this engine verifies, so its drafts cost about nothing here."""
+        draft_ahead: it drafts while this engine verifies, so its drafts cost about nothing here.
+
+        The model loads, and the engine builds and warms up, on a worker thread: the replica's event
+        loop stays free for the proposer's attach call (made on that loop) and for Serve's own calls."""
         if device == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)  # Ray sets one thread per reserved CPU
         config = dataclasses.replace(args.engine_config(device, dtype), detokenize=False)  # the ingress does
@@ -97,15 +108,14 @@ class EngineDeployment:
             config = dataclasses.replace(config, draft_cost=VERIFY_COST_PER_DRAFT)
         self.proposer: RemoteProposer | None = None
         if proposer_handle is not None:
+            loop = asyncio.get_running_loop()
 
             def attach(channel_name: str) -> None:  # on the RemoteProposer's own thread, never per step
-                proposer_handle.attach.remote(channel_name).result(timeout_s=ATTACH_CALL_TIMEOUT_S)
+                _on_loop(loop, lambda: proposer_handle.attach.remote(channel_name), ATTACH_CALL_TIMEOUT_S)
 
             hidden = None
             if args.proposer == "dflash":  # the layers to capture: the engine must know them before it starts
-                hidden = _off_the_event_loop(
-                    lambda: proposer_handle.hidden_layout.remote().result(timeout_s=PROPOSER_START_S)
-                )
+                hidden = await asyncio.wait_for(proposer_handle.hidden_layout.remote(), PROPOSER_START_S)
             # a step carries at most max_num_batched_tokens hidden rows; a longer prompt's cross over several
             capacity = ChannelCapacity(
                 max_requests=args.max_num_seqs, max_drafts=args.num_draft,
@@ -115,17 +125,7 @@ class EngineDeployment:
                 attach, capacity, args.proposer_timeout_s, hidden=hidden, device=config.torch_device(),
                 use_ring=args.draft_ring,
             )  # fmt: skip
-        model = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
-        built = time.perf_counter()
-        self.engine = Engine(model, config, proposer=self.proposer)
-        built = time.perf_counter() - built
-        if self.proposer is not None and not self.proposer.wait_attached(ATTACH_AT_START_S):
-            logger.warning("the proposer has not attached yet; decoding without drafts until it does")
-        # after the proposer attached, so that verify steps warm up too; Serve reports the app RUNNING
-        # only once this constructor returns, so ready means nothing compiles while serving
-        warm_up_s = self.engine.warm_up()
-        logger.info("engine built in %.1f s (CUDA graph capture included); warmed up in %.1f s", built,
-                    warm_up_s)  # fmt: skip
+        self.engine = await asyncio.to_thread(self._build_engine, args.model, config)
         if device != "cpu":  # the engine thread is host-bound there: it must not wait for the GIL
             sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
         self.loop = EngineLoop(self.engine, args.max_queue_len)
@@ -137,6 +137,21 @@ class EngineDeployment:
             device=device,
             dtype=dtype,
         )
+
+    def _build_engine(self, model_source: str, config: EngineConfig) -> Engine:
+        """Load, build and warm up (after the proposer attached, so that verify steps warm up too).
+        Serve reports the app RUNNING only once the constructor returns, so ready means nothing
+        compiles while serving."""
+        model = load_model(model_source, dtype=config.torch_dtype(), device=config.torch_device())
+        built = time.perf_counter()
+        engine = Engine(model, config, proposer=self.proposer)
+        built = time.perf_counter() - built
+        if self.proposer is not None and not self.proposer.wait_attached(ATTACH_AT_START_S):
+            logger.warning("the proposer has not attached yet; decoding without drafts until it does")
+        warm_up_s = engine.warm_up()
+        logger.info("engine built in %.1f s (CUDA graph capture included); warmed up in %.1f s", built,
+                    warm_up_s)  # fmt: skip
+        return engine
 
     def info(self) -> EngineInfo:
         return self.info_value

@@ -30,6 +30,16 @@ RAY_ENV = {  # this machine's address is 127.0.0.1 (README, Security); no usage 
     # segfaulted in gRPC's event engine before exec
     "GRPC_ENABLE_FORK_SUPPORT": "0",
 }
+# Ray Serve's throughput-optimized mode (Ray 2.60): gRPC from the HTTP proxy to the replicas and between
+# deployments, user code on each replica's event loop, the GC frozen after start, request logs buffered.
+# Without it the one HTTP proxy capped streaming at about 5,000 tokens a second (BENCHMARKS.md,
+# Serve-load). Its direct ingress stays off (it opens an HTTP port on every ingress replica), and replica
+# logs stay on stderr, where `serve run` prints them. A variable already set in the environment wins.
+SERVE_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_SERVE_LOG_TO_STDERR": "1",
+}
 STOP_TIMEOUT_S = 60.0
 
 
@@ -64,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-client-server-port", type=int, default=10001, help="Ray Client's server")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
     args = parser.parse_args(argv)
-    env = {**os.environ, **RAY_ENV}
+    env = {**SERVE_ENV, **os.environ, **RAY_ENV}
     head: subprocess.Popen | None = None  # the Ray head, when started here
     stopping = False
 
