@@ -29,7 +29,7 @@
 #   bash bench/device_run.sh profilesteps  # (carry .assets) engine-direct serving steps, classed and profiled
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
 #   PROBES="unpaced throughput" bash bench/device_run.sh serveprobe  # (carry .whl, .assets) serve-load's
-#       # processes' CPU, paced; then each probe (unpaced, same_thread, throughput); then run_ahead_check
+#       # processes' CPU, paced; then each probe (unpaced, same_thread, quiet, throughput); then run_ahead_check
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
 # `bash ../shared/device/wheels.sh`; both folders are ignored by git and carried explicitly.
 set -u
@@ -219,6 +219,7 @@ serveprobe)  # (carrying .whl and .assets) serve-load over HTTP with each proces
         unpaced) load unpaced "${AB_LIMIT:-130}" --concurrency 8,64,256 --stream-events-per-s 0 ;;
         same_thread) RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 load same_thread "${AB_LIMIT:-130}" \
             --concurrency 8,64,256 ;;
+        quiet) RAY_SERVE_LOG_TO_STDERR=0 load quiet "${AB_LIMIT:-130}" --concurrency 8,64,256 ;;  # logs: files only
         throughput)  # Ray's throughput-optimized Serve (gRPC between deployments, user code on the main
             # loops, GC frozen), without its direct ingress (which opens a port on every ingress replica)
             RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=0 load throughput "${AB_LIMIT:-130}" \
