@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul_reference
+from kernels.int8 import LinearWeight, dequantize, split
 from kernels.triton_common import INTERPRET, num_sms
 
 # Up to this many rows of x take the GEMV; up to SKINNY_MAX_M the skinny GEMM; more the tiled GEMM.
@@ -83,23 +84,24 @@ def tuned_m(kind: str, m: int) -> int:
 
 def linear_reference(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: LinearWeight,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T + bias [N] -> [M, N] (torch.nn.functional.linear)."""
-    result = F.linear(x, weight, bias)
+    """x [M, K] @ weight[N, K].T + bias [N] -> [M, N] (torch.nn.functional.linear); an INT8 weight is
+    dequantized to x's dtype first."""
+    result = F.linear(x, dequantize(weight, x.dtype), bias)
     if out is None:
         return result
     return out.copy_(result)
 
 
 def gate_up_silu_reference(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: LinearWeight, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) -> [M, I], where weight [2I, K] holds the gate rows, then the up rows."""
     intermediate = weight.shape[0] // 2
-    gate_up = F.linear(x, weight)
+    gate_up = F.linear(x, dequantize(weight, x.dtype))
     result = silu_and_mul_reference(gate_up[..., :intermediate], gate_up[..., intermediate:])
     if out is None:
         return result
@@ -114,13 +116,15 @@ def gate_up_silu_reference(
 @triton.jit
 def _gemv_kernel(
     x_ptr,  # [1, K], K contiguous
-    w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous
+    w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous; float or int8
     bias_ptr,  # [N] (HAS_BIAS)
+    scale_ptr,  # fp32 [N] or [2 * N] (HAS_SCALE: int8 weights, one scale per weight row)
     out_ptr,  # [1, N], N contiguous
     N,  # output columns: weight rows, or intermediate size for GATE_UP
     K,
     stride_wn,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     GATE_UP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -149,10 +153,17 @@ def _gemv_kernel(
             w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
             acc_up += w_up.to(tl.float32) * xk
     result = tl.sum(acc, axis=1)  # [BLOCK_N]
+    result_up = result
+    if GATE_UP:
+        result_up = tl.sum(acc_up, axis=1)
+    if HAS_SCALE:
+        result *= tl.load(scale_ptr + rows)
+        if GATE_UP:
+            result_up *= tl.load(scale_ptr + rows + N)
     if HAS_BIAS:
         result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if GATE_UP:
-        result = result / (1.0 + tl.exp(-result)) * tl.sum(acc_up, axis=1)
+        result = result / (1.0 + tl.exp(-result)) * result_up
     tl.store(out_ptr + offs_n, result.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -191,6 +202,7 @@ def _launch_gemv(
     out: torch.Tensor,
     gate_up: bool,
     config: GemvConfig | None = None,
+    scale: torch.Tensor | None = None,
 ) -> None:
     m, k = x.shape
     n = out.shape[1]
@@ -200,11 +212,13 @@ def _launch_gemv(
         x,
         weight,
         bias if bias is not None else out,  # never read without HAS_BIAS
+        scale if scale is not None else out,  # never read without HAS_SCALE
         out,
         n,
         k,
         weight.stride(0),
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         GATE_UP=gate_up,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -222,6 +236,7 @@ def _skinny_finish(
     acc,
     acc_up,
     bias_ptr,
+    scale_ptr,
     out_ptr,
     offs_n,
     offs_m,
@@ -230,10 +245,17 @@ def _skinny_finish(
     stride_om,
     act_dtype: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     GATE_UP: tl.constexpr,
 ):
-    """acc [BLOCK_N, BLOCK_M] (out.T) -> out[m, n]: bias, SwiGLU, rounded to the activation dtype first
-    (as the reference's result is), then stored in out's dtype (fp32 logits may take bf16 products)."""
+    """acc [BLOCK_N, BLOCK_M] (out.T) -> out[m, n]: INT8 scales, bias, SwiGLU, rounded to the activation
+    dtype first (as the reference's result is), then stored in out's dtype (fp32 logits may take bf16
+    products)."""
+    if HAS_SCALE:  # [N], or [2N] with GATE_UP; surplus rows re-read row N - 1
+        rows = tl.minimum(offs_n, N - 1)
+        acc *= tl.load(scale_ptr + rows)[:, None]
+        if GATE_UP:
+            acc_up *= tl.load(scale_ptr + N + rows)[:, None]
     if HAS_BIAS:  # [N], or [2N] with GATE_UP (the gate's, then the up's)
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
         if GATE_UP:
@@ -248,8 +270,9 @@ def _skinny_finish(
 @triton.jit
 def _skinny_kernel(
     x_ptr,  # [M, K], K contiguous
-    w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous; any float dtype
+    w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous; any float dtype, int8
     bias_ptr,  # [N], or [2N] with GATE_UP (HAS_BIAS)
+    scale_ptr,  # fp32 [N], or [2N] with GATE_UP (HAS_SCALE: int8 weights)
     out_ptr,  # [M, N], N contiguous
     partials_ptr,  # fp32 [SPLIT_K, N (x2 with GATE_UP), BLOCK_M] (SPLIT_K > 1)
     counters_ptr,  # int32 [cdiv(N, BLOCK_N)]: splits done per column tile, zero between launches
@@ -260,6 +283,7 @@ def _skinny_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     GATE_UP: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the K loop
@@ -298,11 +322,13 @@ def _skinny_kernel(
             k_mask = offs_k < K - k_tile * BLOCK_K
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-        # The weight-dtype hook: weights of another dtype than x are converted in registers here.
-        w = w.to(act_dtype)
+        # The weight-dtype hook: weights of another dtype than x (int8) are converted in registers here
+        # (straight to fp32 in the interpreter, whose bf16 conversions are wrong; exact either way).
         if UPCAST:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
+        else:
+            w = w.to(act_dtype)
         x_t = tl.trans(x)  # [BLOCK_K, BLOCK_M]
         acc = tl.dot(w, x_t, acc, input_precision=DOT_PRECISION)
         if GATE_UP:
@@ -310,17 +336,18 @@ def _skinny_kernel(
                 w_up = tl.load(w_up_ptrs)
             else:
                 w_up = tl.load(w_up_ptrs, mask=k_mask[None, :], other=0.0)
-            w_up = w_up.to(act_dtype)
-            if UPCAST:
+            if UPCAST:  # noqa: SIM108 (a constexpr branch)
                 w_up = w_up.to(tl.float32)
+            else:
+                w_up = w_up.to(act_dtype)
             acc_up = tl.dot(w_up, x_t, acc_up, input_precision=DOT_PRECISION)
             w_up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
     if SPLIT_K == 1:
-        _skinny_finish(acc, acc_up, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, act_dtype,
-                       HAS_BIAS, GATE_UP)  # fmt: skip
+        _skinny_finish(acc, acc_up, bias_ptr, scale_ptr, out_ptr, offs_n, offs_m, M, N, stride_om,
+                       act_dtype, HAS_BIAS, HAS_SCALE, GATE_UP)  # fmt: skip
     else:
         # partials[split, column, row]: the up columns follow the N gate columns (GATE_UP)
         num_columns = 2 * N if GATE_UP else N
@@ -343,8 +370,8 @@ def _skinny_kernel(
                 total += tl.load(partials_ptr + split_slots, cache_modifier=".cg")
                 if GATE_UP:
                     total_up += tl.load(partials_ptr + split_slots + N * BLOCK_M, cache_modifier=".cg")
-            _skinny_finish(total, total_up, bias_ptr, out_ptr, offs_n, offs_m, M, N, stride_om, act_dtype,
-                           HAS_BIAS, GATE_UP)  # fmt: skip
+            _skinny_finish(total, total_up, bias_ptr, scale_ptr, out_ptr, offs_n, offs_m, M, N, stride_om,
+                           act_dtype, HAS_BIAS, HAS_SCALE, GATE_UP)  # fmt: skip
             tl.store(counters_ptr + pid_n, 0)  # ready for the next launch (graph replay)
 
 
@@ -404,6 +431,7 @@ def _launch_skinny(
     out: torch.Tensor,
     gate_up: bool,
     config: SkinnyConfig | None = None,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """out may be float32 with bf16/fp16 x (logits): it then holds the x-dtype result, widened."""
     m, k = x.shape
@@ -426,6 +454,7 @@ def _launch_skinny(
         x,
         weight,
         bias if bias is not None else out,  # never read without HAS_BIAS
+        scale if scale is not None else out,  # never read without HAS_SCALE
         out,
         partials,
         counters,
@@ -436,6 +465,7 @@ def _launch_skinny(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         GATE_UP=gate_up,
         SPLIT_K=split_k,
         EVEN_K=k % block_k == 0,
@@ -457,8 +487,9 @@ def _launch_skinny(
 @triton.jit
 def _gemm_kernel(
     x_ptr,  # [M, K], K contiguous
-    w_ptr,  # [N, K] or [2 * N, K] (GATE_UP), K contiguous
+    w_ptr,  # [N, K] or [2 * N, K] (GATE_UP), K contiguous; x's dtype, or int8
     bias_ptr,  # [N] (HAS_BIAS)
+    scale_ptr,  # fp32 [N] or [2 * N] (HAS_SCALE: int8 weights)
     out_ptr,  # [M, N], N contiguous
     M,
     N,  # output columns: weight rows, or intermediate size for GATE_UP
@@ -467,6 +498,7 @@ def _gemm_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     GATE_UP: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the K loop
     UPCAST: tl.constexpr,  # the interpreter: multiply in fp32 (it computes bf16 wrongly)
@@ -506,22 +538,31 @@ def _gemm_kernel(
         else:
             a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        # int8 weights: converted in registers (exact up to 127; straight to fp32 in the interpreter)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+        else:
+            b = b.to(x_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if GATE_UP:
             if EVEN_K:
                 b_up = tl.load(w_up_ptrs)
             else:
                 b_up = tl.load(w_up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            if UPCAST:
+            if UPCAST:  # noqa: SIM108 (a constexpr branch)
                 b_up = b_up.to(tl.float32)
+            else:
+                b_up = b_up.to(x_ptr.dtype.element_ty)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
             w_up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + w_rows)[None, :]
+        if GATE_UP:
+            acc_up *= tl.load(scale_ptr + w_rows + N)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if GATE_UP:
@@ -591,6 +632,7 @@ def _launch_gemm(
     out: torch.Tensor,
     gate_up: bool,
     config: GemmConfig | None = None,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """out may be float32 with bf16/fp16 x (logits): it then holds the x-dtype result, widened."""
     m, k = x.shape
@@ -603,6 +645,7 @@ def _launch_gemm(
         x,
         weight,
         bias if bias is not None else out,  # never read without HAS_BIAS
+        scale if scale is not None else out,  # never read without HAS_SCALE
         out,
         m,
         n,
@@ -611,6 +654,7 @@ def _launch_gemm(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         GATE_UP=gate_up,
         EVEN_K=k % block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -630,10 +674,11 @@ def _launch_gemm(
 
 
 def _check_and_make_out(
-    x: torch.Tensor, weight: torch.Tensor, n_out: int, out: torch.Tensor | None
+    x: torch.Tensor, weight: LinearWeight, n_out: int, out: torch.Tensor | None
 ) -> torch.Tensor:
+    weight, scale = split(weight)
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
-    assert x.dtype == weight.dtype, (x.dtype, weight.dtype)
+    assert x.dtype == weight.dtype or scale is not None, (x.dtype, weight.dtype)
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be contiguous"
     if out is None:
         return torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
@@ -643,8 +688,9 @@ def _check_and_make_out(
 
 
 def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, gate_up: bool
+    x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None, out: torch.Tensor, gate_up: bool
 ) -> torch.Tensor:
+    weight, scale = split(weight)
     m, k = x.shape
     if m == 0 or out.shape[1] == 0:
         return out
@@ -652,17 +698,17 @@ def _launch(
         # An empty sum: only the bias (or silu(0) * 0 = 0) remains.
         return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
     if m <= GEMV_MAX_M:
-        _launch_gemv(x, weight, bias, out, gate_up)
+        _launch_gemv(x, weight, bias, out, gate_up, scale=scale)
     elif m <= SKINNY_MAX_M:
-        _launch_skinny(x, weight, bias, out, gate_up)
+        _launch_skinny(x, weight, bias, out, gate_up, scale=scale)
     else:
-        _launch_gemm(x, weight, bias, out, gate_up)
+        _launch_gemm(x, weight, bias, out, gate_up, scale=scale)
     return out
 
 
 def linear_triton(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: LinearWeight,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -674,7 +720,7 @@ def linear_triton(
 
 
 def gate_up_silu_triton(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: LinearWeight, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """As gate_up_silu_reference: one launch; the [M, 2I] gate/up activations stay in registers."""
     assert weight.shape[0] % 2 == 0, weight.shape

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul_reference
+from kernels.int8 import LinearWeight, split
 from kernels.linear import (
     GEMV_MAX_M,
     SKINNY_MAX_M,
@@ -58,7 +59,7 @@ def _chain(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor,
+    weight: LinearWeight,
     bias: torch.Tensor | None,
     gate_up: bool,
     out: torch.Tensor | None,
@@ -92,7 +93,7 @@ def add_rms_norm_linear_reference(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor,
+    weight: LinearWeight,
     bias: torch.Tensor | None = None,
     gate_up: bool = False,
     out: torch.Tensor | None = None,
@@ -188,8 +189,9 @@ def _add_rms_norm_gemv_kernel(
     hidden_ptr,  # [M, K], K contiguous
     residual_ptr,  # [M, K] (HAS_RESIDUAL)
     norm_weight_ptr,  # [K]
-    w_ptr,  # [N, K] or [2N, K] (GATE_UP: gate rows, then up rows), K contiguous
+    w_ptr,  # [N, K] or [2N, K] (GATE_UP: gate rows, then up rows), K contiguous; float or int8
     bias_ptr,  # [N] or [2N] (HAS_BIAS)
+    scale_ptr,  # fp32 [N] or [2N] (HAS_SCALE: int8 weights, one scale per weight row)
     out_ptr,  # [M, N], N contiguous
     residual_out_ptr,  # [M, K] (WRITE_RESIDUAL)
     M,
@@ -205,6 +207,7 @@ def _add_rms_norm_gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     WRITE_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     GATE_UP: tl.constexpr,
     SINGLE_K: tl.constexpr,  # BLOCK_K >= K (then BLOCK_K_NORM == BLOCK_K): one tile holds the whole row
     ONE_NORM_TILE: tl.constexpr,  # BLOCK_K_NORM >= K: the statistics pass is one tile, no loop
@@ -282,6 +285,10 @@ def _add_rms_norm_gemv_kernel(
     # [1, BLOCK_N] results
     result = tl.sum(acc, axis=1)[None, :]
     result_up = tl.sum(acc_up, axis=1)[None, :]
+    if HAS_SCALE:
+        result *= tl.load(scale_ptr + rows)[None, :]
+        if GATE_UP:
+            result_up *= tl.load(scale_ptr + rows + N)[None, :]
     if HAS_BIAS:
         result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATE_UP:
@@ -306,9 +313,10 @@ def _launch_gemv(
     residual_out: torch.Tensor | None,
     config: GemvConfig | None = None,
     block_k_norm: int | None = None,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """One launch; residual_out None: not written. config and block_k_norm override the tile heuristics
-    (tests, sweeps)."""
+    (tests, sweeps); scale: int8 weight's per-row scales."""
     m, k = hidden.shape
     n = out.shape[1]
     assert m == 1, "the fused GEMV takes one row; more take the norm, then the skinny GEMM"
@@ -327,6 +335,7 @@ def _launch_gemv(
         norm_weight,
         weight,
         bias if bias is not None else out,  # never read without HAS_BIAS
+        scale if scale is not None else out,  # never read without HAS_SCALE
         out,
         residual_out if residual_out is not None else hidden,  # never written without WRITE_RESIDUAL
         m,
@@ -342,6 +351,7 @@ def _launch_gemv(
         HAS_RESIDUAL=residual is not None,
         WRITE_RESIDUAL=residual_out is not None,
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         GATE_UP=gate_up,
         SINGLE_K=single_k,
         ONE_NORM_TILE=block_k_norm >= k,
@@ -363,7 +373,7 @@ def _norm_then_linear(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor,
+    weight: LinearWeight,
     bias: torch.Tensor | None,
     gate_up: bool,
     out: torch.Tensor,
@@ -393,7 +403,7 @@ def add_rms_norm_linear_triton(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor,
+    weight: LinearWeight,
     bias: torch.Tensor | None = None,
     gate_up: bool = False,
     out: torch.Tensor | None = None,
@@ -403,11 +413,13 @@ def add_rms_norm_linear_triton(
     allocation when out (and residual_out, unless residual is None) are given; residual_out must not
     overlap hidden or residual. More rows: the add and norm in one launch into a scratch buffer, then the
     skinny or tiled GEMM (see the module docstring)."""
-    assert hidden.dim() == 2 and weight.dim() == 2, (hidden.shape, weight.shape)
+    values, scale = split(weight)
+    assert hidden.dim() == 2 and values.dim() == 2, (hidden.shape, values.shape)
     m, k = hidden.shape
     dtype = hidden.dtype
-    assert weight.shape[1] == k and weight.dtype == dtype, (weight.shape, weight.dtype, hidden.shape, dtype)
-    assert weight.stride(1) == 1 and hidden.stride(1) == 1, "hidden and weight rows must be contiguous"
+    assert values.shape[1] == k, (values.shape, hidden.shape)
+    assert values.dtype == dtype or scale is not None, (values.dtype, dtype)
+    assert values.stride(1) == 1 and hidden.stride(1) == 1, "hidden and weight rows must be contiguous"
     assert not gate_up or weight.shape[0] % 2 == 0, weight.shape
     n = weight.shape[0] // 2 if gate_up else weight.shape[0]
     assert norm_weight.shape == (k,) and norm_weight.is_contiguous(), norm_weight.shape
@@ -435,7 +447,9 @@ def add_rms_norm_linear_triton(
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(hidden)
     if m > 0 and n > 0:
-        _launch_gemv(hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out)
+        _launch_gemv(
+            hidden, residual, norm_weight, eps, values, bias, gate_up, out, residual_out, scale=scale
+        )
     elif residual_out is not None:
         # No GEMV programs to write it (N == 0): the sum alone.
         if residual is not None:

@@ -1,0 +1,136 @@
+"""Weight-only INT8 linears: the quantizer, and every linear kernel path (GEMV, skinny GEMM with and
+without split-K, tiled GEMM, the norm-fused GEMV, gate/up + SwiGLU) reading int8 weights against the
+float64 product with the dequantized weight. On the CPU the kernels run in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import linear
+from kernels.int8 import Int8Weight, dequantize, quantize_int8
+from kernels.linear import (
+    GemmConfig,
+    GemvConfig,
+    SkinnyConfig,
+    gate_up_silu_reference,
+    gate_up_silu_triton,
+    linear_reference,
+    linear_triton,
+)
+from kernels.norm_linear import add_rms_norm_linear_reference, add_rms_norm_linear_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    if dtype == torch.bfloat16:
+        return {"rtol": 1.6e-2, "atol": 1.6e-2}
+    return {"rtol": 2e-3, "atol": 2e-3} if DEVICE == "cuda" else {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _inputs(m: int, n_rows: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, Int8Weight]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    # rows of very different magnitudes: a scale applied to the wrong row shows
+    magnitudes = torch.logspace(-2, 0, n_rows)[torch.randperm(n_rows, generator=gen)]
+    weight = torch.randn(n_rows, k, generator=gen) * magnitudes[:, None] / k**0.5
+    return x, quantize_int8(weight.to(DEVICE))
+
+
+def _dense64(weight: Int8Weight) -> torch.Tensor:
+    return weight.values.double() * weight.scale.double()[:, None]
+
+
+def _expected(
+    x: torch.Tensor,
+    weight: Int8Weight,
+    bias: torch.Tensor | None,
+    gate_up: bool,
+    dense: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The float64 product with the exact dequantized weight (or with `dense`)."""
+    dense = _dense64(weight) if dense is None else dense.double()
+    product = F.linear(x.double(), dense, None if bias is None else bias.double())
+    if not gate_up:
+        return product
+    gate, up = product.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def test_quantize_int8_rounds_each_row_to_its_own_scale() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 40, generator=gen) * torch.tensor([1e-3, 0.1, 1.0, 10.0, 0.0, 3.0])[:, None]
+    quantized = quantize_int8(weight)
+    assert quantized.values.dtype == torch.int8 and quantized.scale.dtype == torch.float32
+    assert quantized.values.abs().max() <= 127
+    nonzero = weight.abs().amax(dim=1) > 0
+    torch.testing.assert_close(quantized.scale[nonzero], weight.abs().amax(dim=1)[nonzero] / 127)
+    assert (quantized.values[~nonzero] == 0).all() and (quantized.scale[~nonzero] == 1).all()
+    # round to nearest: every element within half a step of its row's scale
+    error = (dequantize(quantized, torch.float32) - weight).abs()
+    assert (error <= quantized.scale[:, None] / 2 + 1e-7).all()
+    assert quantized.nbytes() == 6 * 40 + 6 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
+@pytest.mark.parametrize("m", [1, 5, 65], ids=["gemv", "skinny", "gemm"])
+def test_int8_linear_matches_dequantized_product(m: int, gate_up: bool, dtype: torch.dtype) -> None:
+    n, k = 24, 48
+    x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=m * 10 + gate_up)
+    bias = None if gate_up else torch.randn(n, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    expected = _expected(x, weight, bias, gate_up)
+    if gate_up:
+        result, reference = gate_up_silu_triton(x, weight), gate_up_silu_reference(x, weight)
+    else:
+        result, reference = linear_triton(x, weight, bias), linear_reference(x, weight, bias)
+    assert result.shape == (m, n) and result.dtype == dtype
+    torch.testing.assert_close(result.double(), expected, **_tolerance(dtype))
+    # the reference multiplies by the weight dequantized to x's dtype (rounded once)
+    expected_reference = _expected(x, weight, bias, gate_up, dense=dequantize(weight, dtype))
+    torch.testing.assert_close(reference.double(), expected_reference, **_tolerance(dtype))
+
+
+# several programs and K steps with a ragged last one; K split 3 ways (the partials carry unscaled sums)
+FORCED = [
+    ("gemv", 1, GemvConfig(block_n=4, block_k=32, num_warps=4)),
+    ("skinny", 3, SkinnyConfig(block_n=16, block_k=16, split_k=3, num_warps=4, num_stages=2)),
+    ("gemm", 50, GemmConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)),
+]
+
+
+@pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
+@pytest.mark.parametrize("case", FORCED, ids=[c[0] for c in FORCED])
+def test_int8_forced_tiles(case: tuple, gate_up: bool) -> None:
+    kind, m, config = case
+    n, k, dtype = 37, 100, torch.bfloat16
+    x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=len(kind) + gate_up)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    launch = {"gemv": linear._launch_gemv, "skinny": linear._launch_skinny, "gemm": linear._launch_gemm}[kind]
+    launch(x, weight.values, None, out, gate_up, config, scale=weight.scale)
+    torch.testing.assert_close(out.double(), _expected(x, weight, None, gate_up), **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
+@pytest.mark.parametrize("m", [1, 4], ids=["fused-gemv", "norm-then-skinny"])
+def test_int8_norm_linear_matches_reference(m: int, gate_up: bool, dtype: torch.dtype) -> None:
+    n, k = 20, 64
+    gen = torch.Generator().manual_seed(m + 2 * gate_up)
+    hidden = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    residual = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEVICE, dtype)
+    _, weight = _inputs(1, 2 * n if gate_up else n, k, dtype, seed=7 + m)
+    out, summed = add_rms_norm_linear_triton(hidden, residual, norm_weight, 1e-6, weight, gate_up=gate_up)
+    expected, expected_summed = add_rms_norm_linear_reference(
+        hidden, residual, norm_weight, 1e-6, weight, gate_up=gate_up
+    )
+    torch.testing.assert_close(out.double(), expected.double(), **_tolerance(dtype))
+    torch.testing.assert_close(summed, expected_summed)
+    # and the reference is the dense layer's: the scales went where they belong
+    dense, _ = add_rms_norm_linear_reference(
+        hidden, residual, norm_weight, 1e-6, dequantize(weight, dtype), gate_up=gate_up
+    )
+    torch.testing.assert_close(expected, dense)
