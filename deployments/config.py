@@ -28,6 +28,9 @@ class AppArgs(BaseModel):
     served_model_name: str | None = Field(None, description="the `model` clients name; default: model")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, else float32
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when the Ray cluster has one
+    quantization: Literal["int8"] | None = Field(
+        None, description="int8: weight-only INT8 linears, quantized at load; default: the weights' dtype"
+    )
     max_model_len: int | None = Field(
         None, ge=2, description="context length; default: the model's; never more than the KV cache holds"
     )
@@ -150,6 +153,7 @@ class AppArgs(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             dtype=dtype,
             device=device,
+            quantization=self.quantization,
             proposer=self.proposer,
             draft_model=self.draft_model,
             draft_layers=self.draft_layers,

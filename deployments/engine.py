@@ -84,6 +84,7 @@ class EngineInfo:
     vocab_size: int
     device: str
     dtype: str
+    quantization: str | None
 
 
 @serve.deployment(name="Engine", health_check_period_s=10)
@@ -136,6 +137,7 @@ class EngineDeployment:
             vocab_size=self.engine.spec.vocab_size,
             device=device,
             dtype=dtype,
+            quantization=args.quantization,
         )
 
     def _build_engine(self, model_source: str, config: EngineConfig) -> Engine:

@@ -241,6 +241,7 @@ class OpenAIIngress:
                 "created": self.created,
                 "owned_by": "tileinfer",
                 "max_model_len": info.max_model_len,
+                "quantization": info.quantization,
             }
             return JSONResponse({"object": "list", "data": [model]})
 

@@ -132,6 +132,7 @@ class Model(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    quantization: Literal["int8"] | None  # weight-only INT8 linears; None: the weights' dtype
 
 
 class ModelList(BaseModel):

@@ -48,6 +48,12 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: cpu)")
     parser.add_argument(
+        "--quantization",
+        choices=["int8"],
+        default=None,
+        help="int8: weight-only INT8 linears, quantized at load (default: the weights' dtype)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=_context_length,
         default=None,
@@ -158,6 +164,7 @@ def _load_engine(args: argparse.Namespace) -> Engine:
     config = EngineConfig(
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, proposer=args.proposer,
         draft_model=args.draft_model, draft_layers=args.draft_layers, num_draft=args.num_draft,
+        quantization=args.quantization,
     )  # fmt: skip
     print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr, flush=True)
     return Engine.load(args.model, config)

@@ -20,7 +20,7 @@ from engine.detokenizer import TextStream
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.kv_budget import kv_bytes_per_token, kv_cache_tokens_from_memory, step_reserve_bytes
 from engine.loader import LoadedModel, load_model
-from engine.model import Decoder
+from engine.model import QUANTIZATIONS, Decoder
 from engine.ops import ops_for
 from engine.runner import PENDING_TOKEN, Launch, ModelRunner, Verification, is_decode_step
 from engine.sampling import SamplingParams, TokenLogprob, make_generator
@@ -48,6 +48,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     dtype: str = "float32"
     device: str = "cpu"
+    # "int8": weight-only INT8 linears in every decoder layer (kernels/int8.py); None: the weights' dtype
+    quantization: str | None = None
     cuda_graphs: bool = True  # on a GPU, replay decode steps from CUDA graphs
     # On a GPU, also replay prefill, mixed and verify steps from CUDA graphs (one per token-count bucket).
     step_graphs: bool = True
@@ -124,6 +126,10 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.model_name = model.name
         self.device = config.torch_device()
+        if config.quantization is not None and config.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {config.quantization!r}"
+            )
         self.logit_vocab_size = model.logit_vocab_size  # the ids the engine can emit (Decoder)
         tokenizer_eos = model.tokenizer.eos_token_ids if model.tokenizer is not None else ()
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)
@@ -165,8 +171,9 @@ class Engine:
             raise InvalidRequestError(f"max_model_len must be at least 2, got {self.max_model_len}")
         self.block_manager = BlockManager(num_blocks, config.block_size)
         decoder = Decoder.from_weights(
-            model.spec, model.weights, self.max_model_len, ops_for(self.device), self.logit_vocab_size
-        )
+            model.spec, model.weights, self.max_model_len, ops_for(self.device), self.logit_vocab_size,
+            quantization=config.quantization,
+        )  # fmt: skip
         self.runner = ModelRunner(
             decoder, num_blocks, config.block_size, config.torch_dtype(), config.max_num_seqs,
             self.max_model_len, use_cuda_graphs=config.cuda_graphs, step_graphs=config.step_graphs,

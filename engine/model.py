@@ -15,6 +15,9 @@ from engine.rope import rope_cos_sin_cache
 from engine.spec import ModelSpec
 from kernels.activation import xielu_reference
 from kernels.attention import AttentionMetadata
+from kernels.int8 import LinearWeight, quantize_int8
+
+QUANTIZATIONS = ("int8",)  # weight-only INT8 of every decoder layer's linears (kernels/int8.py)
 
 
 class RMSNorm(nn.Module):
@@ -40,9 +43,17 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         """One [q + 2 kv, hidden] weight (and bias) for the three projections."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = torch.cat([projection.weight for projection in projections])
+        self.qkv_weight: LinearWeight = torch.cat([projection.weight for projection in projections])
         self.qkv_bias = torch.cat([p.bias for p in projections]) if self.spec.qkv_bias else None
         del self.q_proj, self.k_proj, self.v_proj
+        self.o_weight: LinearWeight = self.o_proj.weight
+
+    def quantize_int8(self) -> None:
+        """INT8 weights for the fused QKV and the output projection (after fuse); biases keep their dtype."""
+        self.qkv_weight = quantize_int8(self.qkv_weight)
+        o_weight = quantize_int8(self.o_weight)
+        del self.o_weight, self.o_proj.weight  # a registered parameter until now
+        self.o_weight = o_weight
 
     def forward(
         self,
@@ -68,7 +79,7 @@ class Attention(nn.Module):
         else:
             output = ops.attention(query, kv_cache, metadata, self.scale, spec.sliding_window)
         o_bias = self.o_proj.bias if spec.o_bias else None
-        return ops.linear(output.view(num_tokens, spec.q_size), self.o_proj.weight, o_bias)
+        return ops.linear(output.view(num_tokens, spec.q_size), self.o_weight, o_bias)
 
 
 class XIELU(nn.Module):
@@ -96,24 +107,33 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def fuse(self) -> None:
-        """One [2 * intermediate, hidden] weight for gate and up (gate rows first)."""
-        if not self.gated:
-            return
-        self.gate_up_weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self.gate_up_bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.has_bias else None
-        del self.gate_proj, self.up_proj
-
-    def input_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight and bias applied to the normed input: gate/up (SwiGLU fused in) or up alone."""
+        """One [2 * intermediate, hidden] weight for gate and up (gate rows first); without a gate, up's."""
         if self.gated:
-            return self.gate_up_weight, self.gate_up_bias
-        return self.up_proj.weight, self.up_proj.bias if self.has_bias else None
+            self.in_weight: LinearWeight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+            self.in_bias = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.has_bias else None
+            del self.gate_proj, self.up_proj
+        else:
+            self.in_weight = self.up_proj.weight
+            self.in_bias = self.up_proj.bias if self.has_bias else None
+        self.down_weight: LinearWeight = self.down_proj.weight
+
+    def quantize_int8(self) -> None:
+        """INT8 weights for the input projection and down_proj (after fuse); biases keep their dtype."""
+        in_weight, down_weight = quantize_int8(self.in_weight), quantize_int8(self.down_weight)
+        del self.in_weight, self.down_weight, self.down_proj.weight  # registered parameters until now
+        if not self.gated:
+            del self.up_proj.weight
+        self.in_weight, self.down_weight = in_weight, down_weight
+
+    def input_projection(self) -> tuple[LinearWeight, torch.Tensor | None]:
+        """The weight and bias applied to the normed input: gate/up (SwiGLU fused in) or up alone."""
+        return self.in_weight, self.in_bias
 
     def forward(self, projected: torch.Tensor, ops: Ops) -> torch.Tensor:
         """projected: silu(gate) * up (gated), or up before its activation (Apertus)."""
         act = projected if self.gated else self.act_fn(projected)
         down_bias = self.down_proj.bias if self.has_bias else None
-        return ops.linear(act, self.down_proj.weight, down_bias)
+        return ops.linear(act, self.down_weight, down_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -189,14 +209,22 @@ class Decoder(nn.Module):
         max_positions: int,
         ops: Ops = REFERENCE_OPS,
         logit_vocab_size: int | None = None,
+        quantization: str | None = None,
     ) -> Decoder:
-        """Build on the meta device, take the given tensors as parameters, then fuse q/k/v and gate/up."""
+        """Build on the meta device, take the given tensors as parameters, then fuse q/k/v and gate/up.
+        quantization "int8": every layer's linears as INT8 weights (kernels/int8.py), layer by layer;
+        the embedding and the LM head keep their dtype."""
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         with torch.device("meta"):
             decoder = cls(spec, max_positions, ops, logit_vocab_size)
         decoder.load_state_dict(weights, strict=True, assign=True)
         for layer in decoder.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+            if quantization == "int8":
+                layer.self_attn.quantize_int8()
+                layer.mlp.quantize_int8()
         device = decoder.model.embed_tokens.weight.device
         decoder.cos_sin_cache = rope_cos_sin_cache(spec, max_positions, device)
         return decoder.eval().requires_grad_(False)

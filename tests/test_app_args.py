@@ -59,6 +59,7 @@ def test_drafting_ahead_defaults_to_a_proposer_with_a_gpu_of_its_own() -> None:
         ({"proposer_num_gpus": 2}, "proposer_num_gpus"),
         ({"num_draft": 0}, "num_draft"),
         ({"draft_ahaed": True}, "draft_ahaed"),  # a misspelt arg is refused, not ignored
+        ({"quantization": "int4"}, "quantization"),
     ],
 )
 def test_bad_args_are_named(args: dict, named: str) -> None:
@@ -97,3 +98,8 @@ def test_null_args_take_the_devices_defaults() -> None:
 def test_gpu_memory_utilization_must_be_a_share(fraction: float) -> None:
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         parse_app_args({"gpu_memory_utilization": fraction})
+
+
+def test_quantization_reaches_the_engine() -> None:
+    assert parse_app_args({"quantization": "int8"}).engine_config("cpu", "float32").quantization == "int8"
+    assert parse_app_args({}).engine_config("cpu", "float32").quantization is None

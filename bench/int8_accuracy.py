@@ -1,0 +1,167 @@
+"""INT8 accuracy against the model's own dtype, on a real model and a real English text.
+
+- Perplexity of the first TOKENS tokens of the Python standard library's `pydoc_data/topics.py` (a large
+  English text present everywhere), teacher-forced in one sequence through the engine's paged cache.
+- At the same positions: the largest logit error relative to the largest logit, and how often the
+  top-1 token agrees.
+- Greedy agreement over a set of chat prompts: identical outputs, and the mean length of the common
+  prefix.
+
+    python bench/int8_accuracy.py [--model smollm2-135m] [--device cpu] [--dtype float32] [--tokens 1024]
+
+The default model is SmolLM2-135M (its Q4_1 GGUF, dequantized at load: the baseline's weights and the
+INT8 quantizer's input). The table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.loader import LoadedModel, load_model  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.scheduler import ScheduledSequence  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+
+CHUNK = 256  # prompt tokens per teacher-forced prefill step
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 50.",
+    "How do I reverse a list in Python?",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Give me a short recipe for pancakes.",
+)
+
+
+def english_text() -> str:
+    """pydoc_data's help topics, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+@dataclasses.dataclass(frozen=True)
+class TextScores:
+    perplexity: float
+    logits: torch.Tensor  # float32 [positions, vocab]: each position's next-token logits
+
+
+def score_text(engine: Engine, token_ids: list[int]) -> TextScores:
+    """Teacher-forced next-token logits of token_ids[1:] (prefill chunks of CHUNK tokens, every row's
+    logits), and their perplexity."""
+    seq = Sequence("text", list(token_ids), SamplingParams())
+    engine.block_manager.allocate(seq)
+    rows: list[torch.Tensor] = []
+    try:
+        while seq.num_computed_tokens < len(token_ids):
+            count = min(CHUNK, len(token_ids) - seq.num_computed_tokens)
+            end = seq.num_computed_tokens + count
+            # every row of the chunk: forward_eager returns a sequence's rows only once all are computed,
+            # so the sequence is cut to this chunk's end while it runs
+            seq.token_ids = list(token_ids[:end])
+            logits = engine.runner.forward_eager([ScheduledSequence(seq, count)], num_logits={seq: count})
+            rows.append(logits.float().cpu())
+            seq.num_computed_tokens = end
+    finally:
+        engine.block_manager.free(seq)
+    logits = torch.cat(rows)[:-1]  # the last row predicts past the text
+    targets = torch.tensor(token_ids[1:])
+    nll = torch.nn.functional.cross_entropy(logits.double(), targets, reduction="mean")
+    return TextScores(math.exp(nll.item()), logits)
+
+
+def greedy_outputs(engine: Engine, prompts: tuple[str, ...], max_tokens: int) -> list[list[int]]:
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = []
+    for prompt in prompts:
+        token_ids, _, _ = engine.generate(
+            tokenizer.encode_chat([{"role": "user", "content": prompt}]), params
+        )
+        outputs.append(token_ids)
+    return outputs
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return min(len(a), len(b))
+
+
+def compare(
+    model: LoadedModel,
+    config: EngineConfig,
+    tokens: int,
+    max_tokens: int,
+    prompts: tuple[str, ...] = CHAT_PROMPTS,
+) -> dict[str, float]:
+    """The baseline (config as given) against INT8 weights: perplexities, logit error, agreement."""
+    assert model.tokenizer is not None
+    token_ids = model.tokenizer.encode(english_text())[:tokens]
+    results = {}
+    for mode in (None, "int8"):
+        engine = Engine(model, dataclasses.replace(config, quantization=mode))
+        results[mode] = (score_text(engine, token_ids), greedy_outputs(engine, prompts, max_tokens))
+        del engine
+    (base, base_greedy), (int8, int8_greedy) = results[None], results["int8"]
+    error = (int8.logits - base.logits).abs().max() / base.logits.abs().max()
+    prefixes = [_common_prefix(a, b) for a, b in zip(base_greedy, int8_greedy, strict=True)]
+    return {
+        "tokens": len(token_ids),
+        "perplexity": base.perplexity,
+        "perplexity_int8": int8.perplexity,
+        "perplexity_increase": int8.perplexity / base.perplexity - 1,
+        "max_logit_error": error.item(),
+        "top1_agreement": (int8.logits.argmax(-1) == base.logits.argmax(-1)).double().mean().item(),
+        "greedy_identical": sum(a == b for a, b in zip(base_greedy, int8_greedy, strict=True))
+        / len(prefixes),
+        "greedy_common_prefix": sum(prefixes) / len(prefixes),
+        "greedy_tokens": max_tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per chat prompt")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = parser.parse_args()
+    config = EngineConfig(
+        dtype=args.dtype, device=args.device, max_model_len=args.tokens + args.max_tokens + 64, max_num_seqs=1
+    )
+    model = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
+    figures = compare(model, config, args.tokens, args.max_tokens)
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=2))
+    print(f"| {args.model}, {args.dtype} on {args.device} | {args.dtype} | INT8 weights |")
+    print("| --- | ---: | ---: |")
+    print(f"| perplexity, {figures['tokens']} tokens of pydoc_data/topics.py | {figures['perplexity']:.4f} | "
+          f"{figures['perplexity_int8']:.4f} ({100 * figures['perplexity_increase']:+.2f} %) |")  # fmt: skip
+    print(f"| top-1 agreement at those positions | | {100 * figures['top1_agreement']:.2f} % |")
+    print(f"| largest logit error / largest logit | | {figures['max_logit_error']:.4f} |")
+    identical, prefix = 100 * figures["greedy_identical"], figures["greedy_common_prefix"]
+    print(f"| greedy outputs identical ({len(CHAT_PROMPTS)} chat prompts, {args.max_tokens} tokens) | | "
+          f"{identical:.0f} % (common prefix {prefix:.1f} tokens) |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

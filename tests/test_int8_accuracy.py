@@ -1,0 +1,40 @@
+"""INT8 weights on a real model: SmolLM2-135M (its GGUF dequantized to float32, the baseline's weights and
+the quantizer's input) on the torch reference path, scored with bench/int8_accuracy.py against the
+float32 weights: perplexity on real English text, logit error, top-1 and greedy agreement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bench.int8_accuracy import CHAT_PROMPTS, compare
+from engine.engine import Engine, EngineConfig
+from engine.errors import InvalidRequestError
+from engine.loader import LoadedModel, load_model
+from kernels.int8 import Int8Weight
+
+CONFIG = EngineConfig(max_model_len=512, max_num_seqs=1)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    return load_model("smollm2-135m")
+
+
+def test_int8_weights_stay_close_to_the_float_weights(smollm2: LoadedModel) -> None:
+    figures = compare(smollm2, CONFIG, tokens=384, max_tokens=12, prompts=CHAT_PROMPTS[:3])
+    assert figures["perplexity_increase"] <= 0.01, figures  # the issue's bound for INT8 weights
+    assert figures["top1_agreement"] >= 0.95, figures
+    assert figures["max_logit_error"] <= 0.06, figures
+    assert figures["greedy_common_prefix"] >= 6, figures
+
+
+def test_int8_engine_holds_int8_linears_and_refuses_other_modes(smollm2: LoadedModel) -> None:
+    engine = Engine(smollm2, dataclasses.replace(CONFIG, quantization="int8"))
+    layer = engine.runner.decoder.model.layers[0]
+    weights = (layer.self_attn.qkv_weight, layer.self_attn.o_weight, *layer.mlp.input_projection()[:1])
+    assert all(isinstance(weight, Int8Weight) for weight in (*weights, layer.mlp.down_weight))
+    assert not hasattr(layer.self_attn.o_proj, "weight")  # the float copy is gone
+    with pytest.raises(InvalidRequestError, match="quantization must be one of int8"):
+        Engine(smollm2, dataclasses.replace(CONFIG, quantization="int4"))
