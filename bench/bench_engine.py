@@ -65,6 +65,7 @@ class Settings:
     compile_backend: str
     budget_s: float  # past this (since start), remaining heavy parts are skipped
     step_graphs: bool = True  # EngineConfig.step_graphs: prefill steps replayed from CUDA graphs
+    quantization: str | None = None  # EngineConfig.quantization (bench/bench_int8.py)
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def over_budget(self) -> bool:
@@ -133,6 +134,7 @@ def build_engine(name: str, spec: ModelSpec, weights: dict[str, torch.Tensor], s
         max_num_seqs=8,
         max_num_batched_tokens=max(2048, *settings.prefill_lens),  # a whole prompt in one step
         step_graphs=settings.step_graphs,
+        quantization=settings.quantization,
     )
 
     # tokenizer=None: no detokenization in the timed steps

@@ -27,6 +27,7 @@
 #   bash bench/device_run.sh gputests # the engine's GPU tests of decode graphs, run-ahead, batched steps
 #   MODEL=qwen3-4b PEER=64,256 LIMIT=300 bash bench/device_run.sh batch  # bench_batch for one model
 #   bash bench/device_run.sh profilesteps  # (carry .assets) engine-direct serving steps, classed and profiled
+#   bash bench/device_run.sh int8     # INT8 weights: kernel tests compiled, bench_int8, int8_accuracy
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
 #   PROBES="unpaced throughput" bash bench/device_run.sh serveprobe  # (carry .whl, .assets) serve-load's
 #       # processes' CPU, paced; then each probe (unpaced, same_thread, quiet, throughput); then run_ahead_check
@@ -230,6 +231,14 @@ serveprobe)  # (carrying .whl and .assets) serve-load over HTTP with each proces
     kill $sampler
     python3 bench/cpu_sampler.py "$OUT/cpu.jsonl" --report --marks "$OUT/marks.txt"
     [ "${CHECK_LIMIT:-120}" = 0 ] || run "${CHECK_LIMIT:-120}" python3 bench/run_ahead_check.py
+    ;;
+int8)  # INT8 weights: the kernels' tests compiled; bench_int8 (bf16 beside INT8 in one run); the accuracy
+    # on SmolLM2 in bf16 when its GGUF is here (part0, part1 first)
+    run 200 python3 -m pytest -q -x --tb=short -p no:cacheprovider tests/test_kernels_int8.py
+    run "${LIMIT:-330}" python3 bench/bench_int8.py --out "$OUT"
+    if [ -e "/tmp/tc/models/$GGUF" ]; then
+        run 150 python3 bench/int8_accuracy.py --device cuda --dtype bfloat16 --out "$OUT/int8_accuracy.json"
+    fi
     ;;
 profilesteps)  # (carrying .assets/qwen3-tokenizer) the engine-direct closed loop's steps, classed and profiled
     mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz

@@ -85,15 +85,21 @@ def matmul_flops(
     return 2 * size**3 / seconds
 
 
-def decode_bytes_per_token(spec: ModelSpec, cached_positions: int, dtype: torch.dtype) -> int:
-    return weight_bytes(spec, dtype) + cached_positions * kv_bytes_per_token(spec, dtype)
+def decode_bytes_per_token(
+    spec: ModelSpec, cached_positions: int, dtype: torch.dtype, quantization: str | None = None
+) -> int:
+    return weight_bytes(spec, dtype, quantization) + cached_positions * kv_bytes_per_token(spec, dtype)
 
 
 def decode_roofline(
-    spec: ModelSpec, bandwidth: float, cached_positions: int = 1023, dtype: torch.dtype = torch.bfloat16
+    spec: ModelSpec,
+    bandwidth: float,
+    cached_positions: int = 1023,
+    dtype: torch.dtype = torch.bfloat16,
+    quantization: str | None = None,
 ) -> float:
     """Tokens per second at batch 1 if a step took only the time to read its bytes once."""
-    return bandwidth / decode_bytes_per_token(spec, cached_positions, dtype)
+    return bandwidth / decode_bytes_per_token(spec, cached_positions, dtype, quantization)
 
 
 def prefill_flops(spec: ModelSpec, num_tokens: int) -> int:

@@ -87,10 +87,18 @@ def random_weights(
     return weights
 
 
-def weight_bytes(spec: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of every weight, a tied LM head counted once (it is the embedding)."""
-    numel = sum(_numel(shape) for shape in weight_shapes(spec).values())
-    return numel * dtype.itemsize
+def weight_bytes(
+    spec: ModelSpec, dtype: torch.dtype = torch.bfloat16, quantization: str | None = None
+) -> int:
+    """Bytes of every weight, a tied LM head counted once (it is the embedding). quantization "int8":
+    the layers' linear weights at one byte an element and an fp32 scale a row (kernels/int8.py)."""
+    total = 0
+    for name, shape in weight_shapes(spec).items():
+        if quantization == "int8" and name.startswith("model.layers.") and len(shape) == 2:
+            total += _numel(shape) + shape[0] * 4
+        else:
+            total += _numel(shape) * dtype.itemsize
+    return total
 
 
 def prefill_matmul_params(spec: ModelSpec) -> int:

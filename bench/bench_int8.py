@@ -1,0 +1,146 @@
+"""INT8 weights beside the weights' own dtype, in one run: decode at batch 1 after 1,023 cached
+positions, and a 512-token prefill, for each model shape; each mode against its own roofline (the copy
+bandwidth over its bytes per token: INT8 layer weights plus the bf16 embedding, LM head and KV).
+
+    python bench/bench_int8.py [--models qwen3-0.6b,qwen3-4b] [--out DIR]
+    python bench/bench_int8.py --device cpu --tiny   # a smoke run
+
+Both engines take the same random weights (bench/model_shapes.py); the INT8 one quantizes them at
+load. The table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import limits  # noqa: E402
+from bench.bench_engine import (  # noqa: E402
+    GREEDY,
+    Settings,
+    attempt,
+    build_engine,
+    engine_decode,
+    engine_prefill,
+    free_memory,
+    random_prompt,
+)
+from bench.model_shapes import MODELS, random_weights  # noqa: E402
+from engine.engine import DTYPES  # noqa: E402
+
+MODES = (None, "int8")
+PREFILL_LEN = 512
+
+
+def bench_mode(name: str, weights: dict, prompt: list[int], settings: Settings, part: dict[str, Any]) -> None:
+    """Build one engine (settings.quantization), time its decode and a prefill into part."""
+    spec = MODELS[name]
+    key = settings.quantization or "base"
+    started = time.perf_counter()
+    engine = attempt(part, "build", settings, lambda: build_engine(name, spec, weights, settings))
+    if engine is None:
+        return
+    part["build_s"] = time.perf_counter() - started
+    if attempt(part, "decode", settings, lambda: engine_decode(engine, prompt, settings, GREEDY)):
+        print(f"{name} {key}: decode {part['decode']['tok_s']:,.1f} tok/s", flush=True)
+    generator = torch.Generator().manual_seed(7)
+    if attempt(
+        part, "prefill", settings, lambda: engine_prefill(engine, spec, PREFILL_LEN, settings, generator)
+    ):
+        print(f"{name} {key}: prefill {PREFILL_LEN} {part['prefill']['tok_s']:,.0f} tok/s", flush=True)
+
+
+def bench_model(name: str, settings: Settings, bandwidth: float) -> dict[str, Any]:
+    spec = MODELS[name]
+    cached = settings.prompt_len - 1
+    weights = random_weights(spec, settings.dtype, settings.device)
+    prompt = random_prompt(torch.Generator().manual_seed(1234), spec.vocab_size, settings.prompt_len)
+    record: dict[str, Any] = {"model": name}
+    for mode in MODES:
+        record[mode or "base"] = part = {
+            "roofline_tok_s": limits.decode_roofline(spec, bandwidth, cached, settings.dtype, mode),
+            "bytes_per_token": limits.decode_bytes_per_token(spec, cached, settings.dtype, mode),
+        }
+        bench_mode(name, weights, prompt, dataclasses.replace(settings, quantization=mode), part)
+        free_memory()
+    return record
+
+
+def _tok_s(part: dict[str, Any], key: str) -> float | None:
+    return part.get(key, {}).get("tok_s") if isinstance(part.get(key), dict) else None
+
+
+def print_table(results: dict[str, Any]) -> None:
+    dtype = results["dtype"]
+    print(f"\n{results['gpu']}, {dtype}; decode at batch 1 after {results['cached']} cached positions")
+    print("| model | weights | decode tok/s | % of its roofline | × base | prefill 512 tok/s | × base |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for record in results["models"]:
+        base = record.get("base", {})
+        for mode in MODES:
+            key = mode or "base"
+            part = record.get(key, {})
+            decode, prefill = _tok_s(part, "decode"), _tok_s(part, "prefill")
+            base_decode, base_prefill = _tok_s(base, "decode"), _tok_s(base, "prefill")
+            share = f"{100 * decode / part['roofline_tok_s']:.1f} %" if decode else "—"
+            speedup = f"{decode / base_decode:.2f}×" if decode and base_decode else "—"
+            prefill_speedup = f"{prefill / base_prefill:.2f}×" if prefill and base_prefill else "—"
+            print(
+                f"| {record['model']} | {mode or dtype} | {decode or 0:,.1f} | {share} | {speedup} | "
+                f"{prefill or 0:,.0f} | {prefill_speedup} |"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--models", default="qwen3-0.6b,qwen3-4b")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model, short runs (a CPU smoke run)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = parser.parse_args()
+    tiny = args.tiny
+    settings = Settings(
+        device=torch.device(args.device),
+        dtype=DTYPES[args.dtype],
+        tiny=tiny,
+        prompt_len=64 if tiny else 1024,
+        steps=8 if tiny else 200,
+        warmup=2 if tiny else 20,
+        prefill_lens=[PREFILL_LEN],
+        prefill_repeats=1 if tiny else 10,
+        peer_compile_prefill=False,
+        compile_backend="inductor",
+        budget_s=1e9,
+    )
+    device = settings.device
+    machine = limits.measure(device, tiny)
+    results: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "cached": settings.prompt_len - 1,
+        "limits": machine,
+        "models": [],
+    }
+    for name in ["tiny"] if tiny else args.models.split(","):
+        results["models"].append(bench_model(name, settings, machine["copy_bandwidth_bytes_per_s"]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_int8.json").write_text(json.dumps(results, indent=1, default=str))
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()
