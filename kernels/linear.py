@@ -114,17 +114,27 @@ def gate_up_silu_reference(
 
 
 @triton.jit
+def group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP: tl.constexpr):
+    """fp32 [len(rows), len(offs_k)]: scale[row, k // SCALE_GROUP] of a group-scaled INT8 weight (scale
+    [rows, K / SCALE_GROUP], rows contiguous); columns past K take the last group (their weights are 0)."""
+    num_groups = K // SCALE_GROUP
+    groups = tl.minimum(offs_k // SCALE_GROUP, num_groups - 1)
+    return tl.load(scale_ptr + rows[:, None] * num_groups + groups[None, :])
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [1, K], K contiguous
     w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous; float or int8
     bias_ptr,  # [N] (HAS_BIAS)
-    scale_ptr,  # fp32 [N] or [2 * N] (HAS_SCALE: int8 weights, one scale per weight row)
+    scale_ptr,  # fp32 (HAS_SCALE: int8 weights) [N] or [2 * N], or [rows, K / SCALE_GROUP]
     out_ptr,  # [1, N], N contiguous
     N,  # output columns: weight rows, or intermediate size for GATE_UP
     K,
     stride_wn,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,  # 0: a scale per row (after the sum); else inputs per scale (in the loop)
     GATE_UP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -147,16 +157,20 @@ def _gemv_kernel(
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
         xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * xk
+        w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+        if SCALE_GROUP > 0:
+            w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
+        acc += w * xk
         if GATE_UP:
-            w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-            acc_up += w_up.to(tl.float32) * xk
+            w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+            if SCALE_GROUP > 0:
+                w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
+            acc_up += w_up * xk
     result = tl.sum(acc, axis=1)  # [BLOCK_N]
     result_up = result
     if GATE_UP:
         result_up = tl.sum(acc_up, axis=1)
-    if HAS_SCALE:
+    if HAS_SCALE and SCALE_GROUP == 0:
         result *= tl.load(scale_ptr + rows)
         if GATE_UP:
             result_up *= tl.load(scale_ptr + rows + N)
@@ -203,6 +217,7 @@ def _launch_gemv(
     gate_up: bool,
     config: GemvConfig | None = None,
     scale: torch.Tensor | None = None,
+    scale_group: int = 0,
 ) -> None:
     m, k = x.shape
     n = out.shape[1]
@@ -219,6 +234,7 @@ def _launch_gemv(
         weight.stride(0),
         HAS_BIAS=bias is not None,
         HAS_SCALE=scale is not None,
+        SCALE_GROUP=scale_group,
         GATE_UP=gate_up,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -245,7 +261,7 @@ def _skinny_finish(
     stride_om,
     act_dtype: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,  # a scale per row here (group scales were applied in the K loop)
     GATE_UP: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] (out.T) -> out[m, n]: INT8 scales, bias, SwiGLU, rounded to the activation
@@ -272,7 +288,7 @@ def _skinny_kernel(
     x_ptr,  # [M, K], K contiguous
     w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous; any float dtype, int8
     bias_ptr,  # [N], or [2N] with GATE_UP (HAS_BIAS)
-    scale_ptr,  # fp32 [N], or [2N] with GATE_UP (HAS_SCALE: int8 weights)
+    scale_ptr,  # fp32 (HAS_SCALE: int8 weights) [N] or [2N], or [rows, K / SCALE_GROUP]
     out_ptr,  # [M, N], N contiguous
     partials_ptr,  # fp32 [SPLIT_K, N (x2 with GATE_UP), BLOCK_M] (SPLIT_K > 1)
     counters_ptr,  # int32 [cdiv(N, BLOCK_N)]: splits done per column tile, zero between launches
@@ -284,6 +300,7 @@ def _skinny_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,  # 0: a scale per row (in the finish); else inputs per scale (in the loop)
     GATE_UP: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the K loop
@@ -324,6 +341,8 @@ def _skinny_kernel(
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
         # The weight-dtype hook: weights of another dtype than x (int8) are converted in registers here
         # (straight to fp32 in the interpreter, whose bf16 conversions are wrong; exact either way).
+        if SCALE_GROUP > 0:
+            w = w.to(tl.float32) * group_scales(scale_ptr, w_rows, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
         if UPCAST:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -336,6 +355,10 @@ def _skinny_kernel(
                 w_up = tl.load(w_up_ptrs)
             else:
                 w_up = tl.load(w_up_ptrs, mask=k_mask[None, :], other=0.0)
+            if SCALE_GROUP > 0:
+                w_up = w_up.to(tl.float32) * group_scales(
+                    scale_ptr, w_rows + N, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP
+                )
             if UPCAST:  # noqa: SIM108 (a constexpr branch)
                 w_up = w_up.to(tl.float32)
             else:
@@ -347,7 +370,7 @@ def _skinny_kernel(
 
     if SPLIT_K == 1:
         _skinny_finish(acc, acc_up, bias_ptr, scale_ptr, out_ptr, offs_n, offs_m, M, N, stride_om,
-                       act_dtype, HAS_BIAS, HAS_SCALE, GATE_UP)  # fmt: skip
+                       act_dtype, HAS_BIAS, HAS_SCALE and SCALE_GROUP == 0, GATE_UP)  # fmt: skip
     else:
         # partials[split, column, row]: the up columns follow the N gate columns (GATE_UP)
         num_columns = 2 * N if GATE_UP else N
@@ -371,7 +394,7 @@ def _skinny_kernel(
                 if GATE_UP:
                     total_up += tl.load(partials_ptr + split_slots + N * BLOCK_M, cache_modifier=".cg")
             _skinny_finish(total, total_up, bias_ptr, scale_ptr, out_ptr, offs_n, offs_m, M, N, stride_om,
-                           act_dtype, HAS_BIAS, HAS_SCALE, GATE_UP)  # fmt: skip
+                           act_dtype, HAS_BIAS, HAS_SCALE and SCALE_GROUP == 0, GATE_UP)  # fmt: skip
             tl.store(counters_ptr + pid_n, 0)  # ready for the next launch (graph replay)
 
 
@@ -432,6 +455,7 @@ def _launch_skinny(
     gate_up: bool,
     config: SkinnyConfig | None = None,
     scale: torch.Tensor | None = None,
+    scale_group: int = 0,
 ) -> None:
     """out may be float32 with bf16/fp16 x (logits): it then holds the x-dtype result, widened."""
     m, k = x.shape
@@ -466,6 +490,7 @@ def _launch_skinny(
         out.stride(0),
         HAS_BIAS=bias is not None,
         HAS_SCALE=scale is not None,
+        SCALE_GROUP=scale_group,
         GATE_UP=gate_up,
         SPLIT_K=split_k,
         EVEN_K=k % block_k == 0,
@@ -489,7 +514,7 @@ def _gemm_kernel(
     x_ptr,  # [M, K], K contiguous
     w_ptr,  # [N, K] or [2 * N, K] (GATE_UP), K contiguous; x's dtype, or int8
     bias_ptr,  # [N] (HAS_BIAS)
-    scale_ptr,  # fp32 [N] or [2 * N] (HAS_SCALE: int8 weights)
+    scale_ptr,  # fp32 (HAS_SCALE: int8 weights) [N] or [2 * N], or [rows, K / SCALE_GROUP]
     out_ptr,  # [M, N], N contiguous
     M,
     N,  # output columns: weight rows, or intermediate size for GATE_UP
@@ -499,6 +524,7 @@ def _gemm_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,  # 0: a scale per row (after the loop); else inputs per scale (in it)
     GATE_UP: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the K loop
     UPCAST: tl.constexpr,  # the interpreter: multiply in fp32 (it computes bf16 wrongly)
@@ -539,6 +565,10 @@ def _gemm_kernel(
             a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         # int8 weights: converted in registers (exact up to 127; straight to fp32 in the interpreter)
+        if SCALE_GROUP > 0:  # b is [BLOCK_K, BLOCK_N]: the scales' tile transposed
+            b = b.to(tl.float32) * tl.trans(
+                group_scales(scale_ptr, w_rows, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
+            )
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -550,6 +580,10 @@ def _gemm_kernel(
                 b_up = tl.load(w_up_ptrs)
             else:
                 b_up = tl.load(w_up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if SCALE_GROUP > 0:
+                b_up = b_up.to(tl.float32) * tl.trans(
+                    group_scales(scale_ptr, w_rows + N, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
+                )
             if UPCAST:  # noqa: SIM108 (a constexpr branch)
                 b_up = b_up.to(tl.float32)
             else:
@@ -559,7 +593,7 @@ def _gemm_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    if HAS_SCALE:
+    if HAS_SCALE and SCALE_GROUP == 0:
         acc *= tl.load(scale_ptr + w_rows)[None, :]
         if GATE_UP:
             acc_up *= tl.load(scale_ptr + w_rows + N)[None, :]
@@ -633,6 +667,7 @@ def _launch_gemm(
     gate_up: bool,
     config: GemmConfig | None = None,
     scale: torch.Tensor | None = None,
+    scale_group: int = 0,
 ) -> None:
     """out may be float32 with bf16/fp16 x (logits): it then holds the x-dtype result, widened."""
     m, k = x.shape
@@ -655,6 +690,7 @@ def _launch_gemm(
         out.stride(0),
         HAS_BIAS=bias is not None,
         HAS_SCALE=scale is not None,
+        SCALE_GROUP=scale_group,
         GATE_UP=gate_up,
         EVEN_K=k % block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -676,7 +712,7 @@ def _launch_gemm(
 def _check_and_make_out(
     x: torch.Tensor, weight: LinearWeight, n_out: int, out: torch.Tensor | None
 ) -> torch.Tensor:
-    weight, scale = split(weight)
+    weight, scale, _ = split(weight)
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.dtype == weight.dtype or scale is not None, (x.dtype, weight.dtype)
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be contiguous"
@@ -690,7 +726,7 @@ def _check_and_make_out(
 def _launch(
     x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None, out: torch.Tensor, gate_up: bool
 ) -> torch.Tensor:
-    weight, scale = split(weight)
+    weight, scale, scale_group = split(weight)
     m, k = x.shape
     if m == 0 or out.shape[1] == 0:
         return out
@@ -698,11 +734,11 @@ def _launch(
         # An empty sum: only the bias (or silu(0) * 0 = 0) remains.
         return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
     if m <= GEMV_MAX_M:
-        _launch_gemv(x, weight, bias, out, gate_up, scale=scale)
+        _launch_gemv(x, weight, bias, out, gate_up, scale=scale, scale_group=scale_group)
     elif m <= SKINNY_MAX_M:
-        _launch_skinny(x, weight, bias, out, gate_up, scale=scale)
+        _launch_skinny(x, weight, bias, out, gate_up, scale=scale, scale_group=scale_group)
     else:
-        _launch_gemm(x, weight, bias, out, gate_up, scale=scale)
+        _launch_gemm(x, weight, bias, out, gate_up, scale=scale, scale_group=scale_group)
     return out
 
 

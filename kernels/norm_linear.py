@@ -44,6 +44,7 @@ from kernels.linear import (
     gate_up_silu_reference,
     gate_up_silu_triton,
     gemv_config,
+    group_scales,
     linear_reference,
     linear_triton,
 )
@@ -145,12 +146,28 @@ def _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype: tl.co
 
 
 @triton.jit
-def _weight_tile(gate_rows, up_rows, offs_k, k_mask, GATE_UP: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] gate (or only) and up weight tiles in fp32; without GATE_UP, up is gate."""
+def _weight_tile(
+    gate_rows,
+    up_rows,
+    offs_k,
+    k_mask,
+    scale_ptr,
+    rows,
+    N,
+    K,
+    GATE_UP: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+):
+    """The [BLOCK_N, BLOCK_K] gate (or only) and up weight tiles in fp32, group scales applied
+    (SCALE_GROUP > 0); without GATE_UP, up is gate."""
     w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+    if SCALE_GROUP > 0:
+        w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
     w_up = w
     if GATE_UP:
         w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+        if SCALE_GROUP > 0:
+            w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
     return w, w_up
 
 
@@ -191,7 +208,7 @@ def _add_rms_norm_gemv_kernel(
     norm_weight_ptr,  # [K]
     w_ptr,  # [N, K] or [2N, K] (GATE_UP: gate rows, then up rows), K contiguous; float or int8
     bias_ptr,  # [N] or [2N] (HAS_BIAS)
-    scale_ptr,  # fp32 [N] or [2N] (HAS_SCALE: int8 weights, one scale per weight row)
+    scale_ptr,  # fp32 (HAS_SCALE: int8 weights) [N] or [2N], or [rows, K / SCALE_GROUP]
     out_ptr,  # [M, N], N contiguous
     residual_out_ptr,  # [M, K] (WRITE_RESIDUAL)
     M,
@@ -208,6 +225,7 @@ def _add_rms_norm_gemv_kernel(
     WRITE_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,  # 0: a scale per row (after the sum); else inputs per scale (per tile)
     GATE_UP: tl.constexpr,
     SINGLE_K: tl.constexpr,  # BLOCK_K >= K (then BLOCK_K_NORM == BLOCK_K): one tile holds the whole row
     ONE_NORM_TILE: tl.constexpr,  # BLOCK_K_NORM >= K: the statistics pass is one tile, no loop
@@ -235,7 +253,7 @@ def _add_rms_norm_gemv_kernel(
     # The first weight tile does not depend on the norm: its loads go out first, so their latency hides
     # behind the statistics pass.
     k_mask = offs_k0 < K
-    w, w_up = _weight_tile(gate_rows, up_rows, offs_k0, k_mask, GATE_UP)
+    w, w_up = _weight_tile(gate_rows, up_rows, offs_k0, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP)
 
     # Pass 1: the sum of squares of each row (and this program's slice of residual_out), in tiles of
     # BLOCK_K_NORM >= BLOCK_K columns: usually one tile (ONE_NORM_TILE), i.e. one round trip to L2.
@@ -272,7 +290,9 @@ def _add_rms_norm_gemv_kernel(
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
-        w, w_up = _weight_tile(gate_rows, up_rows, offs_k, k_mask, GATE_UP)
+        w, w_up = _weight_tile(
+            gate_rows, up_rows, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP
+        )
         mask = m_mask[:, None] & k_mask[None, :]
         summed = _summed_tile(
             hidden_ptr, residual_ptr, offs_m, offs_k, mask, stride_hm, stride_rm, HAS_RESIDUAL
@@ -285,7 +305,7 @@ def _add_rms_norm_gemv_kernel(
     # [1, BLOCK_N] results
     result = tl.sum(acc, axis=1)[None, :]
     result_up = tl.sum(acc_up, axis=1)[None, :]
-    if HAS_SCALE:
+    if HAS_SCALE and SCALE_GROUP == 0:
         result *= tl.load(scale_ptr + rows)[None, :]
         if GATE_UP:
             result_up *= tl.load(scale_ptr + rows + N)[None, :]
@@ -314,6 +334,7 @@ def _launch_gemv(
     config: GemvConfig | None = None,
     block_k_norm: int | None = None,
     scale: torch.Tensor | None = None,
+    scale_group: int = 0,
 ) -> None:
     """One launch; residual_out None: not written. config and block_k_norm override the tile heuristics
     (tests, sweeps); scale: int8 weight's per-row scales."""
@@ -352,6 +373,7 @@ def _launch_gemv(
         WRITE_RESIDUAL=residual_out is not None,
         HAS_BIAS=bias is not None,
         HAS_SCALE=scale is not None,
+        SCALE_GROUP=scale_group,
         GATE_UP=gate_up,
         SINGLE_K=single_k,
         ONE_NORM_TILE=block_k_norm >= k,
@@ -413,7 +435,7 @@ def add_rms_norm_linear_triton(
     allocation when out (and residual_out, unless residual is None) are given; residual_out must not
     overlap hidden or residual. More rows: the add and norm in one launch into a scratch buffer, then the
     skinny or tiled GEMM (see the module docstring)."""
-    values, scale = split(weight)
+    values, scale, scale_group = split(weight)
     assert hidden.dim() == 2 and values.dim() == 2, (hidden.shape, values.shape)
     m, k = hidden.shape
     dtype = hidden.dtype
@@ -448,8 +470,9 @@ def add_rms_norm_linear_triton(
         residual_out = torch.empty_like(hidden)
     if m > 0 and n > 0:
         _launch_gemv(
-            hidden, residual, norm_weight, eps, values, bias, gate_up, out, residual_out, scale=scale
-        )
+            hidden, residual, norm_weight, eps, values, bias, gate_up, out, residual_out, scale=scale,
+            scale_group=scale_group,
+        )  # fmt: skip
     elif residual_out is not None:
         # No GEMV programs to write it (N == 0): the sum alone.
         if residual is not None:

@@ -1,6 +1,7 @@
 """Weight-only INT8 linears: the quantizer, and every linear kernel path (GEMV, skinny GEMM with and
-without split-K, tiled GEMM, the norm-fused GEMV, gate/up + SwiGLU) reading int8 weights against the
-float64 product with the dequantized weight. On the CPU the kernels run in Triton's interpreter."""
+without split-K, tiled GEMM, the norm-fused GEMV, gate/up + SwiGLU) reading int8 weights, with a scale
+per row or per group of inputs (GGUF Q8_0's 32), against the float64 product with the dequantized
+weight. On the CPU the kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import linear
-from kernels.int8 import Int8Weight, dequantize, quantize_int8
+from kernels.int8 import Int8Weight, dequantize, quantize_int8, split, stack_rows
 from kernels.linear import (
     GemmConfig,
     GemvConfig,
@@ -30,17 +31,20 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
     return {"rtol": 2e-3, "atol": 2e-3} if DEVICE == "cuda" else {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _inputs(m: int, n_rows: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, Int8Weight]:
+def _inputs(
+    m: int, n_rows: int, k: int, dtype: torch.dtype, seed: int, group_size: int | None = None
+) -> tuple[torch.Tensor, Int8Weight]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
-    # rows of very different magnitudes: a scale applied to the wrong row shows
+    # rows (and, grouped, input columns) of very different magnitudes: a misplaced scale shows
     magnitudes = torch.logspace(-2, 0, n_rows)[torch.randperm(n_rows, generator=gen)]
-    weight = torch.randn(n_rows, k, generator=gen) * magnitudes[:, None] / k**0.5
-    return x, quantize_int8(weight.to(DEVICE))
+    columns = torch.logspace(-1, 0, k)[torch.randperm(k, generator=gen)] if group_size else torch.ones(k)
+    weight = torch.randn(n_rows, k, generator=gen) * magnitudes[:, None] * columns[None, :] / k**0.5
+    return x, quantize_int8(weight.to(DEVICE), group_size)
 
 
 def _dense64(weight: Int8Weight) -> torch.Tensor:
-    return weight.values.double() * weight.scale.double()[:, None]
+    return dequantize(weight, torch.float64)
 
 
 def _expected(
@@ -72,14 +76,27 @@ def test_quantize_int8_rounds_each_row_to_its_own_scale() -> None:
     error = (dequantize(quantized, torch.float32) - weight).abs()
     assert (error <= quantized.scale[:, None] / 2 + 1e-7).all()
     assert quantized.nbytes() == 6 * 40 + 6 * 4
+    grouped = quantize_int8(weight, group_size=8)
+    assert grouped.scale.shape == (6, 5) and grouped.group_size == 8
+    blocks = weight.reshape(6, 5, 8)
+    torch.testing.assert_close(grouped.scale[nonzero], blocks.abs().amax(dim=2)[nonzero] / 127)
+    error = (dequantize(grouped, torch.float32) - weight).abs().reshape(6, 5, 8)
+    assert (error <= grouped.scale[:, :, None] / 2 + 1e-7).all()
+    assert error.sum() < (dequantize(quantized, torch.float32) - weight).abs().sum()  # finer scales help
+    stacked = stack_rows([grouped, grouped])
+    assert stacked.values.shape == (12, 40) and stacked.scale.shape == (12, 5)
+    assert split(stacked)[2] == 8 and split(quantized)[2] == 0
 
 
+@pytest.mark.parametrize("group_size", [None, 16], ids=["per-row", "group16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
 @pytest.mark.parametrize("m", [1, 5, 65], ids=["gemv", "skinny", "gemm"])
-def test_int8_linear_matches_dequantized_product(m: int, gate_up: bool, dtype: torch.dtype) -> None:
+def test_int8_linear_matches_dequantized_product(
+    m: int, gate_up: bool, dtype: torch.dtype, group_size: int | None
+) -> None:
     n, k = 24, 48
-    x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=m * 10 + gate_up)
+    x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=m * 10 + gate_up, group_size=group_size)
     bias = None if gate_up else torch.randn(n, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     expected = _expected(x, weight, bias, gate_up)
     if gate_up:
@@ -101,28 +118,35 @@ FORCED = [
 ]
 
 
+@pytest.mark.parametrize("group_size", [None, 32], ids=["per-row", "group32"])
 @pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
 @pytest.mark.parametrize("case", FORCED, ids=[c[0] for c in FORCED])
-def test_int8_forced_tiles(case: tuple, gate_up: bool) -> None:
+def test_int8_forced_tiles(case: tuple, gate_up: bool, group_size: int | None) -> None:
+    """K = 96 in tiles of 16 or 32 (GEMV, skinny) or 32 (GEMM): tiles smaller than a group of 32, and
+    tiles ending past K (the last, ragged one)."""
     kind, m, config = case
-    n, k, dtype = 37, 100, torch.bfloat16
-    x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=len(kind) + gate_up)
+    n, k, dtype = 37, 96 if group_size else 100, torch.bfloat16
+    x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=len(kind) + gate_up, group_size=group_size)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     launch = {"gemv": linear._launch_gemv, "skinny": linear._launch_skinny, "gemm": linear._launch_gemm}[kind]
-    launch(x, weight.values, None, out, gate_up, config, scale=weight.scale)
+    values, scale, scale_group = split(weight)
+    launch(x, values, None, out, gate_up, config, scale=scale, scale_group=scale_group)
     torch.testing.assert_close(out.double(), _expected(x, weight, None, gate_up), **_tolerance(dtype))
 
 
+@pytest.mark.parametrize("group_size", [None, 16], ids=["per-row", "group16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
 @pytest.mark.parametrize("m", [1, 4], ids=["fused-gemv", "norm-then-skinny"])
-def test_int8_norm_linear_matches_reference(m: int, gate_up: bool, dtype: torch.dtype) -> None:
+def test_int8_norm_linear_matches_reference(
+    m: int, gate_up: bool, dtype: torch.dtype, group_size: int | None
+) -> None:
     n, k = 20, 64
     gen = torch.Generator().manual_seed(m + 2 * gate_up)
     hidden = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
     residual = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
     norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEVICE, dtype)
-    _, weight = _inputs(1, 2 * n if gate_up else n, k, dtype, seed=7 + m)
+    _, weight = _inputs(1, 2 * n if gate_up else n, k, dtype, seed=7 + m, group_size=group_size)
     out, summed = add_rms_norm_linear_triton(hidden, residual, norm_weight, 1e-6, weight, gate_up=gate_up)
     expected, expected_summed = add_rms_norm_linear_reference(
         hidden, residual, norm_weight, 1e-6, weight, gate_up=gate_up
