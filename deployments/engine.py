@@ -144,7 +144,7 @@ class EngineDeployment:
         """Load, build and warm up (after the proposer attached, so that verify steps warm up too).
         Serve reports the app RUNNING only once the constructor returns, so ready means nothing
         compiles while serving."""
-        model = load_model(model_source, dtype=config.torch_dtype(), device=config.torch_device())
+        model = load_model(model_source, config.torch_dtype(), config.torch_device(), config.quantization)
         built = time.perf_counter()
         engine = Engine(model, config, proposer=self.proposer)
         built = time.perf_counter() - built

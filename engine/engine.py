@@ -196,7 +196,8 @@ class Engine:
     @classmethod
     def load(cls, model: str, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
-        return cls(load_model(model, dtype=config.torch_dtype(), device=config.torch_device()), config)
+        loaded = load_model(model, config.torch_dtype(), config.torch_device(), config.quantization)
+        return cls(loaded, config)
 
     # --- requests -------------------------------------------------------------------------------
 

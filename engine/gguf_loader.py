@@ -7,6 +7,7 @@ come back exactly as an HF checkpoint holds them.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from pathlib import Path
@@ -19,6 +20,9 @@ import torch
 from engine.errors import ModelLoadError
 from engine.model import weight_shapes
 from engine.spec import ModelSpec, supported_architectures_text
+from kernels.int8 import Int8Weight, LinearWeight, dequantize
+
+logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` -> family. Mistral GGUFs are written as llama.
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -281,12 +285,59 @@ def _dequantize(tensor: Any, shape: tuple[int, ...]) -> np.ndarray:
     return array if array.flags.writeable else array.copy()
 
 
+# The layers' linear weights, in the groups the decoder fuses (engine/model.py): a group is INT8 only whole.
+_FUSED_GROUPS = (
+    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ("self_attn.o_proj.weight",),
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    ("mlp.down_proj.weight",),
+)
+_LINEAR_SUFFIXES = frozenset(suffix for group in _FUSED_GROUPS for suffix in group)
+_Q8_0_BLOCK_VALUES = 32
+_Q8_0_BLOCK_BYTES = 2 + _Q8_0_BLOCK_VALUES  # an fp16 scale, then 32 int8 values
+
+
+def _q8_0_as_int8(tensor: Any, shape: tuple[int, int]) -> Int8Weight:
+    """A Q8_0 tensor's blocks as they are: int8 values [N, K] and their fp16 scales as fp32 [N, K / 32]."""
+    n, k = shape
+    blocks = np.asarray(tensor.data).reshape(n * k // _Q8_0_BLOCK_VALUES, _Q8_0_BLOCK_BYTES)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(n, k // _Q8_0_BLOCK_VALUES)
+    values = blocks[:, 2:].copy().view(np.int8).reshape(n, k)
+    return Int8Weight(torch.from_numpy(values), torch.from_numpy(scale))
+
+
+def _is_layer_linear(name: str) -> bool:
+    return name.startswith("model.layers.") and name.split(".", 3)[3] in _LINEAR_SUFFIXES
+
+
+def _whole_groups(weights: dict[str, LinearWeight], spec: ModelSpec, dtype: torch.dtype) -> bool:
+    """A fused group with both Q8_0 and other members: its Q8_0 ones dequantized too (in place). Whether
+    any were."""
+    dequantized = False
+    for index in range(spec.num_layers):
+        for group in _FUSED_GROUPS:
+            names = [name for suffix in group if (name := f"model.layers.{index}.{suffix}") in weights]
+            if len({isinstance(weights[name], Int8Weight) for name in names}) > 1:
+                for name in names:
+                    weights[name] = dequantize(weights[name], dtype)
+                dequantized = True
+    return dequantized
+
+
 def load_gguf_weights(
-    reader: gguf.GGUFReader, spec: ModelSpec, dtype: torch.dtype, device: str | torch.device = "cpu"
-) -> dict[str, torch.Tensor]:
-    """All weights under their canonical HF names, dequantized one tensor at a time into `dtype`."""
+    reader: gguf.GGUFReader,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    int8: bool = False,
+) -> dict[str, LinearWeight]:
+    """All weights under their canonical HF names, dequantized one tensor at a time into `dtype`. int8:
+    the layers' Q8_0 linear weights load as they are, as INT8 with group-32 scales (kernels/int8.py),
+    never dequantized; other quantized types dequantize, and the decoder re-quantizes them (a warning
+    says so: their weights are rounded twice)."""
     wanted = weight_shapes(spec)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, LinearWeight] = {}
+    requantized: set[str] = set()
     for tensor in reader.tensors:
         name = _canonical_name(tensor.name)
         if name is None:
@@ -300,11 +351,28 @@ def load_gguf_weights(
             raise ModelLoadError(
                 f"GGUF tensor {tensor.name!r} ({name}) has shape {shape}, expected {wanted[name]}"
             )
-        weight = torch.from_numpy(_dequantize(tensor, shape))
+        heads = None
         if spec.family in ("llama", "mistral") and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
-            weight = _unpermute_rows(weight, spec.num_heads)
+            heads = spec.num_heads
         elif spec.family in ("llama", "mistral") and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
-            weight = _unpermute_rows(weight, spec.num_kv_heads)
+            heads = spec.num_kv_heads
+        if int8 and _is_layer_linear(name) and tensor.tensor_type == _QUANT.Q8_0:
+            quantized = _q8_0_as_int8(tensor, shape)
+            if heads is not None:  # the scales' rows move with their values' rows
+                quantized = Int8Weight(
+                    _unpermute_rows(quantized.values, heads), _unpermute_rows(quantized.scale, heads)
+                )
+            weights[name] = Int8Weight(quantized.values.to(device), quantized.scale.to(device))
+            continue
+        if (
+            int8
+            and _is_layer_linear(name)
+            and tensor.tensor_type not in (_QUANT.F32, _QUANT.F16, _QUANT.BF16)
+        ):
+            requantized.add(tensor.tensor_type.name)
+        weight = torch.from_numpy(_dequantize(tensor, shape))
+        if heads is not None:
+            weight = _unpermute_rows(weight, heads)
         weights[name] = weight.to(dtype).to(device)  # cast before the copy, so the device never holds float32
     if spec.mlp == "xielu":
         weights |= _xielu_parameters(reader, spec, wanted, dtype, device)
@@ -312,6 +380,14 @@ def load_gguf_weights(
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"GGUF file lacks weights the {spec.family} model needs: {shown}")
+    if int8 and _whole_groups(weights, spec, dtype):
+        requantized.add("Q8_0 fused with other types")
+    if requantized:
+        logger.warning(
+            "INT8 weights from a GGUF file: its %s layer weights are dequantized, then quantized to INT8 "
+            "again, so they are rounded twice (only Q8_0 loads as INT8 directly)",
+            ", ".join(sorted(requantized)),
+        )
     return weights
 
 

@@ -51,8 +51,13 @@ def resolve_model_source(model: str) -> Path:
 
 
 def load_model(
-    model: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> LoadedModel:
+    """quantization "int8": a GGUF's Q8_0 layer weights load as INT8 as they are (engine.gguf_loader);
+    the decoder quantizes the rest (Decoder.from_weights)."""
     source = resolve_model_source(model)
     if source.is_dir():
         spec, weights = load_safetensors_folder(source, dtype, device)
@@ -61,7 +66,7 @@ def load_model(
         reader = read_gguf(source)
         tokenizer = Tokenizer.from_gguf(reader)
         spec = spec_from_gguf(reader)
-        weights = load_gguf_weights(reader, spec, dtype, device)
+        weights = load_gguf_weights(reader, spec, dtype, device, int8=quantization == "int8")
     return LoadedModel(name=model, source=source, spec=spec, weights=weights, tokenizer=tokenizer)
 
 

@@ -15,7 +15,7 @@ from engine.rope import rope_cos_sin_cache
 from engine.spec import ModelSpec
 from kernels.activation import xielu_reference
 from kernels.attention import AttentionMetadata
-from kernels.int8 import LinearWeight, quantize_int8
+from kernels.int8 import Int8Weight, LinearWeight, quantize_int8, stack_rows
 
 QUANTIZATIONS = ("int8",)  # weight-only INT8 of every decoder layer's linears (kernels/int8.py)
 
@@ -48,12 +48,22 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
         self.o_weight: LinearWeight = self.o_proj.weight
 
+    def take_int8(self, weights: dict[str, Int8Weight]) -> None:
+        """After fuse: the INT8 weights given (q_proj/k_proj/v_proj together, o_proj) replace the float
+        placeholders the state dict held for them."""
+        if "q_proj" in weights:
+            self.qkv_weight = stack_rows([weights["q_proj"], weights["k_proj"], weights["v_proj"]])
+        if "o_proj" in weights:
+            del self.o_weight, self.o_proj.weight  # registered parameters until now
+            self.o_weight = weights["o_proj"]
+
     def quantize_int8(self) -> None:
-        """INT8 weights for the fused QKV and the output projection (after fuse); biases keep their dtype."""
-        self.qkv_weight = quantize_int8(self.qkv_weight)
-        o_weight = quantize_int8(self.o_weight)
-        del self.o_weight, self.o_proj.weight  # a registered parameter until now
-        self.o_weight = o_weight
+        """After fuse: INT8 weights for the fused QKV and the output projection, where they are not INT8
+        already; biases keep their dtype."""
+        if isinstance(self.qkv_weight, torch.Tensor):
+            self.qkv_weight = quantize_int8(self.qkv_weight)
+        if isinstance(self.o_weight, torch.Tensor):
+            self.take_int8({"o_proj": quantize_int8(self.o_weight)})
 
     def forward(
         self,
@@ -117,13 +127,32 @@ class MLP(nn.Module):
             self.in_bias = self.up_proj.bias if self.has_bias else None
         self.down_weight: LinearWeight = self.down_proj.weight
 
+    def take_int8(self, weights: dict[str, Int8Weight]) -> None:
+        """After fuse: the INT8 weights given (gate_proj/up_proj together, or up_proj alone; down_proj)
+        replace the float placeholders the state dict held for them."""
+        if "up_proj" in weights:
+            in_weight = (
+                stack_rows([weights["gate_proj"], weights["up_proj"]]) if self.gated else weights["up_proj"]
+            )
+            del self.in_weight  # a registered parameter until now without a gate
+            if not self.gated:
+                del self.up_proj.weight
+            self.in_weight = in_weight
+        if "down_proj" in weights:
+            del self.down_weight, self.down_proj.weight
+            self.down_weight = weights["down_proj"]
+
     def quantize_int8(self) -> None:
-        """INT8 weights for the input projection and down_proj (after fuse); biases keep their dtype."""
-        in_weight, down_weight = quantize_int8(self.in_weight), quantize_int8(self.down_weight)
-        del self.in_weight, self.down_weight, self.down_proj.weight  # registered parameters until now
-        if not self.gated:
-            del self.up_proj.weight
-        self.in_weight, self.down_weight = in_weight, down_weight
+        """After fuse: INT8 weights for the input projection and down_proj, where they are not INT8
+        already; biases keep their dtype."""
+        if isinstance(self.in_weight, torch.Tensor):
+            quantized = quantize_int8(self.in_weight)
+            if self.gated:
+                self.in_weight = quantized
+            else:
+                self.take_int8({"up_proj": quantized})
+        if isinstance(self.down_weight, torch.Tensor):
+            self.take_int8({"down_proj": quantize_int8(self.down_weight)})
 
     def input_projection(self) -> tuple[LinearWeight, torch.Tensor | None]:
         """The weight and bias applied to the normed input: gate/up (SwiGLU fused in) or up alone."""
@@ -205,23 +234,34 @@ class Decoder(nn.Module):
     def from_weights(
         cls,
         spec: ModelSpec,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, LinearWeight],
         max_positions: int,
         ops: Ops = REFERENCE_OPS,
         logit_vocab_size: int | None = None,
         quantization: str | None = None,
     ) -> Decoder:
         """Build on the meta device, take the given tensors as parameters, then fuse q/k/v and gate/up.
-        quantization "int8": every layer's linears as INT8 weights (kernels/int8.py), layer by layer;
-        the embedding and the LM head keep their dtype."""
+        Layer linears given as Int8Weight (a GGUF's Q8_0, engine.gguf_loader) stay INT8. quantization
+        "int8": the other layer linears become INT8 too (kernels/int8.py), layer by layer; the embedding
+        and the LM head keep their dtype."""
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        int8 = {name: weight for name, weight in weights.items() if isinstance(weight, Int8Weight)}
+        dense = {name: weight for name, weight in weights.items() if not isinstance(weight, Int8Weight)}
+        # placeholders for the INT8 ones, replaced after fusing
+        dense |= {name: torch.empty(weight.shape, device="meta") for name, weight in int8.items()}
         with torch.device("meta"):
             decoder = cls(spec, max_positions, ops, logit_vocab_size)
-        decoder.load_state_dict(weights, strict=True, assign=True)
-        for layer in decoder.model.layers:
+        decoder.load_state_dict(dense, strict=True, assign=True)
+        for index, layer in enumerate(decoder.model.layers):
             layer.self_attn.fuse()
             layer.mlp.fuse()
+            prefix = f"model.layers.{index}."
+            taken = {name[len(prefix) :]: w for name, w in int8.items() if name.startswith(prefix)}
+            layer.self_attn.take_int8(
+                {n.split(".")[1]: w for n, w in taken.items() if n.startswith("self_attn.")}
+            )
+            layer.mlp.take_int8({n.split(".")[1]: w for n, w in taken.items() if n.startswith("mlp.")})
             if quantization == "int8":
                 layer.self_attn.quantize_int8()
                 layer.mlp.quantize_int8()

@@ -1,0 +1,85 @@
+"""GGUF Q8_0 served as INT8: with int8 asked for, a Q8_0 file's layer weights load as their blocks are
+(int8 values, group-32 scales, q/k rows un-permuted with their scales), never dequantized; the decoder
+keeps them INT8 and computes what the dequantized file computes. Other quantized types are dequantized
+and re-quantized, with a warning about the double rounding."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.block_manager import BlockManager
+from engine.gguf_loader import load_gguf_weights, read_gguf, spec_from_gguf
+from engine.model import Decoder
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledSequence
+from engine.sequence import Sequence
+from kernels.int8 import Int8Weight, dequantize
+from tests.test_gguf_loader import QuantType, Tiny, gguf_layout, hf_weights, write_gguf
+
+
+def _write(path: Path, tiny: Tiny, linear_type: dict[str, QuantType]) -> Path:
+    """Every 2-D tensor quantized (Q8_0 unless linear_type names another for a GGUF name's suffix)."""
+    tensors = {}
+    for name, weight in gguf_layout(tiny, hf_weights(tiny, tied=False)).items():
+        quant_type = next((t for suffix, t in linear_type.items() if name.endswith(suffix)), QuantType.Q8_0)
+        tensors[name] = (
+            (weight, QuantType.F32)
+            if weight.ndim == 1
+            else (gguf.quants.quantize(weight, quant_type), quant_type)
+        )
+    return write_gguf(path, tiny, tensors)
+
+
+def _last_logits(spec, weights) -> torch.Tensor:
+    decoder = Decoder.from_weights(spec, weights, max_positions=64)
+    runner = ModelRunner(
+        decoder, 8, 4, torch.float32, max_num_seqs=1, max_model_len=64, use_cuda_graphs=False
+    )
+    seq = Sequence("s", list(range(3, 20)), SamplingParams())
+    BlockManager(8, 4).allocate(seq)
+    return runner.forward_eager([ScheduledSequence(seq, seq.num_tokens)], num_logits={seq: seq.num_tokens})
+
+
+def test_q8_0_loads_as_int8_and_computes_what_the_dequantized_file_does(tmp_path: Path) -> None:
+    tiny = Tiny()  # llama: q and k rows permuted in the file
+    reader = read_gguf(_write(tmp_path / "q8.gguf", tiny, {}))
+    spec = spec_from_gguf(reader)
+    dense = load_gguf_weights(reader, spec, torch.float32)
+    int8 = load_gguf_weights(reader, spec, torch.float32, int8=True)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.layers.1.mlp.down_proj.weight"):  # fmt: skip
+        weight = int8[name]
+        assert isinstance(weight, Int8Weight) and weight.group_size == 32, name
+        assert torch.equal(dequantize(weight, torch.float32), dense[name]), name  # the blocks, unrounded
+    assert isinstance(int8["model.embed_tokens.weight"], torch.Tensor)  # not a layer linear
+    expected = _last_logits(spec, dense)
+    got = _last_logits(spec, int8)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    layer = Decoder.from_weights(spec, int8, max_positions=64).model.layers[0]
+    assert isinstance(layer.self_attn.qkv_weight, Int8Weight) and isinstance(
+        layer.mlp.down_weight, Int8Weight
+    )
+
+
+def test_other_types_are_requantized_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tiny = Tiny(architecture="qwen2", num_kv_heads=1)
+    # k_proj in Q4_1: its fused group (q, k, v) cannot be INT8 as it is; down_proj in Q4_1 alone
+    types = {"attn_k.weight": QuantType.Q4_1, "ffn_down.weight": QuantType.Q4_1}
+    reader = read_gguf(_write(tmp_path / "mixed.gguf", tiny, types))
+    spec = spec_from_gguf(reader)
+    with caplog.at_level(logging.WARNING, logger="engine.gguf_loader"):
+        weights = load_gguf_weights(reader, spec, torch.float32, int8=True)
+    assert "rounded twice" in caplog.text and "Q4_1" in caplog.text
+    assert all(isinstance(weights[f"model.layers.0.self_attn.{p}_proj.weight"], torch.Tensor) for p in "qkv")
+    assert isinstance(weights["model.layers.0.self_attn.o_proj.weight"], Int8Weight)
+    layer = Decoder.from_weights(spec, weights, max_positions=64, quantization="int8").model.layers[0]
+    assert isinstance(layer.self_attn.qkv_weight, Int8Weight) and layer.self_attn.qkv_weight.group_size > 32
+    assert isinstance(layer.self_attn.o_weight, Int8Weight) and layer.self_attn.o_weight.group_size == 32
+    assert np.isfinite(_last_logits(spec, weights).numpy()).all()
