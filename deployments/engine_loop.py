@@ -63,6 +63,9 @@ class EngineLoop:
         self.engine = engine
         self.capacity = engine.config.max_num_seqs + max_queue_len
         self.metrics = ServingMetrics()
+        kv_cache, manager = engine.runner.kv_cache, engine.block_manager
+        slots = manager.num_blocks * engine.config.block_size
+        self._kv_bytes_per_token = kv_cache.numel() * kv_cache.element_size() // slots
         self._lock = threading.Lock()  # guards _commands, _streams, _subscribers and metrics
         self._commands: list[tuple] = []
         self._streams: dict[str, _Stream] = {}
@@ -160,6 +163,7 @@ class EngineLoop:
             "kv_cache_used_blocks": (used, "KV cache blocks referenced by sequences."),
             "kv_cache_total_blocks": (manager.num_blocks, "KV cache blocks in all."),
             "kv_cache_usage_ratio": (used / manager.num_blocks, "Share of KV cache blocks in use."),
+            "kv_cache_bytes_per_token": (self._kv_bytes_per_token, "KV cache bytes a token takes."),
         }
 
     def render_metrics(self, model_name: str) -> str:

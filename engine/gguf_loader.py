@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
-from engine.model import weight_shapes
+from engine.model import FUSED_LINEARS, is_layer_linear, weight_shapes
 from engine.spec import ModelSpec, supported_architectures_text
-from kernels.int8 import Int8Weight, LinearWeight, dequantize
+from kernels.int8 import Int8Weight, LinearWeight, dequantize, quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -285,14 +285,6 @@ def _dequantize(tensor: Any, shape: tuple[int, ...]) -> np.ndarray:
     return array if array.flags.writeable else array.copy()
 
 
-# The layers' linear weights, in the groups the decoder fuses (engine/model.py): a group is INT8 only whole.
-_FUSED_GROUPS = (
-    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    ("self_attn.o_proj.weight",),
-    ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    ("mlp.down_proj.weight",),
-)
-_LINEAR_SUFFIXES = frozenset(suffix for group in _FUSED_GROUPS for suffix in group)
 _Q8_0_BLOCK_VALUES = 32
 _Q8_0_BLOCK_BYTES = 2 + _Q8_0_BLOCK_VALUES  # an fp16 scale, then 32 int8 values
 
@@ -306,22 +298,18 @@ def _q8_0_as_int8(tensor: Any, shape: tuple[int, int]) -> Int8Weight:
     return Int8Weight(torch.from_numpy(values), torch.from_numpy(scale))
 
 
-def _is_layer_linear(name: str) -> bool:
-    return name.startswith("model.layers.") and name.split(".", 3)[3] in _LINEAR_SUFFIXES
-
-
 def _whole_groups(weights: dict[str, LinearWeight], spec: ModelSpec, dtype: torch.dtype) -> bool:
-    """A fused group with both Q8_0 and other members: its Q8_0 ones dequantized too (in place). Whether
-    any were."""
-    dequantized = False
+    """A fused group whose members hold different scales (Q8_0's groups of 32 beside per-row ones): all
+    of it re-quantized with a scale per row, in place. Whether any group was."""
+    requantized = False
     for index in range(spec.num_layers):
-        for group in _FUSED_GROUPS:
+        for group in FUSED_LINEARS:
             names = [name for suffix in group if (name := f"model.layers.{index}.{suffix}") in weights]
-            if len({isinstance(weights[name], Int8Weight) for name in names}) > 1:
+            if len({weights[name].scale.dim() for name in names}) > 1:
                 for name in names:
-                    weights[name] = dequantize(weights[name], dtype)
-                dequantized = True
-    return dequantized
+                    weights[name] = quantize_int8(dequantize(weights[name], dtype))
+                requantized = True
+    return requantized
 
 
 def load_gguf_weights(
@@ -332,9 +320,9 @@ def load_gguf_weights(
     int8: bool = False,
 ) -> dict[str, LinearWeight]:
     """All weights under their canonical HF names, dequantized one tensor at a time into `dtype`. int8:
-    the layers' Q8_0 linear weights load as they are, as INT8 with group-32 scales (kernels/int8.py),
-    never dequantized; other quantized types dequantize, and the decoder re-quantizes them (a warning
-    says so: their weights are rounded twice)."""
+    the layers' linear weights as INT8 (kernels/int8.py): Q8_0 ones as they are, with group-32 scales,
+    never dequantized; others quantized one tensor at a time with a scale per row (for a quantized type
+    a warning says so: those weights are rounded twice)."""
     wanted = weight_shapes(spec)
     weights: dict[str, LinearWeight] = {}
     requantized: set[str] = set()
@@ -356,7 +344,7 @@ def load_gguf_weights(
             heads = spec.num_heads
         elif spec.family in ("llama", "mistral") and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             heads = spec.num_kv_heads
-        if int8 and _is_layer_linear(name) and tensor.tensor_type == _QUANT.Q8_0:
+        if int8 and is_layer_linear(name) and tensor.tensor_type == _QUANT.Q8_0:
             quantized = _q8_0_as_int8(tensor, shape)
             if heads is not None:  # the scales' rows move with their values' rows
                 quantized = Int8Weight(
@@ -364,15 +352,15 @@ def load_gguf_weights(
                 )
             weights[name] = Int8Weight(quantized.values.to(device), quantized.scale.to(device))
             continue
-        if (
-            int8
-            and _is_layer_linear(name)
-            and tensor.tensor_type not in (_QUANT.F32, _QUANT.F16, _QUANT.BF16)
-        ):
+        quantized_type = tensor.tensor_type not in (_QUANT.F32, _QUANT.F16, _QUANT.BF16)
+        if int8 and is_layer_linear(name) and quantized_type:
             requantized.add(tensor.tensor_type.name)
         weight = torch.from_numpy(_dequantize(tensor, shape))
         if heads is not None:
             weight = _unpermute_rows(weight, heads)
+        if int8 and is_layer_linear(name):  # from the file's values (float32), one tensor at a time
+            weights[name] = quantize_int8(weight.to(device))
+            continue
         weights[name] = weight.to(dtype).to(device)  # cast before the copy, so the device never holds float32
     if spec.mlp == "xielu":
         weights |= _xielu_parameters(reader, spec, wanted, dtype, device)
@@ -381,7 +369,7 @@ def load_gguf_weights(
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"GGUF file lacks weights the {spec.family} model needs: {shown}")
     if int8 and _whole_groups(weights, spec, dtype):
-        requantized.add("Q8_0 fused with other types")
+        requantized.add("Q8_0 (fused with other types)")
     if requantized:
         logger.warning(
             "INT8 weights from a GGUF file: its %s layer weights are dequantized, then quantized to INT8 "

@@ -56,11 +56,11 @@ def load_model(
     device: str | torch.device = "cpu",
     quantization: str | None = None,
 ) -> LoadedModel:
-    """quantization "int8": a GGUF's Q8_0 layer weights load as INT8 as they are (engine.gguf_loader);
-    the decoder quantizes the rest (Decoder.from_weights)."""
+    """quantization "int8": the layers' linear weights load as INT8 (kernels/int8.py), one tensor at a
+    time; a GGUF's Q8_0 ones as they are (engine.gguf_loader)."""
     source = resolve_model_source(model)
     if source.is_dir():
-        spec, weights = load_safetensors_folder(source, dtype, device)
+        spec, weights = load_safetensors_folder(source, dtype, device, int8=quantization == "int8")
         tokenizer = Tokenizer.from_folder(source)
     else:
         reader = read_gguf(source)

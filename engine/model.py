@@ -18,6 +18,19 @@ from kernels.attention import AttentionMetadata
 from kernels.int8 import Int8Weight, LinearWeight, quantize_int8, stack_rows
 
 QUANTIZATIONS = ("int8",)  # weight-only INT8 of every decoder layer's linears (kernels/int8.py)
+# The layers' linear weights (HF names after "model.layers.N."), in the groups fuse() joins
+FUSED_LINEARS = (
+    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ("self_attn.o_proj.weight",),
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    ("mlp.down_proj.weight",),
+)
+_LAYER_LINEARS = frozenset(suffix for group in FUSED_LINEARS for suffix in group)
+
+
+def is_layer_linear(name: str) -> bool:
+    """Whether a canonical weight name is one of a layer's linear weights (what INT8 quantizes)."""
+    return name.startswith("model.layers.") and name.split(".", 3)[3] in _LAYER_LINEARS
 
 
 class RMSNorm(nn.Module):

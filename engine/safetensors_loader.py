@@ -15,8 +15,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.errors import ModelLoadError
-from engine.model import weight_shapes
+from engine.model import is_layer_linear, weight_shapes
 from engine.spec import ModelSpec
+from kernels.int8 import LinearWeight, quantize_int8
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -56,16 +57,18 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_safetensors_folder(
-    folder: Path, dtype: torch.dtype, device: str | torch.device = "cpu"
-) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    folder: Path, dtype: torch.dtype, device: str | torch.device = "cpu", int8: bool = False
+) -> tuple[ModelSpec, dict[str, LinearWeight]]:
+    """int8: the layers' linear weights quantized to INT8 (kernels/int8.py) one tensor at a time, from
+    the file's values, so the float copies never pile up on the device."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder} is not a folder")
     spec = ModelSpec.from_config_file(folder / "config.json")
     expected_shapes = weight_shapes(spec)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, LinearWeight] = {}
     for path in safetensors_files(folder):
-        weights.update(read_safetensors_file(path, expected_shapes, dtype, device))
+        weights.update(read_safetensors_file(path, expected_shapes, dtype, device, int8))
     missing = [name for name in expected_shapes if name not in weights]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -76,13 +79,17 @@ def load_safetensors_folder(
 
 
 def read_safetensors_file(
-    path: Path, expected_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: str | torch.device
-) -> dict[str, torch.Tensor]:
+    path: Path,
+    expected_shapes: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    device: str | torch.device,
+    int8: bool = False,
+) -> dict[str, LinearWeight]:
     """Canonical tensors of one file; names the model does not use (rotary inv_freq, a tied lm_head) are
     dropped."""
     if not path.is_file():
         raise ModelLoadError(f"safetensors shard {path} is listed in the index but does not exist")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, LinearWeight] = {}
     try:
         with safe_open(path, framework="pt", device="cpu") as file:
             for stored_name in file.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
@@ -98,6 +105,9 @@ def read_safetensors_file(
                     )
                 # Reshape only fixes a 1-element xIELU scalar stored as [] vs [1]; elsewhere it is a no-op.
                 tensor = file.get_tensor(stored_name).reshape(expected)
+                if int8 and is_layer_linear(name):
+                    weights[name] = quantize_int8(tensor.to(device=device))
+                    continue
                 # .to() returns the memory-mapped tensor itself when dtype and device already match.
                 weights[name] = tensor.to(device=device, dtype=dtype)
     except (SafetensorError, OSError) as error:

@@ -15,12 +15,13 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.gguf_loader import load_gguf_weights, read_gguf, spec_from_gguf
-from engine.model import Decoder
+from engine.model import Decoder, is_layer_linear
 from engine.runner import ModelRunner
+from engine.safetensors_loader import load_safetensors_folder
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
-from kernels.int8 import Int8Weight, dequantize
+from kernels.int8 import Int8Weight, dequantize, quantize_int8
 from tests.test_gguf_loader import QuantType, Tiny, gguf_layout, hf_weights, write_gguf
 
 
@@ -77,9 +78,42 @@ def test_other_types_are_requantized_with_a_warning(tmp_path: Path, caplog: pyte
     with caplog.at_level(logging.WARNING, logger="engine.gguf_loader"):
         weights = load_gguf_weights(reader, spec, torch.float32, int8=True)
     assert "rounded twice" in caplog.text and "Q4_1" in caplog.text
-    assert all(isinstance(weights[f"model.layers.0.self_attn.{p}_proj.weight"], torch.Tensor) for p in "qkv")
-    assert isinstance(weights["model.layers.0.self_attn.o_proj.weight"], Int8Weight)
-    layer = Decoder.from_weights(spec, weights, max_positions=64, quantization="int8").model.layers[0]
-    assert isinstance(layer.self_attn.qkv_weight, Int8Weight) and layer.self_attn.qkv_weight.group_size > 32
-    assert isinstance(layer.self_attn.o_weight, Int8Weight) and layer.self_attn.o_weight.group_size == 32
+    # q and v are Q8_0 beside a Q4_1 k: the three get one scale per row, like the Q4_1 down_proj
+    for name in ("q_proj", "k_proj", "v_proj"):
+        weight = weights[f"model.layers.0.self_attn.{name}.weight"]
+        assert isinstance(weight, Int8Weight) and weight.scale.dim() == 1, name
+    assert weights["model.layers.0.self_attn.o_proj.weight"].group_size == 32
+    assert weights["model.layers.1.mlp.down_proj.weight"].scale.dim() == 1
+    layer = Decoder.from_weights(spec, weights, max_positions=64).model.layers[0]
+    assert isinstance(layer.self_attn.qkv_weight, Int8Weight) and layer.self_attn.qkv_weight.scale.dim() == 1
+    assert np.isfinite(_last_logits(spec, weights).numpy()).all()
+
+
+def test_float_files_load_as_int8_one_tensor_at_a_time(tmp_path: Path) -> None:
+    """A float GGUF with int8: every layer linear quantized per row from the file's values, no warning."""
+    tiny = Tiny(architecture="qwen3")
+    original = hf_weights(tiny, tied=False)
+    tensors = {name: (weight, QuantType.F32) for name, weight in gguf_layout(tiny, original).items()}
+    reader = read_gguf(write_gguf(tmp_path / "f32.gguf", tiny, tensors))
+    weights = load_gguf_weights(reader, spec_from_gguf(reader), torch.bfloat16, int8=True)
+    for name, weight in weights.items():
+        if is_layer_linear(name):
+            expected = quantize_int8(torch.from_numpy(original[name]))
+            assert torch.equal(weight.values, expected.values) and torch.equal(weight.scale, expected.scale)
+        else:
+            assert isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16, name
+
+
+def test_safetensors_load_as_int8_one_tensor_at_a_time(tmp_path: Path) -> None:
+    from tests.test_model_families import CONFIGS, _save_random_model
+
+    _save_random_model(CONFIGS["qwen3-qk-norm"](), tmp_path)
+    _, dense = load_safetensors_folder(tmp_path, torch.float32)
+    spec, weights = load_safetensors_folder(tmp_path, torch.float32, int8=True)
+    assert {name for name, w in weights.items() if isinstance(w, Int8Weight)} == {
+        name for name in dense if is_layer_linear(name)
+    }
+    for name, weight in weights.items():
+        if isinstance(weight, Int8Weight):
+            assert torch.equal(weight.values, quantize_int8(dense[name]).values), name
     assert np.isfinite(_last_logits(spec, weights).numpy()).all()

@@ -5,14 +5,16 @@ float32 weights: perplexity on real English text, logit error, top-1 and greedy 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
+import torch
 
 from bench.int8_accuracy import CHAT_PROMPTS, compare
 from engine.engine import Engine, EngineConfig
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel, load_model
-from kernels.int8 import Int8Weight
+from kernels.int8 import Int8Weight, quantize_int8
 
 CONFIG = EngineConfig(max_model_len=512, max_num_seqs=1)
 
@@ -38,3 +40,17 @@ def test_int8_engine_holds_int8_linears_and_refuses_other_modes(smollm2: LoadedM
     assert not hasattr(layer.self_attn.o_proj, "weight")  # the float copy is gone
     with pytest.raises(InvalidRequestError, match="quantization must be one of int8"):
         Engine(smollm2, dataclasses.replace(CONFIG, quantization="int4"))
+
+
+def test_loading_as_int8_equals_quantizing_after_the_load(
+    smollm2: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The file's Q4_1 linears, dequantized and quantized one at a time while loading (with the double
+    rounding named), give the weights that quantizing the loaded float model gives."""
+    with caplog.at_level(logging.WARNING, logger="engine.gguf_loader"):
+        loaded = load_model("smollm2-135m", quantization="int8")
+    assert "Q4_1" in caplog.text and "rounded twice" in caplog.text
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        expected = quantize_int8(smollm2.weights[name])
+        assert torch.equal(loaded.weights[name].values, expected.values), name
+        assert torch.equal(loaded.weights[name].scale, expected.scale), name

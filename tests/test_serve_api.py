@@ -130,6 +130,9 @@ def test_models_health_and_metrics(client: openai.OpenAI, served: Served) -> Non
     ):  # fmt: skip
         assert name in metrics
     assert metrics["tileinfer_generation_tokens_total"] > 0
+    # SmolLM2-135M in float32: 30 layers x (K and V) x 3 KV heads x 64 x 4 bytes
+    assert metrics["tileinfer_kv_cache_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
+    assert httpx.get(served.base_url + "/v1/models").json()["data"][0]["quantization"] is None
 
 
 def _error(response: httpx.Response) -> dict:
