@@ -68,16 +68,25 @@ class Settings:
     peer_compiled: bool
     compile_backend: str
     budget_s: float  # past this (since start), remaining heavy parts are skipped (bench_engine.attempt)
+    quantization: str | None = None  # EngineConfig.quantization; the peer keeps the dtype
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def over_budget(self) -> bool:
         return time.perf_counter() - self.started > self.budget_s
 
 
-def batch_roofline(spec: ModelSpec, bandwidth: float, batch: int, cached: int, dtype: torch.dtype) -> float:
+def batch_roofline(
+    spec: ModelSpec,
+    bandwidth: float,
+    batch: int,
+    cached: int,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+) -> float:
     """Tokens per second if a step of `batch` sequences took only the time to read every weight once and
     each sequence's KV cache of `cached` positions (BENCH.md; limits.decode_roofline at batch 1)."""
-    return batch * bandwidth / (weight_bytes(spec, dtype) + batch * cached * kv_bytes_per_token(spec, dtype))
+    weights = weight_bytes(spec, dtype, quantization)
+    return batch * bandwidth / (weights + batch * cached * kv_bytes_per_token(spec, dtype))
 
 
 # --- TileInfer ----------------------------------------------------------------------------------
@@ -94,6 +103,7 @@ def build_engine(name: str, spec: ModelSpec, weights: dict[str, torch.Tensor], s
         kv_cache_tokens=-(-max_batch * per_sequence // 1024) * 1024,
         max_num_seqs=max_batch,
         max_num_batched_tokens=settings.max_num_batched_tokens,  # several whole prompts per prefill step
+        quantization=settings.quantization,
     )
     # tokenizer=None: no detokenization in the timed steps
     model = LoadedModel(name=name, source=Path("random"), spec=spec, weights=weights, tokenizer=None)
@@ -248,7 +258,7 @@ def bench_model(record: dict[str, Any], name: str, settings: Settings, bandwidth
     spec = MODELS[name]
     cached = settings.prompt_len + settings.output_len // 2  # the mean cached length while decoding
     rooflines = {
-        str(batch): batch_roofline(spec, bandwidth, batch, cached, settings.dtype)
+        str(batch): batch_roofline(spec, bandwidth, batch, cached, settings.dtype, settings.quantization)
         for batch in sorted({*settings.batches, *settings.peer_batches})
     }
     record.update(
@@ -315,7 +325,8 @@ def print_table(results: dict[str, Any]) -> None:
     )
     log(
         f"\nbatch workload: {settings['prompt_len']}-token prompts, {settings['output_len']} output tokens, "
-        f"greedy, {results['dtype']}, {results['gpu']}; torch {results['versions']['torch']}, "
+        f"greedy, {results['dtype']}{', INT8 weights' if settings.get('quantization') else ''}, "
+        f"{results['gpu']}; torch {results['versions']['torch']}, "
         f"triton {results['versions']['triton']}; peer {peer}"
     )
     if bandwidth:
@@ -358,6 +369,12 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
     parser.add_argument("--peer-eager", action="store_true", help="the peer uncompiled (the CPU smoke)")
     parser.add_argument("--compile-backend", default="inductor", help="inductor = reduce-overhead mode")
     parser.add_argument("--budget-s", type=float, default=540.0, help="skip parts that start after this")
+    parser.add_argument(
+        "--quantization",
+        choices=["int8"],
+        default=None,
+        help="TileInfer's weights (the peer keeps the dtype)",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for the JSON")
     args = parser.parse_args()
     if args.tiny:
@@ -381,6 +398,7 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
         peer_compiled=not args.peer_eager,
         compile_backend=args.compile_backend,
         budget_s=args.budget_s,
+        quantization=args.quantization,
     )
     if settings.output_len <= PEER_WARMUP_STEPS + 1:
         parser.error(f"--output-len must exceed {PEER_WARMUP_STEPS + 1} (the peer's warm-up steps)")

@@ -236,6 +236,10 @@ int8)  # INT8 weights: the kernels' tests compiled; bench_int8 (bf16 beside INT8
     # on SmolLM2 in bf16 when its GGUF is here (part0, part1 first)
     run 200 python3 -m pytest -q -x --tb=short -p no:cacheprovider tests/test_kernels_int8.py
     run "${LIMIT:-330}" python3 bench/bench_int8.py --out "$OUT"
+    for mode in "" "--quantization int8"; do  # 64 sequences, the 4B shape, each against its own roofline
+        run "${BATCH_LIMIT:-200}" python3 bench/bench_batch.py --out "$OUT" --models qwen3-4b --batches 64 \
+            --peer-batches 64 --budget-s "$(( ${BATCH_LIMIT:-200} - 30 ))" $mode
+    done
     if [ -e "/tmp/tc/models/$GGUF" ]; then
         run 150 python3 bench/int8_accuracy.py --device cuda --dtype bfloat16 --out "$OUT/int8_accuracy.json"
     fi
