@@ -188,7 +188,7 @@ serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under se
         --model qwen3-0.6b --dtype bfloat16 --restart --client-processes 4 --ingress-replicas 4 --out "$OUT" \
         > "$OUT/serve_load.log" 2>&1
     grep -v -i warn "$OUT/serve_load.log" | grep -v "^(" | tail -32
-    grep -rh -o "engine built in.*" /tmp/ray/session_*/logs/serve/ 2>/dev/null | head -4
+    grep -rh -o "model loaded in.*" /tmp/ray/session_*/logs/serve/ 2>/dev/null | head -4
     echo "kernels in Triton's cache: $(find /tmp/tc/triton -name '*.cubin' | wc -l)"
     if [ -n "${SWITCH_AB:-}" ]; then  # HTTP only again, with Python's default GIL switch interval
         mkdir -p "$OUT/switch_default"

@@ -44,6 +44,7 @@ from deployments.config import AppArgs
 from deployments.engine_loop import ENGINE_SWITCH_INTERVAL_S, Delta, EngineLoop, UnknownSubscriberError
 from deployments.metrics import render_speculation
 from deployments.protocol import OpenAIError
+from deployments.serve_logs import route_to_serve
 from engine.engine import Engine, EngineConfig
 from engine.loader import load_model
 from engine.sampling import SamplingParams
@@ -102,6 +103,7 @@ class EngineDeployment:
 
         The model loads, and the engine builds and warms up, on a worker thread: the replica's event
         loop stays free for the proposer's attach call (made on that loop) and for Serve's own calls."""
+        route_to_serve()
         if device == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)  # Ray sets one thread per reserved CPU
         config = dataclasses.replace(args.engine_config(device, dtype), detokenize=False)  # the ingress does
@@ -144,15 +146,18 @@ class EngineDeployment:
         """Load, build and warm up (after the proposer attached, so that verify steps warm up too).
         Serve reports the app RUNNING only once the constructor returns, so ready means nothing
         compiles while serving."""
+        started = time.perf_counter()
         model = load_model(model_source, config.torch_dtype(), config.torch_device(), config.quantization)
-        built = time.perf_counter()
+        loaded = time.perf_counter()
         engine = Engine(model, config, proposer=self.proposer)
-        built = time.perf_counter() - built
+        built = time.perf_counter()
         if self.proposer is not None and not self.proposer.wait_attached(ATTACH_AT_START_S):
             logger.warning("the proposer has not attached yet; decoding without drafts until it does")
         warm_up_s = engine.warm_up()
-        logger.info("engine built in %.1f s (CUDA graph capture included); warmed up in %.1f s", built,
-                    warm_up_s)  # fmt: skip
+        logger.info(
+            "model loaded in %.1f s; engine built in %.1f s (CUDA graphs captured); warmed up in %.1f s",
+            loaded - started, built - loaded, warm_up_s,
+        )  # fmt: skip
         return engine
 
     def info(self) -> EngineInfo:

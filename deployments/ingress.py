@@ -61,6 +61,7 @@ from deployments.protocol import (
     usage,
     usage_chunk,
 )
+from deployments.serve_logs import route_to_serve
 from engine.detokenizer import TextStream
 from engine.engine import RequestOutput
 from engine.loader import load_tokenizer
@@ -137,6 +138,7 @@ class BodySizeLimit:
 @serve.ingress()
 class OpenAIIngress:
     def __init__(self, args: AppArgs, engine: DeploymentHandle) -> None:
+        route_to_serve()
         self.args = args
         self.engine = engine
         self.client = EngineClient(engine)

@@ -35,11 +35,13 @@ RAY_ENV = {  # this machine's address is 127.0.0.1 (README, Security); no usage 
 # Without it the one HTTP proxy capped streaming at about 5,000 tokens a second (BENCHMARKS.md,
 # Serve-load). Its direct ingress stays off (it opens an HTTP port on every ingress replica). Serve's
 # replica and request logs go to files only (the mode's choice; on stderr they cost 7-20 % of the
-# throughput at 8 to 256 clients). A variable already set in the environment wins.
+# throughput at 8 to 256 clients), written as they come rather than 1,000 at a time, so that a
+# warning shows when it happens. A variable already set in the environment wins.
 SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     "RAY_SERVE_LOG_TO_STDERR": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
 }
 STOP_TIMEOUT_S = 60.0
 

@@ -22,6 +22,7 @@ import torch
 from ray import serve
 
 from deployments.config import AppArgs
+from deployments.serve_logs import route_to_serve
 from engine.loader import load_model
 from proposers.factory import build_proposer
 from proposers.remote import HiddenLayout, ProposerServer, hidden_layout
@@ -45,6 +46,7 @@ def assigned_gpu_index(gpu_ids: list[int | str], visible: str | None) -> int:
 class ProposerDeployment:
     def __init__(self, args: AppArgs, device: str, dtype: str, draft_ahead: bool = False) -> None:
         """draft_ahead: draft the next block after each answer (build_app decides: a GPU of its own)."""
+        route_to_serve()
         self._gpu: int | None = None  # set when this process sees more GPUs than its own
         if device == "cuda" and os.environ.get(SEE_ALL_GPUS):
             self._gpu = assigned_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
