@@ -89,7 +89,39 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         **ms,
         "errors": len(errors),
         "first_errors": errors[:3],
+        "ttft_mean_ms": 1e3 * sum(ttfts) / len(ttfts) if ttfts else None,
     }
+
+
+ENGINE_TTFT = "tileinfer_time_to_first_token_seconds"
+
+
+def engine_ttft_totals(base_url: str) -> tuple[float, float] | None:
+    """(sum, count) of the engine's own time-to-first-token histogram (from the request's arrival at
+    the engine loop), from the server's /metrics; None from a server that has none."""
+    import httpx
+
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    totals = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        name = name.split("{", 1)[0]
+        if name in (ENGINE_TTFT + "_sum", ENGINE_TTFT + "_count"):
+            totals[name] = totals.get(name, 0.0) + float(value)
+    if len(totals) < 2:
+        return None
+    return totals[ENGINE_TTFT + "_sum"], totals[ENGINE_TTFT + "_count"]
+
+
+def with_engine_ttft(summary: dict[str, Any], before: tuple | None, after: tuple | None) -> dict[str, Any]:
+    """The level's mean TTFT inside the engine (its /metrics, after less before) beside the clients':
+    what the HTTP path adds is the difference."""
+    if before is not None and after is not None and after[1] > before[1]:
+        summary["engine_ttft_mean_ms"] = 1e3 * (after[0] - before[0]) / (after[1] - before[1])
+    return summary
 
 
 def _record(start: float, first: float | None, last: float | None, tokens: int, error: str | None) -> dict:
@@ -168,9 +200,10 @@ def http_level(
     """The clients of one level, spread over `processes` client processes (each its own event loop), so
     that parsing every server-sent event does not bound what is measured."""
     processes = max(1, min(processes, concurrency))
+    before = engine_ttft_totals(base_url)
     if processes == 1:
         records, start, end = asyncio.run(http_records(base_url, model, prompts, concurrency, output_tokens))
-        return summarize(records, end - start)
+        return with_engine_ttft(summarize(records, end - start), before, engine_ttft_totals(base_url))
     import concurrent.futures
     import multiprocessing
 
@@ -182,7 +215,8 @@ def http_level(
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
         parts = list(pool.map(_client_process, jobs))
     records = [record for part in parts for record in part[0]]
-    return summarize(records, max(part[2] for part in parts) - min(part[1] for part in parts))
+    summary = summarize(records, max(part[2] for part in parts) - min(part[1] for part in parts))
+    return with_engine_ttft(summary, before, engine_ttft_totals(base_url))
 
 
 def served_model(base_url: str) -> str:
@@ -455,7 +489,12 @@ def _log(message: str) -> None:
 
 def _brief(result: dict[str, Any]) -> str:
     tpot = _ms(result["tpot_p50_ms"])
-    return f"{result['output_tok_s']:.1f} tok/s, TPOT p50 {tpot}, errors {result['errors']}"
+    brief = f"{result['output_tok_s']:.1f} tok/s, TPOT p50 {tpot}, errors {result['errors']}"
+    if result.get("engine_ttft_mean_ms") is not None:  # the HTTP path's share of the TTFT
+        brief += (
+            f"; TTFT mean {_ms(result['ttft_mean_ms'])}, in the engine {_ms(result['engine_ttft_mean_ms'])}"
+        )
+    return brief
 
 
 def _ms(value: float | None) -> str:

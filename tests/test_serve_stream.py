@@ -64,3 +64,5 @@ def test_serve_load_http_mode(served: Served, tmp_path) -> None:  # noqa: ANN001
     )  # fmt: skip
     for row in payload["results"]["http"].values():
         assert row["errors"] == 0 and row["output_tokens"] == 6 * 6
+        # the engine's own TTFT, from /metrics, is part of what the clients saw
+        assert 0 < row["engine_ttft_mean_ms"] < row["ttft_mean_ms"], row
