@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from engine.model import weight_shapes
+from engine.model import is_layer_linear, weight_shapes
 from engine.spec import ModelSpec
 
 QWEN3_0_6B = ModelSpec(
@@ -94,7 +94,7 @@ def weight_bytes(
     the layers' linear weights at one byte an element and an fp32 scale a row (kernels/int8.py)."""
     total = 0
     for name, shape in weight_shapes(spec).items():
-        if quantization == "int8" and name.startswith("model.layers.") and len(shape) == 2:
+        if quantization == "int8" and is_layer_linear(name):
             total += _numel(shape) + shape[0] * 4
         else:
             total += _numel(shape) * dtype.itemsize
@@ -103,11 +103,7 @@ def weight_bytes(
 
 def prefill_matmul_params(spec: ModelSpec) -> int:
     """Weights each prompt token multiplies: every linear inside the layers (norms are not matmuls)."""
-    return sum(
-        _numel(shape)
-        for name, shape in weight_shapes(spec).items()
-        if name.startswith("model.layers.") and len(shape) == 2
-    )
+    return sum(_numel(shape) for name, shape in weight_shapes(spec).items() if is_layer_linear(name))
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> int:

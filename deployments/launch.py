@@ -31,7 +31,7 @@ RAY_ENV = {  # this machine's address is 127.0.0.1 (README, Security); no usage 
     "GRPC_ENABLE_FORK_SUPPORT": "0",
 }
 # Ray Serve's throughput-optimized mode (Ray 2.60): gRPC from the HTTP proxy to the replicas and between
-# deployments, user code on each replica's event loop, the GC frozen after start, request logs buffered.
+# deployments, user code on each replica's event loop, the GC frozen after start.
 # Without it the one HTTP proxy capped streaming at about 5,000 tokens a second (BENCHMARKS.md,
 # Serve-load). Its direct ingress stays off (it opens an HTTP port on every ingress replica). Serve's
 # replica and request logs go to files only (the mode's choice; on stderr they cost 7-20 % of the

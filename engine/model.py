@@ -70,14 +70,6 @@ class Attention(nn.Module):
             del self.o_weight, self.o_proj.weight  # registered parameters until now
             self.o_weight = weights["o_proj"]
 
-    def quantize_int8(self) -> None:
-        """After fuse: INT8 weights for the fused QKV and the output projection, where they are not INT8
-        already; biases keep their dtype."""
-        if isinstance(self.qkv_weight, torch.Tensor):
-            self.qkv_weight = quantize_int8(self.qkv_weight)
-        if isinstance(self.o_weight, torch.Tensor):
-            self.take_int8({"o_proj": quantize_int8(self.o_weight)})
-
     def forward(
         self,
         qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size]: the fused projection of the normed input
@@ -154,18 +146,6 @@ class MLP(nn.Module):
         if "down_proj" in weights:
             del self.down_weight, self.down_proj.weight
             self.down_weight = weights["down_proj"]
-
-    def quantize_int8(self) -> None:
-        """After fuse: INT8 weights for the input projection and down_proj, where they are not INT8
-        already; biases keep their dtype."""
-        if isinstance(self.in_weight, torch.Tensor):
-            quantized = quantize_int8(self.in_weight)
-            if self.gated:
-                self.in_weight = quantized
-            else:
-                self.take_int8({"up_proj": quantized})
-        if isinstance(self.down_weight, torch.Tensor):
-            self.take_int8({"down_proj": quantize_int8(self.down_weight)})
 
     def input_projection(self) -> tuple[LinearWeight, torch.Tensor | None]:
         """The weight and bias applied to the normed input: gate/up (SwiGLU fused in) or up alone."""
@@ -254,11 +234,18 @@ class Decoder(nn.Module):
         quantization: str | None = None,
     ) -> Decoder:
         """Build on the meta device, take the given tensors as parameters, then fuse q/k/v and gate/up.
-        Layer linears given as Int8Weight (a GGUF's Q8_0, engine.gguf_loader) stay INT8. quantization
-        "int8": the other layer linears become INT8 too (kernels/int8.py), layer by layer; the embedding
-        and the LM head keep their dtype."""
+        Layer linears given as Int8Weight (as the loaders give them with quantization int8) stay INT8.
+        quantization "int8": the float layer linears given are quantized first, as the loaders quantize
+        them (a scale per row); the embedding and the LM head keep their dtype."""
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        if quantization == "int8":
+            weights = {
+                name: quantize_int8(weight)
+                if is_layer_linear(name) and isinstance(weight, torch.Tensor)
+                else weight
+                for name, weight in weights.items()
+            }
         int8 = {name: weight for name, weight in weights.items() if isinstance(weight, Int8Weight)}
         dense = {name: weight for name, weight in weights.items() if not isinstance(weight, Int8Weight)}
         # placeholders for the INT8 ones, replaced after fusing
@@ -275,9 +262,6 @@ class Decoder(nn.Module):
                 {n.split(".")[1]: w for n, w in taken.items() if n.startswith("self_attn.")}
             )
             layer.mlp.take_int8({n.split(".")[1]: w for n, w in taken.items() if n.startswith("mlp.")})
-            if quantization == "int8":
-                layer.self_attn.quantize_int8()
-                layer.mlp.quantize_int8()
         device = decoder.model.embed_tokens.weight.device
         decoder.cos_sin_cache = rope_cos_sin_cache(spec, max_positions, device)
         return decoder.eval().requires_grad_(False)
