@@ -289,25 +289,25 @@ _Q8_0_BLOCK_VALUES = 32
 _Q8_0_BLOCK_BYTES = 2 + _Q8_0_BLOCK_VALUES  # an fp16 scale, then 32 int8 values
 
 
-def _q8_0_as_int8(tensor: Any, shape: tuple[int, int]) -> Int8Weight:
+def _q8_0_blocks(tensor: Any, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 tensor's blocks as they are: int8 values [N, K] and their fp16 scales as fp32 [N, K / 32]."""
     n, k = shape
     blocks = np.asarray(tensor.data).reshape(n * k // _Q8_0_BLOCK_VALUES, _Q8_0_BLOCK_BYTES)
     scale = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(n, k // _Q8_0_BLOCK_VALUES)
     values = blocks[:, 2:].copy().view(np.int8).reshape(n, k)
-    return Int8Weight(torch.from_numpy(values), torch.from_numpy(scale))
+    return torch.from_numpy(values), torch.from_numpy(scale)
 
 
-def _whole_groups(weights: dict[str, LinearWeight], spec: ModelSpec, dtype: torch.dtype) -> bool:
+def _whole_groups(weights: dict[str, LinearWeight], spec: ModelSpec) -> bool:
     """A fused group whose members hold different scales (Q8_0's groups of 32 beside per-row ones): all
-    of it re-quantized with a scale per row, in place. Whether any group was."""
+    of it re-quantized with a scale per row from its float32 values, in place. Whether any group was."""
     requantized = False
     for index in range(spec.num_layers):
         for group in FUSED_LINEARS:
             names = [name for suffix in group if (name := f"model.layers.{index}.{suffix}") in weights]
             if len({weights[name].scale.dim() for name in names}) > 1:
                 for name in names:
-                    weights[name] = quantize_int8(dequantize(weights[name], dtype))
+                    weights[name] = quantize_int8(dequantize(weights[name], torch.float32))
                 requantized = True
     return requantized
 
@@ -345,12 +345,10 @@ def load_gguf_weights(
         elif spec.family in ("llama", "mistral") and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             heads = spec.num_kv_heads
         if int8 and is_layer_linear(name) and tensor.tensor_type == _QUANT.Q8_0:
-            quantized = _q8_0_as_int8(tensor, shape)
+            values, scale = _q8_0_blocks(tensor, shape)
             if heads is not None:  # the scales' rows move with their values' rows
-                quantized = Int8Weight(
-                    _unpermute_rows(quantized.values, heads), _unpermute_rows(quantized.scale, heads)
-                )
-            weights[name] = Int8Weight(quantized.values.to(device), quantized.scale.to(device))
+                values, scale = _unpermute_rows(values, heads), _unpermute_rows(scale, heads)
+            weights[name] = Int8Weight(values.to(device), scale.to(device))
             continue
         quantized_type = tensor.tensor_type not in (_QUANT.F32, _QUANT.F16, _QUANT.BF16)
         if int8 and is_layer_linear(name) and quantized_type:
@@ -368,7 +366,7 @@ def load_gguf_weights(
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"GGUF file lacks weights the {spec.family} model needs: {shown}")
-    if int8 and _whole_groups(weights, spec, dtype):
+    if int8 and _whole_groups(weights, spec):
         requantized.add("Q8_0 (fused with other types)")
     if requantized:
         logger.warning(
