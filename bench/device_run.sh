@@ -28,6 +28,7 @@
 #   MODEL=qwen3-4b PEER=64,256 LIMIT=300 bash bench/device_run.sh batch  # bench_batch for one model
 #   bash bench/device_run.sh profilesteps  # (carry .assets) engine-direct serving steps, classed and profiled
 #   bash bench/device_run.sh int8     # INT8 weights: kernel tests compiled, bench_int8, int8_accuracy
+#   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
 #   PROBES="unpaced throughput" bash bench/device_run.sh serveprobe  # (carry .whl, .assets) serve-load's
 #       # processes' CPU, paced; then each probe (unpaced, same_thread, quiet, throughput); then run_ahead_check
@@ -234,15 +235,18 @@ serveprobe)  # (carrying .whl and .assets) serve-load over HTTP with each proces
     ;;
 int8)  # INT8 weights: the kernels' tests compiled; bench_int8 (bf16 beside INT8 in one run); the accuracy
     # on SmolLM2 in bf16 when its GGUF is here (part0, part1 first)
-    run 200 python3 -m pytest -q -x --tb=short -p no:cacheprovider tests/test_kernels_int8.py
+    sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_int8.py
     run "${LIMIT:-330}" python3 bench/bench_int8.py --out "$OUT"
-    for mode in "" "--quantization int8"; do  # 64 sequences, the 4B shape, each against its own roofline
+    [ "${BATCH_LIMIT:-200}" = 0 ] || for mode in "" "--quantization int8"; do  # 64 sequences, the 4B shape, each against its own roofline
         run "${BATCH_LIMIT:-200}" python3 bench/bench_batch.py --out "$OUT" --models qwen3-4b --batches 64 \
             --peer-batches 64 --budget-s "$(( ${BATCH_LIMIT:-200} - 30 ))" $mode
     done
     if [ -e "/tmp/tc/models/$GGUF" ]; then
         run 150 python3 bench/int8_accuracy.py --device cuda --dtype bfloat16 --out "$OUT/int8_accuracy.json"
     fi
+    ;;
+batch1ab)  # batch-1 decode of the code before issue #15 (git archive f8d5fa9 into .old) against this one
+    run "${LIMIT:-300}" python3 bench/batch1_ab.py .old . --rounds "${ROUNDS:-2}" --out "$OUT"
     ;;
 profilesteps)  # (carrying .assets/qwen3-tokenizer) the engine-direct closed loop's steps, classed and profiled
     mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
