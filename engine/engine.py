@@ -180,8 +180,8 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens, max_logit_rows=max_logit_rows,
             capture_layers=self.speculator.target_layer_ids if self.speculator is not None else (),
         )  # fmt: skip
-        # A step's tokens fit the largest step graph (its padding sequence's keys fill one block-table row,
-        # so max_model_len caps it): a larger step would run eagerly and compile kernels for its shapes.
+        # A step's tokens fit the largest step graph: a larger step would run eagerly and compile kernels
+        # for its shapes.
         step_graphs = self.runner.step_graphs
         self.max_num_batched_tokens = min(
             config.max_num_batched_tokens, step_graphs.max_tokens if step_graphs is not None else 1 << 62

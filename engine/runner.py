@@ -319,7 +319,7 @@ class ModelRunner:
             step_graphs is not None
             and 0 < num_sampled <= min(step_graphs.max_logit_rows, self.graphs.max_bs)
             and sum(item.num_new_tokens for item in scheduled) <= step_graphs.max_tokens
-            and len(scheduled) < step_graphs.max_seqs
+            and len(scheduled) <= step_graphs.max_num_seqs
         )
 
     @torch.inference_mode()

@@ -4,10 +4,11 @@ speculative verification), one graph per token-count bucket.
 Launched eagerly, such a step costs the host ~10 Triton launches per layer from Python, far more than the
 GPU's own time for a few hundred tokens. A graph replays them all at once. Its shapes are fixed at
 capture: T tokens (the bucket), up to min(T, max_num_seqs) sequences, and at most T logit rows. A step
-with fewer tokens is padded. The padding tokens belong to one extra sequence whose block table row points
-at block 0 and whose KV writes are skipped (slot -1), so they read finite stale values and change nothing.
-Sequence slots beyond that get no tokens and no keys. The logits of the chosen rows land in a static
-buffer, valid until the next replay.
+with fewer tokens is padded. The padding tokens belong to extra sequences, each no longer than a context
+(its keys fill one block-table row, its positions the RoPE table), whose block table rows point at block
+0 and whose KV writes are skipped (slot -1), so they read finite stale values and change nothing. So a
+step may hold more tokens than max_model_len (many prompts at once). Sequence slots beyond those get no
+tokens and no keys. The logits of the chosen rows land in a static buffer, valid until the next replay.
 
 On by default on a GPU (EngineConfig.step_graphs); tests/test_graphs_cuda.py checks a replay against the
 eager step.
@@ -16,6 +17,7 @@ eager step.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -59,6 +61,21 @@ class StepInputs:
     source_rows: list[int] | None = None
 
 
+def padded_sequences(
+    query_start_loc: list[int], seq_lens: list[int], size: int, pad_len: int, num_slots: int
+) -> tuple[list[int], list[int]]:
+    """Every one of num_slots sequence slots' query start (and the end: num_slots + 1 starts) and length:
+    the real sequences given, then padding sequences of at most pad_len tokens that fill the step to
+    `size` tokens, then empty slots."""
+    padding = size - query_start_loc[-1]
+    whole, rest = divmod(padding, pad_len)
+    pad_lens = [pad_len] * whole + [rest] * (rest > 0)
+    pad_ends = list(itertools.accumulate(pad_lens, initial=query_start_loc[-1]))[1:]
+    empty = num_slots - len(seq_lens) - len(pad_lens)
+    assert empty >= 0, "more sequences than the step's slots"
+    return query_start_loc + pad_ends + [size] * empty, seq_lens + pad_lens + [0] * empty
+
+
 class StepGraphs:
     def __init__(
         self,
@@ -81,11 +98,15 @@ class StepGraphs:
         device = kv_cache.device
         self.decoder, self.kv_cache, self.block_size = decoder, kv_cache, block_size
         max_context = max_blocks_per_seq * block_size
-        # the padding sequence's keys must fit one block-table row
-        max_num_tokens = min(max_num_tokens, max_context)
         self.buckets = sorted({size for size in TOKEN_BUCKETS if size < max_num_tokens} | {max_num_tokens})
         self.max_tokens = self.buckets[-1]
-        self.max_seqs = max_num_seqs + 1  # one more sequence owns the padding tokens
+        self.max_num_seqs = max_num_seqs
+        # A padding sequence's keys fit one block-table row and its positions the RoPE table. A bucket of
+        # T tokens holds at most min(T, max_num_seqs) sequences and the padding ones: its attention grid
+        # covers that many sequence slots, not all of them (a verify step's 16-token bucket: 17, not 65).
+        self.pad_len = min(max_context, decoder.max_positions)
+        self.slots = {size: min(max_num_seqs, size) + -(-size // self.pad_len) for size in self.buckets}
+        self.max_seqs = max(self.slots.values())
         self.max_logit_rows = max_logit_rows
         self.feedback = feedback
         # ids, positions, slots, source rows (-1: the id is the host's)
@@ -108,9 +129,6 @@ class StepGraphs:
             [torch.empty_like(buffer, device="cpu").pin_memory() for buffer in buffers] for _ in range(2)
         ]
         self.parity = 0
-        # A bucket of T tokens holds at most T sequences and the padding one: its attention grid covers
-        # that many sequence slots, not max_seqs (a verify step's 16-token bucket: 17, not 65).
-        self.slots = {size: min(self.max_seqs, size + 1) for size in self.buckets}
         self.splits = {
             size: prefill_num_splits(
                 size, self.slots[size], size, spec.num_heads, spec.num_kv_heads, spec.head_dim, max_context
@@ -129,7 +147,7 @@ class StepGraphs:
     def fits(self, inputs: StepInputs) -> bool:
         return (
             len(inputs.input_ids) <= self.max_tokens
-            and len(inputs.seq_lens) < self.max_seqs
+            and len(inputs.seq_lens) <= self.max_num_seqs
             and 0 < len(inputs.logit_rows) <= self.max_logit_rows
             and max(len(row) for row in inputs.block_tables) <= self.block_tables.shape[1]
         )
@@ -161,9 +179,10 @@ class StepGraphs:
         return min(size, self.max_logit_rows)
 
     def _capture(self, size: int) -> None:
-        self.int32s.zero_()
-        self.int32s[1 : self.max_seqs + 1] = size  # every token in sequence 0 while capturing
-        self.int32s[self.max_seqs + 1] = size
+        # every token a padding one while capturing
+        starts, lengths = padded_sequences([0], [], size, self.pad_len, self.max_seqs)
+        self.int32s.copy_(torch.tensor(starts + lengths, dtype=torch.int32))
+        self.ints[1, :size] = torch.tensor([position for n in lengths for position in range(n)])
         self.ints[2:].fill_(-1)  # capture writes no KV, and takes no ids from the feedback buffer
         graph = capture_graph(lambda: self._step(size), self.pool)
         if self.pool is None:
@@ -183,15 +202,16 @@ class StepGraphs:
         self.parity ^= 1
         sources = inputs.source_rows if inputs.source_rows is not None else [-1] * num_tokens
         assert self.feedback is not None or inputs.source_rows is None
+        starts, lengths = padded_sequences(
+            inputs.query_start_loc, inputs.seq_lens, size, self.pad_len, self.max_seqs
+        )
+        pad_positions = [position for n in lengths[num_seqs:] for position in range(n)]
         ints_host[:, :size] = torch.tensor(
             [inputs.input_ids + [0] * padding,
-             inputs.positions + list(range(padding)),
+             inputs.positions + pad_positions,
              inputs.slot_mapping + [-1] * padding,
              sources + [-1] * padding]
         )  # fmt: skip
-        # starts: the real sequences, the padding sequence (it ends at `size`), then empty ones
-        starts = inputs.query_start_loc + [size] * (self.max_seqs - num_seqs)
-        lengths = inputs.seq_lens + [padding] + [0] * (self.max_seqs - num_seqs - 1)
         int32s_host[:] = torch.tensor(starts + lengths, dtype=torch.int32)
         tables_host.zero_()
         tables = tables_host.numpy()  # a view: numpy takes a row's list far faster than torch.tensor

@@ -89,6 +89,38 @@ def test_step_graph_equals_eager(prompt_lens: list[int]) -> None:
         assert graphed.generate(prompt, params)[0] == plain.generate(prompt, params)[0]
 
 
+def test_a_step_graph_holds_more_tokens_than_a_context() -> None:
+    """max_model_len below the step budget: one step prefills several whole prompts (its padding spread
+    over padding sequences of at most a context each), and the greedy outputs are the eager steps'."""
+    spec = dataclasses.replace(SMOLLM2_135M, num_layers=4)
+    weights = random_weights(spec, torch.float32, "cuda")
+    model = LoadedModel(name="random", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+
+    def run(step_graphs: bool) -> tuple[list[list[int]], int]:
+        config = EngineConfig(device="cuda", dtype="float32", max_model_len=100, kv_cache_tokens=4096,
+                              max_num_seqs=8, step_graphs=step_graphs, max_num_batched_tokens=512,
+                              run_ahead=False)  # fmt: skip
+        engine = Engine(model, config)
+        generator = torch.Generator().manual_seed(3)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        ids = [
+            engine.add_request(torch.randint(0, spec.vocab_size, (n,), generator=generator).tolist(), params)
+            for n in (90, 90, 90, 37, 5)
+        ]
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        first_outputs = 0
+        while engine.has_unfinished():
+            outputs = engine.step()
+            first_outputs = first_outputs or len(outputs)
+            for output in outputs:
+                tokens[output.request_id] += output.new_token_ids
+        return [tokens[request_id] for request_id in ids], first_outputs
+
+    graphed, first_outputs = run(step_graphs=True)
+    assert first_outputs == 5  # all 312 prompt tokens in the first step (the 512-token bucket)
+    assert graphed == run(step_graphs=False)[0]
+
+
 def test_verify_steps_from_step_graphs_equal_plain_decoding() -> None:
     """N-gram drafts on a repetitive prompt: each verify step (a few tokens, padded to the smallest
     bucket) is replayed from a step graph, and the greedy output equals plain decoding's."""
