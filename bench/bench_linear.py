@@ -12,6 +12,9 @@ captured in one CUDA graph that calls it once per copy of the weight, the copies
 number of copies. Copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) is measured in
 the same run; "% of copy bw" counts the weight, x and the output once each.
 
+--int8 times TileInfer's kernels on INT8 weights (a scale per row, kernels/int8.py) against cuBLAS on the
+bf16 ones; "% of copy bw" then counts the INT8 bytes and the scales, and the tuned rows say "weights": "int8".
+
 --sweep also times every candidate tile configuration per shape (GEMV block sizes and warps, the skinny
 GEMM's tiles and K splits, the GEMM candidate tiles) and reports the heuristic's pick beside the fastest,
 to tune kernels/linear.py.
@@ -39,6 +42,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import linear  # noqa: E402
+from kernels.int8 import quantize_int8, split  # noqa: E402
 
 # Layer shapes per model: (out_features, in_features); gate_up is [2 * intermediate, hidden].
 MODELS: dict[str, dict[str, tuple[int, int]]] = {
@@ -133,7 +137,7 @@ def sweep_configs(
 class Case:
     """One layer shape at one M: its weight copies, input and output buffers, and the calls to time."""
 
-    def __init__(self, model: str, layer: str, n_rows: int, k: int, m: int) -> None:
+    def __init__(self, model: str, layer: str, n_rows: int, k: int, m: int, int8: bool = False) -> None:
         self.model, self.layer, self.n_rows, self.k, self.m = model, layer, n_rows, k, m
         self.gate_up = layer == "gate_up"
         self.n_out = n_rows // 2 if self.gate_up else n_rows
@@ -141,7 +145,11 @@ class Case:
         self.copies = max(2, math.ceil(ROTATE_BYTES / weight_bytes))
         gen = torch.Generator(device=DEVICE).manual_seed(n_rows * 31 + k)
         first = (torch.randn(n_rows, k, device=DEVICE, generator=gen) / k**0.5).to(DTYPE)
-        self.weights = [first] + [first.clone() for _ in range(self.copies - 1)]
+        self.weights = [first] + [first.clone() for _ in range(self.copies - 1)]  # cuBLAS's
+        self.int8 = int8
+        self.ours = [quantize_int8(weight) for weight in self.weights] if int8 else self.weights
+        if int8:
+            weight_bytes = n_rows * k + n_rows * 4  # values and fp32 scales
         self.x = torch.randn(m, k, device=DEVICE, generator=gen).to(DTYPE)
         self.out = torch.empty(m, self.n_out, device=DEVICE, dtype=DTYPE)
         self.bytes = weight_bytes + self.x.numel() * DTYPE.itemsize + self.out.numel() * DTYPE.itemsize
@@ -149,9 +157,14 @@ class Case:
     def triton_call(self, config: TileConfig | None = None) -> Callable[[int], object]:
         if config is None:
             fn = linear.gate_up_silu_triton if self.gate_up else linear.linear_triton
-            return lambda i: fn(self.x, self.weights[i], out=self.out)
+            return lambda i: fn(self.x, self.ours[i], out=self.out)
         launch = LAUNCHES[type(config)]
-        return lambda i: launch(self.x, self.weights[i], None, self.out, self.gate_up, config)
+
+        def call(i: int) -> None:
+            values, scale, scale_group = split(self.ours[i])
+            launch(self.x, values, None, self.out, self.gate_up, config, scale=scale, scale_group=scale_group)
+
+        return call
 
     def cublas_call(self) -> Callable[[int], object]:
         if self.gate_up:
@@ -172,12 +185,14 @@ class Case:
     def candidates(self) -> list[TileConfig]:
         """Every tile configuration the sweep tries for this shape."""
         if linear.GEMV_MAX_M < self.m <= linear.SKINNY_MAX_M:
-            k_tiles = {block_k: -(-self.k // block_k) for block_k in (128, 256)}
+            # INT8 weights: as many bytes a K step in 256 or 512 columns
+            block_ks = (256, 512) if self.int8 else (128, 256)
+            k_tiles = {block_k: -(-self.k // block_k) for block_k in block_ks}
             # stages: 4 of 128 K columns, or 3 of 256 (the 128-row tile's 4 x 64 KiB would not fit)
             return [
-                linear.SkinnyConfig(block_n, block_k, split_k, 4, 4 if block_k == 128 else 3)
+                linear.SkinnyConfig(block_n, block_k, split_k, 4, 4 if block_k == block_ks[0] else 3)
                 for block_n in (16, 32, 64, 128)
-                for block_k in (128, 256)
+                for block_k in block_ks
                 for split_k in ((1,) if block_n == 128 else (1, 2, 4))
                 if split_k <= k_tiles[block_k]
             ]
@@ -211,7 +226,7 @@ class Case:
         return configs
 
     def heuristic(self) -> TileConfig:
-        return heuristic_config(self.m, self.n_out, self.k, self.gate_up)
+        return heuristic_config(self.m, self.n_out, self.k, self.gate_up, "int8" if self.int8 else "float")
 
 
 TileConfig = linear.GemvConfig | linear.SkinnyConfig | linear.GemmConfig
@@ -223,13 +238,13 @@ LAUNCHES = {
 KINDS = {linear.GemvConfig: "gemv", linear.SkinnyConfig: "skinny", linear.GemmConfig: "gemm"}
 
 
-def heuristic_config(m: int, n: int, k: int, gate_up: bool) -> TileConfig:
+def heuristic_config(m: int, n: int, k: int, gate_up: bool, weights: str = "float") -> TileConfig:
     """The tiles kernels/linear.py picks for this call (its kernel follows from M)."""
     if m <= linear.GEMV_MAX_M:
-        return linear.gemv_config(m, n, k, gate_up)
+        return linear.gemv_config(m, n, k, gate_up, weights)
     if m <= linear.SKINNY_MAX_M:
-        return linear.skinny_config(m, n, k, gate_up)
-    return linear.gemm_config(m, n, k, gate_up)
+        return linear.skinny_config(m, n, k, gate_up, weights)
+    return linear.gemm_config(m, n, k, gate_up, weights=weights)
 
 
 def run_record(bandwidth: float, replays: int) -> dict:
@@ -245,7 +260,7 @@ def run_record(bandwidth: float, replays: int) -> dict:
     }
 
 
-def tuned_rows(sweeps: list[dict]) -> list[dict]:
+def tuned_rows(sweeps: list[dict], int8: bool = False) -> list[dict]:
     """The fastest candidate of each swept shape, in kernels/linear.py's tuned-table format."""
     rows = []
     for sweep in sweeps:
@@ -256,6 +271,7 @@ def tuned_rows(sweeps: list[dict]) -> list[dict]:
                 "n": sweep["n"],
                 "k": sweep["k"],
                 "gate_up": sweep["gate_up"],
+                **({"weights": "int8"} if int8 else {}),
                 "config": sweep["timings"][0]["config"],
                 "us": round(sweep["timings"][0]["us"], 2),
             })  # fmt: skip
@@ -274,6 +290,7 @@ def main() -> None:
     parser.add_argument("--layers", help="comma-separated subset of qkv,o,gate_up,down,lm_head")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate tile config")
+    parser.add_argument("--int8", action="store_true", help="INT8 weights (a scale per row) on our side")
     parser.add_argument(
         "--write-tuned",
         metavar="PATH",
@@ -291,7 +308,7 @@ def main() -> None:
                 continue
             for m in map(int, args.m.split(",")):
                 started = time.perf_counter()
-                case = Case(model, layer, n_rows, k, m)
+                case = Case(model, layer, n_rows, k, m, args.int8)
                 error = case.relative_error()
                 ours = time_in_graph(case.triton_call(), case.copies, args.replays)
                 theirs = time_in_graph(case.cublas_call(), case.copies, args.replays)
@@ -338,7 +355,7 @@ def main() -> None:
     (out_dir / "bench_linear.json").write_text(json.dumps(result, indent=2))
 
     if args.write_tuned and sweeps:
-        Path(args.write_tuned).write_text(json.dumps(tuned_rows(sweeps), indent=1) + "\n")
+        Path(args.write_tuned).write_text(json.dumps(tuned_rows(sweeps, args.int8), indent=1) + "\n")
         print(f"tuned configs written to {args.write_tuned}")
     if sweeps:
         print("\nsweep: heuristic pick vs fastest candidate")
@@ -350,7 +367,8 @@ def main() -> None:
                 f"  best {best['us']:8.2f} us  {best['config']}"
             )
     print(
-        f"\nlinear kernels vs cuBLAS, CUDA graphs, bf16, {torch.cuda.get_device_name()}, "
+        f"\nlinear kernels vs cuBLAS, CUDA graphs, bf16{' (ours: INT8 weights)' if args.int8 else ''}, "
+        f"{torch.cuda.get_device_name()}, "
         f"copy bw {bandwidth / 1e12:.2f} TB/s; results in {out_dir / 'bench_linear.json'}"
     )
     columns = ("shape".ljust(30), "M".rjust(4), "triton µs", "cuBLAS µs", "speedup", "% copy bw")

@@ -54,21 +54,30 @@ def tuned_path(device_name: str) -> Path:
 
 
 @functools.cache
-def _tuned_table() -> dict[tuple[str, int, int, int, bool], dict[str, int]]:
-    """(kind, next power of two of M, N, K, gate_up) -> tile config, for the current GPU."""
+def _tuned_table() -> dict[tuple[str, int, int, int, bool, str], dict[str, int]]:
+    """(kind, next power of two of M, N, K, gate_up, weights) -> tile config, for the current GPU.
+    weights: "int8" for INT8 weights, else "float" (a row without the field: tuned in bf16)."""
     if INTERPRET or not torch.cuda.is_available():
         return {}
     path = tuned_path(torch.cuda.get_device_name())
     if not path.exists():
         return {}
-    return {
-        (row["kind"], row["m"], row["n"], row["k"], row["gate_up"]): row["config"]
-        for row in json.loads(path.read_text())
-    }
+    table = {}
+    for row in json.loads(path.read_text()):
+        key = (row["kind"], row["m"], row["n"], row["k"], row["gate_up"], row.get("weights", "float"))
+        table[key] = row["config"]
+    return table
 
 
-def tuned_config(kind: str, m: int, n: int, k: int, gate_up: bool) -> dict[str, int] | None:
-    return _tuned_table().get((kind, tuned_m(kind, m), n, k, gate_up))
+def tuned_config(
+    kind: str, m: int, n: int, k: int, gate_up: bool, weights: str = "float"
+) -> dict[str, int] | None:
+    return _tuned_table().get((kind, tuned_m(kind, m), n, k, gate_up, weights))
+
+
+def weights_kind(weight: torch.Tensor) -> str:
+    """The tuned table's name for a weight's storage: "int8" or "float"."""
+    return "int8" if weight.dtype == torch.int8 else "float"
 
 
 def tuned_m(kind: str, m: int) -> int:
@@ -187,15 +196,16 @@ class GemvConfig(NamedTuple):
     num_warps: int
 
 
-def gemv_config(m: int, n: int, k: int, gate_up: bool) -> GemvConfig:
+def gemv_config(m: int, n: int, k: int, gate_up: bool, weights: str = "float") -> GemvConfig:
     """Tiles for the GEMV: n output columns (intermediate size for gate/up), k = in_features.
 
     BLOCK_N is the largest power of two <= 32 (16 for gate/up, which streams two tiles) that still
     gives >= 4 programs per SM; BLOCK_K fills a budget of 64 fp32 accumulators per thread, so that
     every thread has 4-8 16-byte loads in flight per iteration and several programs fit on an SM.
-    A tile measured fastest for this shape on this GPU (tuned_config) takes precedence.
+    INT8 weights take half the rows and twice the K per tile: the same bytes a load, as many accumulators.
+    A tile measured fastest for this shape and weights on this GPU (tuned_config) takes precedence.
     """
-    tuned = tuned_config("gemv", m, n, k, gate_up)
+    tuned = tuned_config("gemv", m, n, k, gate_up, weights)
     if tuned is not None:
         return GemvConfig(**tuned)
     tiles = 2 if gate_up else 1
@@ -204,6 +214,8 @@ def gemv_config(m: int, n: int, k: int, gate_up: bool) -> GemvConfig:
         block_n //= 2
     num_warps = 4
     budget = 64 * 32 * num_warps  # fp32 accumulator elements per program
+    if weights == "int8" and block_n > 1:
+        block_n //= 2
     block_k = max(16, budget // (block_n * tiles))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     return GemvConfig(block_n, block_k, num_warps)
@@ -222,7 +234,7 @@ def _launch_gemv(
     m, k = x.shape
     n = out.shape[1]
     assert m == 1, "the GEMV takes one row of x; more take the skinny GEMM"
-    block_n, block_k, num_warps = config or gemv_config(m, n, k, gate_up)
+    block_n, block_k, num_warps = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -429,17 +441,18 @@ def _skinny_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     return workspace
 
 
-def skinny_config(m: int, n: int, k: int, gate_up: bool) -> SkinnyConfig:
+def skinny_config(m: int, n: int, k: int, gate_up: bool, weights: str = "float") -> SkinnyConfig:
     """Tiles for the skinny GEMM: n output columns (intermediate size for gate/up), k = in_features.
 
     From the H200 sweep at 16 rows (bench/bench_linear.py --sweep): 128-column K steps in 4 stages; K is
     split 4 ways only for narrow outputs (n < 3072: o_proj, down_proj), whose column tiles alone would
     leave SMs idle; BLOCK_N is the widest of 64, 32, 16 weight rows that still makes about 96 programs.
-    A tile measured fastest for this shape on this GPU (tuned_config) takes precedence."""
-    tuned = tuned_config("skinny", m, n, k, gate_up)
+    INT8 weights take 256-column K steps: the same bytes a stage. A tile measured fastest for this shape
+    and weights on this GPU (tuned_config) takes precedence."""
+    tuned = tuned_config("skinny", m, n, k, gate_up, weights)
     if tuned is not None:
         return SkinnyConfig(**tuned)
-    block_k = min(128, max(16, triton.next_power_of_2(k)))
+    block_k = min(256 if weights == "int8" else 128, max(16, triton.next_power_of_2(k)))
     split_k = 1 if n >= 3072 else max(1, min(4, triton.cdiv(k, block_k) // 2))
     block_n = 64
     while block_n > 16 and triton.cdiv(n, block_n) * split_k < 96:
@@ -461,7 +474,9 @@ def _launch_skinny(
     m, k = x.shape
     n = out.shape[1]
     assert m <= SKINNY_MAX_M, m
-    block_n, block_k, split_k, num_warps, num_stages = config or skinny_config(m, n, k, gate_up)
+    block_n, block_k, split_k, num_warps, num_stages = config or skinny_config(
+        m, n, k, gate_up, weights_kind(weight)
+    )
     block_m = max(16, triton.next_power_of_2(m))
     num_tiles = triton.cdiv(n, block_n)
     partials = counters = out  # never touched without a split
@@ -633,13 +648,16 @@ GATE_UP_CANDIDATES: tuple[tuple[GemmConfig, float], ...] = (
 )
 
 
-def gemm_config(m: int, n: int, k: int, gate_up: bool, element_size: int = 2) -> GemmConfig:
+def gemm_config(
+    m: int, n: int, k: int, gate_up: bool, element_size: int = 2, weights: str = "float"
+) -> GemmConfig:
     """The candidate tile with the least estimated time: waves over the SMs x tile area / throughput.
 
     BLOCK_M is capped at the next power of two >= m (at least 16, the smallest tl.dot). BLOCK_K is 128
     bytes of a row (64 bf16, 32 fp32) unless k is smaller, which keeps 3-4 pipeline stages of the
-    largest tiles within the 227 KB of shared memory. A measured tile (tuned_config) takes precedence."""
-    tuned = tuned_config("gemm", m, n, k, gate_up)
+    largest tiles within the 227 KB of shared memory. A measured tile (tuned_config, for these weights)
+    takes precedence."""
+    tuned = tuned_config("gemm", m, n, k, gate_up, weights)
     if tuned is not None and element_size == 2:  # tuned in bf16
         return GemmConfig(**tuned)
     block_m_cap = max(16, triton.next_power_of_2(m))
@@ -673,7 +691,7 @@ def _launch_gemm(
     m, k = x.shape
     n = out.shape[1]
     block_m, block_n, block_k, num_warps, num_stages = config or gemm_config(
-        m, n, k, gate_up, x.element_size()
+        m, n, k, gate_up, x.element_size(), weights_kind(weight)
     )
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _gemm_kernel[grid](

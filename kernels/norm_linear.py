@@ -47,6 +47,7 @@ from kernels.linear import (
     group_scales,
     linear_reference,
     linear_triton,
+    weights_kind,
 )
 from kernels.rmsnorm import add_rms_norm_into_triton, rms_norm_reference, rms_norm_triton
 
@@ -341,7 +342,7 @@ def _launch_gemv(
     m, k = hidden.shape
     n = out.shape[1]
     assert m == 1, "the fused GEMV takes one row; more take the norm, then the skinny GEMM"
-    block_n, block_k, num_warps = config or gemv_config(m, n, k, gate_up)
+    block_n, block_k, num_warps = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
     if block_k_norm is None:
         # The statistics pass takes whole rows in one tile where registers allow (up to 32 fp32 per
         # thread per tensor, before the accumulators are live), else loops.
