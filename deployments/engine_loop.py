@@ -23,6 +23,7 @@ from deployments.metrics import ServingMetrics
 from engine.engine import Engine, RequestOutput
 from engine.errors import CapacityError, InvalidRequestError, TileInferError
 from engine.sampling import SamplingParams, TokenLogprob
+from kernels.kv_cache import kv_cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class EngineLoop:
         self.metrics = ServingMetrics()
         kv_cache, manager = engine.runner.kv_cache, engine.block_manager
         slots = manager.num_blocks * engine.config.block_size
-        self._kv_bytes_per_token = kv_cache.numel() * kv_cache.element_size() // slots
+        self._kv_bytes_per_token = kv_cache_bytes(kv_cache) // slots
         self._lock = threading.Lock()  # guards _commands, _streams, _subscribers and metrics
         self._commands: list[tuple] = []
         self._streams: dict[str, _Stream] = {}

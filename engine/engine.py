@@ -19,6 +19,7 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import TextStream
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.kv_budget import kv_bytes_per_token, kv_cache_tokens_from_memory, step_reserve_bytes
+from engine.kv_calibration import calibration_ids
 from engine.loader import LoadedModel, load_model
 from engine.model import QUANTIZATIONS, Decoder
 from engine.ops import ops_for
@@ -27,6 +28,7 @@ from engine.sampling import SamplingParams, TokenLogprob, make_generator
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import Speculator
+from kernels.kv_cache import KV_CACHE_DTYPES
 from kernels.sampling import _chunking as sampling_chunking  # warm_up: the sampler's variants
 
 if TYPE_CHECKING:
@@ -50,6 +52,9 @@ class EngineConfig:
     device: str = "cpu"
     # "int8": weight-only INT8 linears in every decoder layer (kernels/int8.py); None: the weights' dtype
     quantization: str | None = None
+    # "int8": keys and values stored as int8 with a scale per token and KV head, keys smoothed per channel
+    # (kernels/kv_cache.py); "auto": the dtype's
+    kv_cache_dtype: str = "auto"
     cuda_graphs: bool = True  # on a GPU, replay decode steps from CUDA graphs
     # On a GPU, also replay prefill, mixed and verify steps from CUDA graphs (one per token-count bucket).
     step_graphs: bool = True
@@ -130,6 +135,10 @@ class Engine:
             raise InvalidRequestError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {config.quantization!r}"
             )
+        if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {config.kv_cache_dtype!r}"
+            )
         self.logit_vocab_size = model.logit_vocab_size  # the ids the engine can emit (Decoder)
         tokenizer_eos = model.tokenizer.eos_token_ids if model.tokenizer is not None else ()
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)
@@ -157,7 +166,7 @@ class Engine:
             # the weights (and an in-process proposer) are on the device already: the cache takes the rest
             kv_cache_tokens = kv_cache_tokens_from_memory(
                 torch.cuda.mem_get_info(self.device)[0], config.gpu_memory_utilization,
-                kv_bytes_per_token(model.spec, config.torch_dtype()),
+                kv_bytes_per_token(model.spec, config.torch_dtype(), config.kv_cache_dtype),
                 step_reserve_bytes(
                     model.spec, config.max_num_batched_tokens, max_logit_rows, self.logit_vocab_size
                 ),
@@ -179,6 +188,8 @@ class Engine:
             self.max_model_len, use_cuda_graphs=config.cuda_graphs, step_graphs=config.step_graphs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_logit_rows=max_logit_rows,
             capture_layers=self.speculator.target_layer_ids if self.speculator is not None else (),
+            kv_cache_dtype=config.kv_cache_dtype,
+            calibration_tokens=calibration_ids(model.tokenizer, self.logit_vocab_size),
         )  # fmt: skip
         # A step's tokens fit the largest step graph: a larger step would run eagerly and compile kernels
         # for its shapes.

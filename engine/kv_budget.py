@@ -11,6 +11,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.spec import ModelSpec
+from kernels.kv_cache import kv_bytes_per_slot
 
 # cuBLAS and Triton workspaces, the CUDA graphs' own bookkeeping, the decode attention's split partials
 # and the allocator's fragmentation: beyond what the shapes below account for.
@@ -21,10 +22,9 @@ BYTES_PER_LOGIT = 32
 FLOAT32_BYTES = 4
 
 
-def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
-    """One token's keys and values in every layer."""
-    element_size = torch.empty(0, dtype=dtype).element_size()
-    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * element_size
+def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """One token's keys and values in every layer (INT8: with their scales)."""
+    return spec.num_layers * kv_bytes_per_slot(spec.num_kv_heads, spec.head_dim, dtype, kv_cache_dtype)
 
 
 def step_reserve_bytes(

@@ -22,6 +22,7 @@ import numpy
 import torch
 
 from engine.block_manager import BlockCopy
+from engine.kv_calibration import calibrate_key_smoothing, calibration_ids
 from engine.model import Decoder
 from engine.sampling import TokenLogprob, filtered_probs, sample
 from engine.scheduler import ScheduledSequence
@@ -29,6 +30,7 @@ from engine.sequence import Sequence
 from engine.speculative import verify_greedy, verify_sampled
 from engine.step_graphs import StepGraphs, StepInputs, capture_graph
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
+from kernels.kv_cache import Int8KVCache, KVCache, copy_kv_blocks
 from kernels.sampling import (
     SamplingTensors,
     SamplingWorkspace,
@@ -107,11 +109,15 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         max_logit_rows: int | None = None,
         capture_layers: tuple[int, ...] = (),
+        kv_cache_dtype: str = "auto",
+        calibration_tokens: list[int] | None = None,
     ) -> None:
         """step_graphs: also replay prefill, mixed and verify steps from CUDA graphs (StepGraphs) of up to
         max_num_batched_tokens tokens and max_logit_rows logit rows (default: one per sequence).
         capture_layers: decoder layers whose output stream every step keeps in captured_hidden (DFlash);
-        their steps run from the step graphs (which capture them too) or eagerly, never from DecodeGraphs."""
+        their steps run from the step graphs (which capture them too) or eagerly, never from DecodeGraphs.
+        kv_cache_dtype "int8": an INT8 cache (kernels/kv_cache.py), whose key smoothing comes from a forward
+        pass over calibration_tokens (engine/kv_calibration.py) before any graph is captured."""
         spec = decoder.spec
         self.decoder = decoder
         self.spec = spec
@@ -119,11 +125,21 @@ class ModelRunner:
         self.block_size = block_size
         self.device = decoder.model.embed_tokens.weight.device
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.dtype = dtype
         # [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=dtype, device=self.device,
-        )  # fmt: skip
+        self.kv_cache: KVCache
+        if kv_cache_dtype == "int8":
+            self.kv_cache = Int8KVCache.allocate(
+                spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, self.device
+            )
+            tokens = calibration_tokens or calibration_ids(None, self.logit_vocab_size)
+            max_context = self.max_blocks_per_seq * block_size
+            calibrate_key_smoothing(self.kv_cache, decoder, tokens, dtype, max_context)
+        else:
+            self.kv_cache = torch.zeros(
+                spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+                dtype=dtype, device=self.device,
+            )  # fmt: skip
         self.seeds: dict[str, int] = {}  # request id -> the seed its device-side noise is keyed by
         self.capture_layers = capture_layers
         self.captured_hidden: torch.Tensor | None = None  # [num_tokens, len(layers) * hidden], packed
@@ -140,9 +156,7 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         for copy in copies:
-            self.kv_cache[:, :, copy.dst_block, : copy.num_slots] = self.kv_cache[
-                :, :, copy.src_block, : copy.num_slots
-            ]
+            copy_kv_blocks(self.kv_cache, copy.src_block, copy.dst_block, copy.num_slots)
 
     def forget(self, request_id: str) -> None:
         self.seeds.pop(request_id, None)

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_cache import Int8KVCache, KVCache, gather_kv_reference
 from kernels.triton_common import INTERPRET, num_sms
 
 
@@ -45,16 +46,16 @@ REFERENCE_QUERY_BLOCK = 256  # queries per score matrix in the reference: [heads
 
 def paged_attention_reference(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> output of the same shape.
 
-    kv_cache: one layer's [2, num_blocks, block_size, num_kv_heads, head_dim], already holding
-    the new tokens' keys and values. Heads share KV heads in groups (GQA). A query at position p
-    sees keys at positions <= p, and with a sliding window only those > p - sliding_window.
+    kv_cache: one layer's [2, num_blocks, block_size, num_kv_heads, head_dim] (or its Int8KVCache),
+    already holding the new tokens' keys and values. Heads share KV heads in groups (GQA). A query at
+    position p sees keys at positions <= p, and with a sliding window only those > p - sliding_window.
     """
     num_heads = query.shape[1]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -65,8 +66,8 @@ def paged_attention_reference(
         start, end = starts[seq], starts[seq + 1]
         num_blocks = -(-seq_len // block_size)
         blocks = metadata.block_tables[seq, :num_blocks].long()
-        keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float()  # [seq_len, num_kv_heads, head_dim]
-        values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float()
+        keys = gather_kv_reference(kv_cache, 0, blocks).flatten(0, 1)[:seq_len]  # [seq_len, kv heads, dim]
+        values = gather_kv_reference(kv_cache, 1, blocks).flatten(0, 1)[:seq_len]
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
         first_position = seq_len - (end - start)
@@ -98,7 +99,7 @@ def paged_attention_reference(
 
 def paged_decode_attention_reference(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -302,7 +303,8 @@ def _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims
 @triton.jit
 def _paged_decode_kernel(
     query_ptr,  # [num_seqs, num_heads, head_dim]
-    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]: float, or int8 (KV_INT8)
+    kv_scale_ptr,  # fp32 [2, num_blocks, block_size, num_kv_heads] (KV_INT8): value = int8 * scale
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     out_ptr,  # [num_seqs, num_heads, head_dim]
@@ -318,6 +320,8 @@ def _paged_decode_kernel(
     stride_block,
     stride_slot,
     stride_kv_head,
+    stride_scale_kv,
+    stride_scale_block,
     stride_table_seq,
     stride_out_seq,
     stride_out_head,
@@ -331,6 +335,7 @@ def _paged_decode_kernel(
     MIN_TILES: tl.constexpr,  # the fewest tiles a used split takes (decode_min_keys_per_split)
     MERGE_ROWS: tl.constexpr,  # GROUP padded to a power of two (rows of the merge)
     SPLIT_CHUNK: tl.constexpr,  # splits merged per step
+    KV_INT8: tl.constexpr = False,  # int8 keys and values, a scale per token and KV head
     UPCAST: tl.constexpr = INTERPRET,
     DOT_PRECISION: tl.constexpr = "tf32",  # "ieee" for an fp32 cache: exact fp32, not TF32
 ):
@@ -365,6 +370,8 @@ def _paged_decode_kernel(
             q = q.to(tl.float32)
         k_base = kv_cache_ptr + kv_head * stride_kv_head
         v_base = k_base + stride_kv
+        k_scale_base = kv_scale_ptr + kv_head  # a slot's scales are its num_kv_heads contiguous ones
+        v_scale_base = k_scale_base + stride_scale_kv
         table_base = block_tables_ptr + seq * stride_table_seq
 
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -381,18 +388,28 @@ def _paged_decode_kernel(
             # both loads issued before any math: V's addresses do not depend on the scores
             k = tl.load(k_base + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_base + kv_offsets, mask=kv_mask, other=0.0)
+            if KV_INT8:  # exact in bf16 (|int8| <= 127); each key's and value's scale applies per column
+                scale_offsets = block_ids * stride_scale_block + (keys % BLOCK_SIZE) * num_kv_heads
+                k_scale = tl.load(k_scale_base + scale_offsets, mask=key_mask, other=0.0)
+                v_scale = tl.load(v_scale_base + scale_offsets, mask=key_mask, other=0.0)
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
 
             # [GROUP_PAD, BLOCK_N], log2 units
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if KV_INT8:
+                scores = scores * k_scale[None, :]
             scores = tl.where(key_mask[None, :], scores, float("-inf"))
             # each tile holds a visible key, so m_new is finite: no -inf - -inf
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            if KV_INT8:
+                p = p * v_scale[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -498,7 +515,7 @@ def _merge_splits(
 
 def paged_decode_attention_triton(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -520,8 +537,13 @@ def paged_decode_attention_triton(
     (an atomic counter) merges the used ones in split order, so the result is deterministic.
     CUDA-graph safe: no host sync; no allocation when `out` and, for num_splits > 1, `workspace`
     (DecodeWorkspace.allocate) are given; the grid depends on shapes and num_splits only, never on
-    seq_lens' values. Without a workspace one is allocated per call.
+    seq_lens' values. Without a workspace one is allocated per call. An INT8 cache (Int8KVCache) is read as
+    int8 with its scales.
     """
+    scales = kv_cache.scales if isinstance(kv_cache, Int8KVCache) else None
+    if scales is not None:
+        kv_cache = kv_cache.values
+        assert scales.is_contiguous() and kv_cache.is_contiguous()
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     assert kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim and num_heads % num_kv_heads == 0
@@ -559,6 +581,7 @@ def paged_decode_attention_triton(
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         kv_cache,
+        scales if scales is not None else out,  # never read without KV_INT8
         block_tables,
         seq_lens,
         out,
@@ -574,11 +597,14 @@ def paged_decode_attention_triton(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
+        scales.stride(0) if scales is not None else 0,
+        scales.stride(1) if scales is not None else 0,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
         GROUP=group,
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        KV_INT8=scales is not None,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         GROUP_PAD=max(16, merge_rows),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,

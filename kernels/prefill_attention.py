@@ -39,6 +39,7 @@ from kernels.attention import (
     decode_min_keys_per_split,
     store_normalized,
 )
+from kernels.kv_cache import Int8KVCache, KVCache
 from kernels.triton_common import INTERPRET, num_sms
 
 MAX_PREFILL_SPLITS = 64
@@ -115,6 +116,8 @@ def _attend_tiles(
     q,  # [BLOCK_M, HEAD_DIM]
     k_base,
     v_base,
+    k_scale_base,  # KV_INT8: this KV head's key scales (a slot's heads contiguous), then the values'
+    v_scale_base,
     table_base,
     positions,  # [BLOCK_M] int32: each row's query position
     first_key,  # keys any row sees: [first_key, last_pos]; the others are not loaded (may be stale)
@@ -124,11 +127,14 @@ def _attend_tiles(
     window,
     stride_block,
     stride_slot,
+    stride_scale_block,
+    stride_scale_slot,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of every tile is visible to every valid row
+    KV_INT8: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -144,15 +150,24 @@ def _attend_tiles(
             k = tl.load(k_base + kv_offsets, mask=key_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
             v = tl.load(v_base + kv_offsets, mask=key_mask[:, None], other=0.0)
         else:
+            key_mask = keys >= 0  # all of them
             block_ids = tl.load(table_base + keys // BLOCK_SIZE).to(tl.int64)
             slots = block_ids * stride_block + (keys % BLOCK_SIZE) * stride_slot
             kv_offsets = slots[:, None] + dims[None, :]
             k = tl.load(k_base + kv_offsets)
             v = tl.load(v_base + kv_offsets)
+        if KV_INT8:  # exact in bf16 (|int8| <= 127); each key's and value's scale applies per column
+            scale_offsets = block_ids * stride_scale_block + (keys % BLOCK_SIZE) * stride_scale_slot
+            k_scale = tl.load(k_scale_base + scale_offsets, mask=key_mask, other=0.0)
+            v_scale = tl.load(v_scale_base + scale_offsets, mask=key_mask, other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if KV_INT8:
+            scores = scores * k_scale[None, :]
         if MASKED:
             visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))
@@ -162,6 +177,8 @@ def _attend_tiles(
         alpha = tl.exp2(m_i - m_shift)
         p = tl.exp2(scores - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_INT8:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -196,7 +213,8 @@ def _merge_splits(
 @triton.jit
 def _paged_prefill_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
-    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]: float, or int8 (KV_INT8)
+    kv_scale_ptr,  # fp32 [2, num_blocks, block_size, num_kv_heads] (KV_INT8): value = int8 * scale
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -216,6 +234,8 @@ def _paged_prefill_kernel(
     stride_block,
     stride_slot,
     stride_kv_head,
+    stride_scale_kv,
+    stride_scale_block,
     stride_table_seq,
     stride_out_token,
     stride_out_head,
@@ -226,6 +246,7 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (page)
     NUM_SPLITS: tl.constexpr,  # splits in the grid: the most a query tile may use
     MIN_TILES: tl.constexpr,  # the fewest key tiles a used split takes
+    KV_INT8: tl.constexpr = False,  # int8 keys and values, a scale per token and KV head
     UPCAST: tl.constexpr = INTERPRET,
     DOT_PRECISION: tl.constexpr = "tf32",  # "ieee" for an fp32 cache: exact fp32, not TF32
 ):
@@ -280,6 +301,8 @@ def _paged_prefill_kernel(
         if split < active:  # the other programs of the tile exit at once
             k_base = kv_cache_ptr + kv_head * stride_kv_head
             v_base = k_base + stride_kv
+            k_scale_base = kv_scale_ptr + kv_head
+            v_scale_base = k_scale_base + stride_scale_kv
             table_base = block_tables_ptr + seq * stride_table_seq
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -288,19 +311,22 @@ def _paged_prefill_kernel(
             edge_hi, middle_lo = tl.minimum(split_hi, full_lo), tl.maximum(split_lo, full_lo)
             middle_hi, diagonal_lo = tl.minimum(split_hi, full_hi), tl.maximum(split_lo, full_hi)
             acc, m_i, l_i = _attend_tiles(
-                acc, m_i, l_i, q, k_base, v_base, table_base, positions, first_key, last_pos,
-                split_lo, edge_hi, window, stride_block, stride_slot,
-                qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, UPCAST, DOT_PRECISION,
+                acc, m_i, l_i, q, k_base, v_base, k_scale_base, v_scale_base, table_base, positions,
+                first_key, last_pos,
+                split_lo, edge_hi, window, stride_block, stride_slot, stride_scale_block, num_kv_heads,
+                qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, KV_INT8, UPCAST, DOT_PRECISION,
             )  # fmt: skip
             acc, m_i, l_i = _attend_tiles(
-                acc, m_i, l_i, q, k_base, v_base, table_base, positions, first_key, last_pos,
-                middle_lo, middle_hi, window, stride_block, stride_slot,
-                qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, UPCAST, DOT_PRECISION,
+                acc, m_i, l_i, q, k_base, v_base, k_scale_base, v_scale_base, table_base, positions,
+                first_key, last_pos,
+                middle_lo, middle_hi, window, stride_block, stride_slot, stride_scale_block, num_kv_heads,
+                qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, KV_INT8, UPCAST, DOT_PRECISION,
             )  # fmt: skip
             acc, m_i, l_i = _attend_tiles(
-                acc, m_i, l_i, q, k_base, v_base, table_base, positions, first_key, last_pos,
-                diagonal_lo, split_hi, window, stride_block, stride_slot,
-                qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, UPCAST, DOT_PRECISION,
+                acc, m_i, l_i, q, k_base, v_base, k_scale_base, v_scale_base, table_base, positions,
+                first_key, last_pos,
+                diagonal_lo, split_hi, window, stride_block, stride_slot, stride_scale_block, num_kv_heads,
+                qk_scale, HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, KV_INT8, UPCAST, DOT_PRECISION,
             )  # fmt: skip
 
             out_rows = (token_rows * stride_out_token + heads * stride_out_head)[:, None] + dims[None, :]
@@ -331,7 +357,7 @@ def _paged_prefill_kernel(
 
 def paged_prefill_attention_triton(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
@@ -346,8 +372,13 @@ def paged_prefill_attention_triton(
     CUDA-graph safe when max_query_len, prefill_num_splits, `out` and (splits > 1) the workspace are
     given: the grid comes from shapes and those ints only, never from the tensors' values.
     max_query_len only picks the tile shape: any value gives the right answer (the grid always covers
-    every token), so a captured verify graph may pass its largest q_len.
+    every token), so a captured verify graph may pass its largest q_len. An INT8 cache (Int8KVCache) is
+    read as int8 with its scales.
     """
+    scales = kv_cache.scales if isinstance(kv_cache, Int8KVCache) else None
+    if scales is not None:
+        kv_cache = kv_cache.values
+        assert scales.is_contiguous() and kv_cache.is_contiguous()
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     assert kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim and num_heads % num_kv_heads == 0
@@ -393,6 +424,7 @@ def paged_prefill_attention_triton(
     _paged_prefill_kernel[(num_tiles * num_kv_heads, num_splits)](
         query,
         kv_cache,
+        scales if scales is not None else out,  # never read without KV_INT8
         block_tables,
         seq_lens,
         query_start_loc,
@@ -412,17 +444,20 @@ def paged_prefill_attention_triton(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
+        scales.stride(0) if scales is not None else 0,
+        scales.stride(1) if scales is not None else 0,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
         GROUP=group,
+        KV_INT8=scales is not None,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         MIN_TILES=triton.cdiv(decode_min_keys_per_split(head_dim), block_n),
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=8 if block_m * head_dim >= 128 * 128 else 4,  # the fp32 accumulator's registers
         num_stages=2 if head_dim > 128 else 3,
     )

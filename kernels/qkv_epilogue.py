@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_cache import write_kv_cache_reference
+from kernels.kv_cache import Int8KVCache, KVCache, write_kv_cache_reference
 from kernels.rmsnorm import rms_norm_reference
 from kernels.rope import apply_rope_reference
 from kernels.triton_common import num_sms
@@ -19,7 +19,7 @@ def qkv_epilogue_reference(
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     slot_mapping: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
@@ -31,6 +31,8 @@ def qkv_epilogue_reference(
     cos_sin_cache [max_positions, head_dim] fp32); store k and v into kv_cache (one layer's
     [2, num_blocks, block_size, num_kv_heads, head_dim]) at slot_mapping [num_tokens] (-1: padding,
     nothing stored). Returns the rotated query [num_tokens, num_heads, head_dim] (into out if given).
+    An INT8 cache (Int8KVCache) stores the keys smoothed ((k - offset) / smoothing), and the query comes
+    back multiplied by its KV head's smoothing, so that each query's scores move by a constant only.
     """
     num_tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -45,6 +47,9 @@ def qkv_epilogue_reference(
     query = apply_rope_reference(query, positions, cos_sin_cache)
     key = apply_rope_reference(key, positions, cos_sin_cache)
     write_kv_cache_reference(key, value, kv_cache, slot_mapping)
+    if isinstance(kv_cache, Int8KVCache):
+        smoothing = kv_cache.key_smoothing.repeat_interleave(num_heads // num_kv_heads, dim=0)
+        query = (query.float() * smoothing).to(query.dtype)
     if out is None:
         return query
     return out.copy_(query)
@@ -86,7 +91,10 @@ def _qkv_epilogue_kernel(
     cos_sin_ptr,  # [max_positions, HEAD_DIM] fp32
     q_norm_weight_ptr,  # [HEAD_DIM] (HAS_Q_NORM)
     k_norm_weight_ptr,  # [HEAD_DIM] (HAS_K_NORM)
-    kv_cache_ptr,  # [2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM]
+    kv_cache_ptr,  # [2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM]: float, or int8 (QUANTIZE)
+    kv_scale_ptr,  # fp32 [2, num_blocks, block_size, NUM_KV_HEADS] (QUANTIZE)
+    offset_ptr,  # fp32 [NUM_KV_HEADS, HEAD_DIM] (QUANTIZE): keys are stored as (k - offset) / smoothing
+    smoothing_ptr,  # fp32 [NUM_KV_HEADS, HEAD_DIM] (QUANTIZE)
     slot_mapping_ptr,  # [num_tokens] int64, -1 for padding
     query_ptr,  # [num_tokens, NUM_HEADS, HEAD_DIM]
     qkv_row_stride,
@@ -97,6 +105,8 @@ def _qkv_epilogue_kernel(
     cache_block_stride,
     cache_slot_stride,
     cache_head_stride,
+    scale_kv_stride,
+    scale_block_stride,
     block_size,
     eps,
     NUM_HEADS: tl.constexpr,
@@ -106,6 +116,7 @@ def _qkv_epilogue_kernel(
     HEADS: tl.constexpr,  # heads per program
     HAS_Q_NORM: tl.constexpr,
     HAS_K_NORM: tl.constexpr,
+    QUANTIZE: tl.constexpr,  # an INT8 cache: smoothed keys, a scale per token and head; queries x smoothing
 ):
     # Grid: (token, group of HEADS heads); the first groups cover the query heads, the rest the
     # kv heads (a kv program also copies the value heads).
@@ -133,6 +144,10 @@ def _qkv_epilogue_kernel(
         out1, out2 = _norm_and_rotate(
             x1, x2, cos, sin, q_norm_weight_ptr, dims, dim_mask, eps, HALF, HAS_Q_NORM, DTYPE
         )
+        if QUANTIZE:  # each query head times its KV head's smoothing, rounded as the reference rounds
+            smooth_row = smoothing_ptr + (heads // (NUM_HEADS // NUM_KV_HEADS)) * HEAD_DIM + dims
+            out1 = out1 * tl.load(smooth_row, mask=mask, other=1.0)
+            out2 = out2 * tl.load(smooth_row + HALF, mask=mask, other=1.0)
         dst = query_ptr + token * query_token_stride + heads * query_head_stride + dims
         tl.store(dst, out1, mask=mask)
         tl.store(dst + HALF, out2, mask=mask)
@@ -159,10 +174,41 @@ def _qkv_epilogue_kernel(
         key_dst = key_dst + kv_heads * cache_head_stride + dims
         value_dst = key_dst + cache_kv_stride
         cache_dtype = kv_cache_ptr.dtype.element_ty
-        tl.store(key_dst, out1.to(cache_dtype), mask=mask)
-        tl.store(key_dst + HALF, out2.to(cache_dtype), mask=mask)
-        tl.store(value_dst, v1.to(cache_dtype), mask=mask)
-        tl.store(value_dst + HALF, v2.to(cache_dtype), mask=mask)
+        if QUANTIZE:
+            channel = kv_heads * HEAD_DIM + dims
+            out1 = (out1 - tl.load(offset_ptr + channel, mask=mask, other=0.0)) / tl.load(
+                smoothing_ptr + channel, mask=mask, other=1.0
+            )
+            out2 = (out2 - tl.load(offset_ptr + channel + HALF, mask=mask, other=0.0)) / tl.load(
+                smoothing_ptr + channel + HALF, mask=mask, other=1.0
+            )
+            scale_dst = kv_scale_ptr + block * scale_block_stride + offset * NUM_KV_HEADS + kv_heads
+            _store_int8_rows(key_dst, key_dst + HALF, scale_dst, out1, out2, mask)
+            _store_int8_rows(
+                value_dst, value_dst + HALF, scale_dst + scale_kv_stride,
+                v1.to(tl.float32), v2.to(tl.float32), mask,
+            )  # fmt: skip
+        else:
+            tl.store(key_dst, out1.to(cache_dtype), mask=mask)
+            tl.store(key_dst + HALF, out2.to(cache_dtype), mask=mask)
+            tl.store(value_dst, v1.to(cache_dtype), mask=mask)
+            tl.store(value_dst + HALF, v2.to(cache_dtype), mask=mask)
+
+
+@triton.jit
+def _store_int8_rows(dst1, dst2, scale_dst, x1, x2, mask):
+    """Each head row [x1, x2] (fp32 halves [HEADS, BLOCK_HALF]) as int8 with its scale (scale_dst
+    [HEADS, 1]): symmetric, rounded half away from zero (kv_cache.quantize_kv_reference)."""
+    amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))[:, None]  # [HEADS, 1]
+    scale = tl.where(amax > 0.0, amax / 127.0, 1.0)
+    q1 = x1 / scale
+    q2 = x2 / scale
+    q1 = tl.minimum(tl.maximum(tl.where(q1 >= 0, tl.floor(q1 + 0.5), -tl.floor(-q1 + 0.5)), -127.0), 127.0)
+    q2 = tl.minimum(tl.maximum(tl.where(q2 >= 0, tl.floor(q2 + 0.5), -tl.floor(-q2 + 0.5)), -127.0), 127.0)
+    tl.store(dst1, q1.to(tl.int8), mask=mask)
+    tl.store(dst2, q2.to(tl.int8), mask=mask)
+    head_mask = tl.max(mask.to(tl.int32), axis=1)[:, None] > 0
+    tl.store(scale_dst, scale, mask=head_mask)
 
 
 def _heads_per_program(num_tokens: int, num_heads: int, num_kv_heads: int) -> int:
@@ -183,7 +229,7 @@ def qkv_epilogue_triton(
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     slot_mapping: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
@@ -191,6 +237,12 @@ def qkv_epilogue_triton(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As qkv_epilogue_reference, in one launch over (token, group of heads)."""
+    quantized = isinstance(kv_cache, Int8KVCache)
+    scales = offset = smoothing = None
+    if quantized:
+        scales, offset, smoothing = kv_cache.scales, kv_cache.key_offset, kv_cache.key_smoothing
+        kv_cache = kv_cache.values
+        assert scales.is_contiguous() and offset.is_contiguous() and smoothing.is_contiguous()
     num_tokens = qkv.shape[0]
     assert head_dim % 2 == 0
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
@@ -214,6 +266,9 @@ def qkv_epilogue_triton(
         q_norm_weight if q_norm_weight is not None else qkv,  # a placeholder, never read
         k_norm_weight if k_norm_weight is not None else qkv,
         kv_cache,
+        scales if quantized else qkv,  # placeholders, never read without QUANTIZE
+        offset if quantized else qkv,
+        smoothing if quantized else qkv,
         slot_mapping,
         out,
         qkv.stride(0),
@@ -224,6 +279,8 @@ def qkv_epilogue_triton(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
+        scales.stride(0) if quantized else 0,
+        scales.stride(1) if quantized else 0,
         kv_cache.shape[2],
         eps,
         NUM_HEADS=num_heads,
@@ -233,6 +290,7 @@ def qkv_epilogue_triton(
         HEADS=heads,
         HAS_Q_NORM=q_norm_weight is not None,
         HAS_K_NORM=k_norm_weight is not None,
+        QUANTIZE=quantized,
         # 16-byte accesses where the tile allows: a warp covers 32 x 8 bf16 elements of a [HEADS, half] tile.
         num_warps=max(1, min(4, heads * block_half // 256)),
     )

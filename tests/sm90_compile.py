@@ -114,13 +114,20 @@ def variant_key(launch: Launch) -> tuple:
     return (launch.kernel.fn.__name__, tuple(constexprs), tuple(types), tuple(sorted(launch.options.items())))
 
 
-def run_decoder(spec: object, prompt_len: int) -> None:
+def run_decoder(spec: object, prompt_len: int, kv_cache_dtype: str = "auto") -> None:
     """A prefill, a decode step and a verify-shaped step (5 logit rows) of a 2-layer bf16 decoder."""
     spec = dataclasses.replace(spec, num_layers=2)
     weights = random_weights(spec, torch.bfloat16, "cpu")
     decoder = Decoder.from_weights(spec, weights, max_positions=1024, ops=TRITON_OPS)
     runner = ModelRunner(
-        decoder, 64, 16, torch.bfloat16, max_num_seqs=2, max_model_len=1024, use_cuda_graphs=False
+        decoder,
+        64,
+        16,
+        torch.bfloat16,
+        max_num_seqs=2,
+        max_model_len=1024,
+        use_cuda_graphs=False,
+        kv_cache_dtype=kv_cache_dtype,
     )
     manager = BlockManager(num_blocks=64, block_size=16)
     seq = Sequence("s", list(range(1, prompt_len + 1)), SamplingParams())
@@ -141,6 +148,7 @@ def run_engine_kernels() -> None:
     run_decoder(QWEN3_0_6B, 100)  # head size 128, q/k norm; a prefill past the skinny GEMM's rows
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="qwen2", qkv_bias=True), 40)
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="mistral", sliding_window=24), 40)
+    run_decoder(QWEN3_0_6B, 100, kv_cache_dtype="int8")  # the INT8 KV cache's write and attention
     # split decode attention, as a CUDA graph sized for a 32k block table runs it
     query = torch.empty(2, 32, 128, dtype=torch.bfloat16)
     cache = torch.empty(2, 2056, 16, 8, 128, dtype=torch.bfloat16)
@@ -188,7 +196,12 @@ def main() -> None:
         name: any(key[0] == name and ("NUM_SPLITS", "1") not in key[1] for key in variants)
         for name in ("_paged_decode_kernel", "_paged_prefill_kernel")
     }  # both attention kernels compiled with their split-and-merge path too
-    print(json.dumps({"compiled": compiled, "split_variants": split, "failed": failed}))
+    int8_kv = {  # the INT8 KV cache's variants compiled too
+        name: any(key[0] == name and (flag, "True") in key[1] for key in variants)
+        for name, flag in (("_paged_decode_kernel", "KV_INT8"), ("_paged_prefill_kernel", "KV_INT8"),
+                           ("_qkv_epilogue_kernel", "QUANTIZE"))
+    }  # fmt: skip
+    print(json.dumps({"compiled": compiled, "split_variants": split, "int8_kv": int8_kv, "failed": failed}))
     sys.exit(1 if failed else 0)
 
 

@@ -30,3 +30,4 @@ def test_engine_kernels_compile_for_sm90() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert set(report["compiled"]) >= ENGINE_KERNELS
     assert report["split_variants"] == {"_paged_decode_kernel": True, "_paged_prefill_kernel": True}
+    assert all(report["int8_kv"].values()), report["int8_kv"]
