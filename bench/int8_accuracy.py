@@ -1,4 +1,5 @@
-"""INT8 accuracy against the model's own dtype, on a real model and a real English text.
+"""INT8 accuracy against the model's own dtype, on a real model and a real English text: INT8 weights,
+the INT8 KV cache, and both.
 
 - Perplexity of the first TOKENS tokens of the Python standard library's `pydoc_data/topics.py` (a large
   English text present everywhere), teacher-forced in one sequence through the engine's paged cache.
@@ -8,6 +9,7 @@
   prefix.
 
     python bench/int8_accuracy.py [--model smollm2-135m] [--device cpu] [--dtype float32] [--tokens 1024]
+        [--modes weights,kv,both]
 
 The default model is SmolLM2-135M (its Q4_1 GGUF, dequantized at load: the baseline's weights and the
 INT8 quantizer's input). The table comes last.
@@ -20,6 +22,7 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,6 +36,12 @@ from engine.scheduler import ScheduledSequence  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 
 CHUNK = 256  # prompt tokens per teacher-forced prefill step
+MODES = {  # what each INT8 mode changes in the engine's config
+    "weights": {"quantization": "int8"},
+    "kv": {"kv_cache_dtype": "int8"},
+    "both": {"quantization": "int8", "kv_cache_dtype": "int8"},
+}
+MODE_NAMES = {"weights": "INT8 weights", "kv": "INT8 KV cache", "both": "INT8 weights and KV"}
 CHAT_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -102,36 +111,47 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
+def evaluate(
+    model: LoadedModel, config: EngineConfig, token_ids: list[int], prompts: tuple[str, ...], max_tokens: int
+) -> tuple[TextScores, list[list[int]]]:
+    engine = Engine(model, config)
+    return score_text(engine, token_ids), greedy_outputs(engine, prompts, max_tokens)
+
+
+def figures_against(
+    base: tuple[TextScores, list[list[int]]], other: tuple[TextScores, list[list[int]]]
+) -> dict[str, float]:
+    """Perplexities, the largest logit error, top-1 and greedy agreement of `other` against `base`."""
+    (base_text, base_greedy), (text, greedy) = base, other
+    error = (text.logits - base_text.logits).abs().max() / base_text.logits.abs().max()
+    prefixes = [_common_prefix(a, b) for a, b in zip(base_greedy, greedy, strict=True)]
+    return {
+        "tokens": base_text.logits.shape[0] + 1,
+        "perplexity": base_text.perplexity,
+        "perplexity_int8": text.perplexity,
+        "perplexity_increase": text.perplexity / base_text.perplexity - 1,
+        "max_logit_error": error.item(),
+        "top1_agreement": (text.logits.argmax(-1) == base_text.logits.argmax(-1)).double().mean().item(),
+        "greedy_identical": sum(a == b for a, b in zip(base_greedy, greedy, strict=True)) / len(prefixes),
+        "greedy_common_prefix": sum(prefixes) / len(prefixes),
+        "greedy_tokens": max(len(tokens) for tokens in base_greedy),
+    }
+
+
 def compare(
     model: LoadedModel,
     config: EngineConfig,
     tokens: int,
     max_tokens: int,
     prompts: tuple[str, ...] = CHAT_PROMPTS,
+    mode: str = "weights",
 ) -> dict[str, float]:
-    """The baseline (config as given) against INT8 weights: perplexities, logit error, agreement."""
+    """The baseline (config as given) against one INT8 mode (MODES)."""
     assert model.tokenizer is not None
     token_ids = model.tokenizer.encode(english_text())[:tokens]
-    results = {}
-    for mode in (None, "int8"):
-        engine = Engine(model, dataclasses.replace(config, quantization=mode))
-        results[mode] = (score_text(engine, token_ids), greedy_outputs(engine, prompts, max_tokens))
-        del engine
-    (base, base_greedy), (int8, int8_greedy) = results[None], results["int8"]
-    error = (int8.logits - base.logits).abs().max() / base.logits.abs().max()
-    prefixes = [_common_prefix(a, b) for a, b in zip(base_greedy, int8_greedy, strict=True)]
-    return {
-        "tokens": len(token_ids),
-        "perplexity": base.perplexity,
-        "perplexity_int8": int8.perplexity,
-        "perplexity_increase": int8.perplexity / base.perplexity - 1,
-        "max_logit_error": error.item(),
-        "top1_agreement": (int8.logits.argmax(-1) == base.logits.argmax(-1)).double().mean().item(),
-        "greedy_identical": sum(a == b for a, b in zip(base_greedy, int8_greedy, strict=True))
-        / len(prefixes),
-        "greedy_common_prefix": sum(prefixes) / len(prefixes),
-        "greedy_tokens": max_tokens,
-    }
+    base = evaluate(model, config, token_ids, prompts, max_tokens)
+    other = evaluate(model, dataclasses.replace(config, **MODES[mode]), token_ids, prompts, max_tokens)
+    return figures_against(base, other)
 
 
 def main() -> None:
@@ -143,24 +163,51 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per chat prompt")
+    parser.add_argument("--modes", default="weights,kv,both", help="comma-separated: " + ",".join(MODES))
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     config = EngineConfig(
         dtype=args.dtype, device=args.device, max_model_len=args.tokens + args.max_tokens + 64, max_num_seqs=1
     )
     model = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
-    figures = compare(model, config, args.tokens, args.max_tokens)
+    assert model.tokenizer is not None
+    token_ids = model.tokenizer.encode(english_text())[: args.tokens]
+    base = evaluate(model, config, token_ids, CHAT_PROMPTS, args.max_tokens)
+    modes = args.modes.split(",")
+    figures = {
+        mode: figures_against(
+            base,
+            evaluate(
+                model, dataclasses.replace(config, **MODES[mode]), token_ids, CHAT_PROMPTS, args.max_tokens
+            ),
+        )  # fmt: skip
+        for mode in modes
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=2))
-    print(f"| {args.model}, {args.dtype} on {args.device} | {args.dtype} | INT8 weights |")
-    print("| --- | ---: | ---: |")
-    print(f"| perplexity, {figures['tokens']} tokens of pydoc_data/topics.py | {figures['perplexity']:.4f} | "
-          f"{figures['perplexity_int8']:.4f} ({100 * figures['perplexity_increase']:+.2f} %) |")  # fmt: skip
-    print(f"| top-1 agreement at those positions | | {100 * figures['top1_agreement']:.2f} % |")
-    print(f"| largest logit error / largest logit | | {figures['max_logit_error']:.4f} |")
-    identical, prefix = 100 * figures["greedy_identical"], figures["greedy_common_prefix"]
-    print(f"| greedy outputs identical ({len(CHAT_PROMPTS)} chat prompts, {args.max_tokens} tokens) | | "
-          f"{identical:.0f} % (common prefix {prefix:.1f} tokens) |")  # fmt: skip
+    print_table(args, figures)
+
+
+def print_table(args: argparse.Namespace, figures: dict[str, dict[str, float]]) -> None:
+    modes = list(figures)
+    first = figures[modes[0]]
+
+    def row(label: str, base: str, cell: Callable[[dict[str, float]], str]) -> None:
+        print(f"| {label} | {base} | " + " | ".join(cell(figures[mode]) for mode in modes) + " |")
+
+    names = " | ".join(MODE_NAMES[mode] for mode in modes)
+    print(f"| {args.model}, {args.dtype} on {args.device} | {args.dtype} | {names} |")
+    print("| --- | ---: |" + " ---: |" * len(modes))
+    row(
+        f"perplexity, {first['tokens']} tokens of pydoc_data/topics.py", f"{first['perplexity']:.4f}",
+        lambda f: f"{f['perplexity_int8']:.4f} ({100 * f['perplexity_increase']:+.2f} %)",
+    )  # fmt: skip
+    row("top-1 agreement at those positions", "", lambda f: f"{100 * f['top1_agreement']:.2f} %")
+    row("largest logit error / largest logit", "", lambda f: f"{f['max_logit_error']:.4f}")
+    row(
+        f"greedy outputs identical ({len(CHAT_PROMPTS)} chat prompts, {args.max_tokens} tokens)", "",
+        lambda f: f"{100 * f['greedy_identical']:.0f} % (common prefix {f['greedy_common_prefix']:.1f})",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

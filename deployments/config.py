@@ -31,6 +31,9 @@ class AppArgs(BaseModel):
     quantization: Literal["int8"] | None = Field(
         None, description="int8: weight-only INT8 linears, quantized at load; default: the weights' dtype"
     )
+    kv_cache_dtype: Literal["auto", "int8"] = Field(
+        "auto", description="int8: keys and values in int8 with a scale per token and head; auto: the dtype"
+    )
     max_model_len: int | None = Field(
         None, ge=2, description="context length; default: the model's; never more than the KV cache holds"
     )
@@ -154,6 +157,7 @@ class AppArgs(BaseModel):
             dtype=dtype,
             device=device,
             quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             proposer=self.proposer,
             draft_model=self.draft_model,
             draft_layers=self.draft_layers,

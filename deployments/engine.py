@@ -86,6 +86,7 @@ class EngineInfo:
     device: str
     dtype: str
     quantization: str | None
+    kv_cache_dtype: str
 
 
 @serve.deployment(name="Engine", health_check_period_s=10)
@@ -140,6 +141,7 @@ class EngineDeployment:
             device=device,
             dtype=dtype,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
 
     def _build_engine(self, model_source: str, config: EngineConfig) -> Engine:

@@ -244,6 +244,7 @@ class OpenAIIngress:
                 "owned_by": "tileinfer",
                 "max_model_len": info.max_model_len,
                 "quantization": info.quantization,
+                "kv_cache_dtype": info.kv_cache_dtype,
             }
             return JSONResponse({"object": "list", "data": [model]})
 

@@ -133,6 +133,7 @@ class Model(BaseModel):
     owned_by: str
     max_model_len: int
     quantization: Literal["int8"] | None  # weight-only INT8 linears; None: the weights' dtype
+    kv_cache_dtype: Literal["auto", "int8"]  # int8: the INT8 KV cache; auto: the dtype's
 
 
 class ModelList(BaseModel):

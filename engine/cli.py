@@ -54,6 +54,12 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="int8: weight-only INT8 linears, quantized at load (default: the weights' dtype)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8"],
+        default="auto",
+        help="int8: keys and values in int8, a scale per token and head (default auto: the dtype)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=_context_length,
         default=None,
@@ -164,7 +170,7 @@ def _load_engine(args: argparse.Namespace) -> Engine:
     config = EngineConfig(
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, proposer=args.proposer,
         draft_model=args.draft_model, draft_layers=args.draft_layers, num_draft=args.num_draft,
-        quantization=args.quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr, flush=True)
     return Engine.load(args.model, config)

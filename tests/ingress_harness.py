@@ -19,7 +19,7 @@ from engine.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m"
 INFO = EngineInfo(MODEL, max_model_len=512, max_prompt_tokens=511, vocab_size=49152, device="cpu",
-                  dtype="float32", quantization=None)  # fmt: skip
+                  dtype="float32", quantization=None, kv_cache_dtype="auto")  # fmt: skip
 
 
 class _Response:

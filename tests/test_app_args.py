@@ -60,6 +60,7 @@ def test_drafting_ahead_defaults_to_a_proposer_with_a_gpu_of_its_own() -> None:
         ({"num_draft": 0}, "num_draft"),
         ({"draft_ahaed": True}, "draft_ahaed"),  # a misspelt arg is refused, not ignored
         ({"quantization": "int4"}, "quantization"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
     ],
 )
 def test_bad_args_are_named(args: dict, named: str) -> None:
@@ -103,3 +104,6 @@ def test_gpu_memory_utilization_must_be_a_share(fraction: float) -> None:
 def test_quantization_reaches_the_engine() -> None:
     assert parse_app_args({"quantization": "int8"}).engine_config("cpu", "float32").quantization == "int8"
     assert parse_app_args({}).engine_config("cpu", "float32").quantization is None
+    config = parse_app_args({"kv_cache_dtype": "int8"}).engine_config("cpu", "float32")
+    assert config.kv_cache_dtype == "int8"
+    assert parse_app_args({}).engine_config("cpu", "float32").kv_cache_dtype == "auto"

@@ -187,3 +187,14 @@ def test_generate_with_the_ngram_proposer_gives_the_plain_answer(raw_result) -> 
         "--proposer", "ngram", "--num-draft", "3",
     )  # fmt: skip
     assert last_json_line(speculative)["token_ids"] == last_json_line(raw_result)["token_ids"]
+
+
+def test_generate_on_an_int8_kv_cache(raw_result, reference_tokenizer) -> None:
+    """--kv-cache-dtype int8: a valid answer, here the float cache's own tokens."""
+    result = run_cli(
+        "generate", MODEL, "--prompt", "The capital of France is", "--max-tokens", str(MAX_TOKENS), "--json",
+        "--kv-cache-dtype", "int8",
+    )  # fmt: skip
+    output = last_json_line(result)
+    check_generation(output, reference_tokenizer)
+    assert output["token_ids"] == last_json_line(raw_result)["token_ids"]

@@ -54,3 +54,10 @@ def test_loading_as_int8_equals_quantizing_after_the_load(
         expected = quantize_int8(smollm2.weights[name])
         assert torch.equal(loaded.weights[name].values, expected.values), name
         assert torch.equal(loaded.weights[name].scale, expected.scale), name
+
+
+def test_the_int8_kv_cache_stays_close_to_the_float_cache(smollm2: LoadedModel) -> None:
+    figures = compare(smollm2, CONFIG, tokens=384, max_tokens=12, prompts=CHAT_PROMPTS[:3], mode="kv")
+    assert abs(figures["perplexity_increase"]) <= 0.005, figures  # the bound for the INT8 KV cache
+    assert figures["top1_agreement"] >= 0.97, figures
+    assert figures["max_logit_error"] <= 0.03, figures

@@ -238,3 +238,38 @@ def test_an_engine_on_an_int8_cache_reuses_prefixes_and_copies_on_write() -> Non
     assert first_cached == 0 and second_cached >= 32  # the two full blocks, reused
     alone = Engine(model, config).generate(prompt, params)[0]
     assert first == alone and second == alone
+
+
+def _int8_engine(**changes: object) -> Engine:
+    spec = dataclasses.replace(SMOLLM2_135M, num_layers=2)
+    weights = random_weights(spec, torch.float32, "cpu")
+    model = LoadedModel(name="random", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+    config = EngineConfig(kv_cache_dtype="int8", max_model_len=256, kv_cache_tokens=1024, max_num_seqs=4)
+    return Engine(model, dataclasses.replace(config, **changes))
+
+
+def _run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    return [tokens[request_id] for request_id in ids]
+
+
+def test_preempted_requests_on_an_int8_cache_lose_nothing() -> None:
+    """A cache too small for two requests at once preempts (their blocks are freed and recomputed): the
+    tokens are those a roomy INT8 cache gives."""
+    prompts = [[(seed * 101 + position * 7) % 900 + 5 for position in range(6)] for seed in range(2)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)  # 5 blocks each when done
+    small = _int8_engine(block_size=4, kv_cache_tokens=24)  # 6 blocks: both start, then one is preempted
+    assert _run_all(small, prompts, params) == _run_all(_int8_engine(), prompts, params)
+    assert small.scheduler.num_preemptions > 0
+
+
+def test_speculative_verification_on_an_int8_cache_gives_plain_decoding() -> None:
+    prompt = [11, 12, 13, 14, 15, 16] * 6  # repeats: the n-gram proposer drafts
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    speculative = _int8_engine(proposer="ngram", num_draft=3)
+    assert speculative.generate(prompt, params)[0] == _int8_engine().generate(prompt, params)[0]
+    assert speculative.speculator is not None and speculative.speculator.stats.drafts_accepted > 0

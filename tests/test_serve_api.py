@@ -132,7 +132,8 @@ def test_models_health_and_metrics(client: openai.OpenAI, served: Served) -> Non
     assert metrics["tileinfer_generation_tokens_total"] > 0
     # SmolLM2-135M in float32: 30 layers x (K and V) x 3 KV heads x 64 x 4 bytes
     assert metrics["tileinfer_kv_cache_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
-    assert httpx.get(served.base_url + "/v1/models").json()["data"][0]["quantization"] is None
+    model = httpx.get(served.base_url + "/v1/models").json()["data"][0]
+    assert model["quantization"] is None and model["kv_cache_dtype"] == "auto"
 
 
 def test_the_engine_logs_its_start_in_its_replica_log(served: Served) -> None:
