@@ -66,6 +66,7 @@ class Settings:
     budget_s: float  # past this (since start), remaining heavy parts are skipped
     step_graphs: bool = True  # EngineConfig.step_graphs: prefill steps replayed from CUDA graphs
     quantization: str | None = None  # EngineConfig.quantization (bench/bench_int8.py)
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (bench/bench_int8.py)
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def over_budget(self) -> bool:
@@ -135,6 +136,7 @@ def build_engine(name: str, spec: ModelSpec, weights: dict[str, torch.Tensor], s
         max_num_batched_tokens=max(2048, *settings.prefill_lens),  # a whole prompt in one step
         step_graphs=settings.step_graphs,
         quantization=settings.quantization,
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
 
     # tokenizer=None: no detokenization in the timed steps

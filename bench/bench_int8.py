@@ -1,12 +1,15 @@
-"""INT8 weights beside the weights' own dtype, in one run: decode at batch 1 after 1,023 cached
-positions, and a 512-token prefill, for each model shape; each mode against its own roofline (the copy
-bandwidth over its bytes per token: INT8 layer weights plus the bf16 embedding, LM head and KV).
+"""INT8 weights and the INT8 KV cache beside the model's own dtype, in one run: decode at batch 1 after
+--cached positions (default 1,023; 32,767 for long contexts), and a 512-token prefill, for each model
+shape; each mode against its own roofline (the copy bandwidth over its bytes per token: the layer
+weights in INT8 or not, the bf16 embedding and LM head, and the KV at its own bytes).
 
-    python bench/bench_int8.py [--models qwen3-0.6b,qwen3-4b] [--out DIR]
+    python bench/bench_int8.py [--models qwen3-0.6b,qwen3-4b] [--modes base,int8,int8-kv,int8-both]
+        [--cached 1023] [--out DIR]
     python bench/bench_int8.py --device cpu --tiny   # a smoke run
 
-Both engines take the same random weights (bench/model_shapes.py); the INT8 one quantizes them at
-load. The table comes last.
+Modes: base (the dtype), int8 (INT8 weights), int8-kv (the INT8 KV cache), int8-both. Every engine
+takes the same random weights (bench/model_shapes.py); the INT8 ones quantize them at load. The table
+comes last.
 """
 
 from __future__ import annotations
@@ -38,14 +41,20 @@ from bench.bench_engine import (  # noqa: E402
 from bench.model_shapes import MODELS, random_weights  # noqa: E402
 from engine.engine import DTYPES  # noqa: E402
 
-MODES = (None, "int8")
+# mode -> (EngineConfig.quantization, EngineConfig.kv_cache_dtype)
+MODES = {
+    "base": (None, "auto"),
+    "int8": ("int8", "auto"),
+    "int8-kv": (None, "int8"),
+    "int8-both": ("int8", "int8"),
+}
 PREFILL_LEN = 512
 
 
 def bench_mode(name: str, weights: dict, prompt: list[int], settings: Settings, part: dict[str, Any]) -> None:
     """Build one engine (settings.quantization), time its decode and a prefill into part."""
     spec = MODELS[name]
-    key = settings.quantization or "base"
+    key = {value: name for name, value in MODES.items()}[(settings.quantization, settings.kv_cache_dtype)]
     started = time.perf_counter()
     engine = attempt(part, "build", settings, lambda: build_engine(name, spec, weights, settings))
     if engine is None:
@@ -60,18 +69,24 @@ def bench_mode(name: str, weights: dict, prompt: list[int], settings: Settings, 
         print(f"{name} {key}: prefill {PREFILL_LEN} {part['prefill']['tok_s']:,.0f} tok/s", flush=True)
 
 
-def bench_model(name: str, settings: Settings, bandwidth: float) -> dict[str, Any]:
+def bench_model(name: str, settings: Settings, bandwidth: float, modes: list[str]) -> dict[str, Any]:
     spec = MODELS[name]
     cached = settings.prompt_len - 1
     weights = random_weights(spec, settings.dtype, settings.device)
     prompt = random_prompt(torch.Generator().manual_seed(1234), spec.vocab_size, settings.prompt_len)
     record: dict[str, Any] = {"model": name}
-    for mode in MODES:
-        record[mode or "base"] = part = {
-            "roofline_tok_s": limits.decode_roofline(spec, bandwidth, cached, settings.dtype, mode),
-            "bytes_per_token": limits.decode_bytes_per_token(spec, cached, settings.dtype, mode),
+    for mode in modes:
+        quantization, kv_cache_dtype = MODES[mode]
+        record[mode] = part = {
+            "roofline_tok_s": limits.decode_roofline(
+                spec, bandwidth, cached, settings.dtype, quantization, kv_cache_dtype
+            ),
+            "bytes_per_token": limits.decode_bytes_per_token(
+                spec, cached, settings.dtype, quantization, kv_cache_dtype
+            ),
         }
-        bench_mode(name, weights, prompt, dataclasses.replace(settings, quantization=mode), part)
+        changes = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+        bench_mode(name, weights, prompt, dataclasses.replace(settings, **changes), part)
         free_memory()
     return record
 
@@ -83,20 +98,20 @@ def _tok_s(part: dict[str, Any], key: str) -> float | None:
 def print_table(results: dict[str, Any]) -> None:
     dtype = results["dtype"]
     print(f"\n{results['gpu']}, {dtype}; decode at batch 1 after {results['cached']} cached positions")
-    print("| model | weights | decode tok/s | % of its roofline | × base | prefill 512 tok/s | × base |")
+    print("| model | mode | decode tok/s | % of its roofline | × base | prefill 512 tok/s | × base |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for record in results["models"]:
         base = record.get("base", {})
-        for mode in MODES:
-            key = mode or "base"
-            part = record.get(key, {})
+        for mode in results["modes"]:
+            part = record.get(mode, {})
             decode, prefill = _tok_s(part, "decode"), _tok_s(part, "prefill")
             base_decode, base_prefill = _tok_s(base, "decode"), _tok_s(base, "prefill")
             share = f"{100 * decode / part['roofline_tok_s']:.1f} %" if decode else "—"
             speedup = f"{decode / base_decode:.2f}×" if decode and base_decode else "—"
             prefill_speedup = f"{prefill / base_prefill:.2f}×" if prefill and base_prefill else "—"
+            name = dtype if mode == "base" else mode
             print(
-                f"| {record['model']} | {mode or dtype} | {decode or 0:,.1f} | {share} | {speedup} | "
+                f"| {record['model']} | {name} | {decode or 0:,.1f} | {share} | {speedup} | "
                 f"{prefill or 0:,.0f} | {prefill_speedup} |"
             )
 
@@ -109,14 +124,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-4b")
     parser.add_argument("--tiny", action="store_true", help="the tiny model, short runs (a CPU smoke run)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ",".join(MODES))
+    parser.add_argument("--cached", type=int, default=None, help="positions before decoding (default 1023)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args()
     tiny = args.tiny
+    modes = args.modes.split(",")
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or "base" not in modes:
+        parser.error(f"--modes: base and any of {', '.join(MODES)}; got {args.modes}")
     settings = Settings(
         device=torch.device(args.device),
         dtype=DTYPES[args.dtype],
         tiny=tiny,
-        prompt_len=64 if tiny else 1024,
+        prompt_len=args.cached + 1 if args.cached else 64 if tiny else 1024,
         steps=8 if tiny else 200,
         warmup=2 if tiny else 20,
         prefill_lens=[PREFILL_LEN],
@@ -131,11 +152,12 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype,
         "cached": settings.prompt_len - 1,
+        "modes": modes,
         "limits": machine,
         "models": [],
     }
     for name in ["tiny"] if tiny else args.models.split(","):
-        results["models"].append(bench_model(name, settings, machine["copy_bandwidth_bytes_per_s"]))
+        results["models"].append(bench_model(name, settings, machine["copy_bandwidth_bytes_per_s"], modes))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_int8.json").write_text(json.dumps(results, indent=1, default=str))

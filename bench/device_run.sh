@@ -27,7 +27,8 @@
 #   bash bench/device_run.sh gputests # the engine's GPU tests of decode graphs, run-ahead, batched steps
 #   MODEL=qwen3-4b PEER=64,256 LIMIT=300 bash bench/device_run.sh batch  # bench_batch for one model
 #   bash bench/device_run.sh profilesteps  # (carry .assets) engine-direct serving steps, classed and profiled
-#   bash bench/device_run.sh int8     # INT8 weights: kernel tests compiled, bench_int8, int8_accuracy
+#   bash bench/device_run.sh int8     # INT8 weights and KV: kernel tests compiled, bench_int8, int8_accuracy
+#   MODELS=qwen3-4b CACHED=32767 BATCH_LIMIT=0 bash bench/device_run.sh int8  # INT8 KV at 32k positions
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
 #   PROBES="unpaced throughput" bash bench/device_run.sh serveprobe  # (carry .whl, .assets) serve-load's
@@ -235,8 +236,9 @@ serveprobe)  # (carrying .whl and .assets) serve-load over HTTP with each proces
     ;;
 int8)  # INT8 weights: the kernels' tests compiled; bench_int8 (bf16 beside INT8 in one run); the accuracy
     # on SmolLM2 in bf16 when its GGUF is here (part0, part1 first)
-    sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_int8.py
-    run "${LIMIT:-330}" python3 bench/bench_int8.py --out "$OUT"
+    sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_int8.py tests/test_kv_cache_int8.py
+    run "${LIMIT:-330}" python3 bench/bench_int8.py --out "$OUT" --models "${MODELS:-qwen3-0.6b,qwen3-4b}" \
+        --modes "${MODES:-base,int8,int8-kv,int8-both}" ${CACHED:+--cached "$CACHED"}
     [ "${BATCH_LIMIT:-200}" = 0 ] || for mode in "" "--quantization int8"; do  # 64 sequences, the 4B shape, each against its own roofline
         run "${BATCH_LIMIT:-200}" python3 bench/bench_batch.py --out "$OUT" --models qwen3-4b --batches 64 \
             --peer-batches 64 --budget-s "$(( ${BATCH_LIMIT:-200} - 30 ))" $mode

@@ -86,9 +86,14 @@ def matmul_flops(
 
 
 def decode_bytes_per_token(
-    spec: ModelSpec, cached_positions: int, dtype: torch.dtype, quantization: str | None = None
+    spec: ModelSpec,
+    cached_positions: int,
+    dtype: torch.dtype,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    return weight_bytes(spec, dtype, quantization) + cached_positions * kv_bytes_per_token(spec, dtype)
+    kv = kv_bytes_per_token(spec, dtype, kv_cache_dtype)
+    return weight_bytes(spec, dtype, quantization) + cached_positions * kv
 
 
 def decode_roofline(
@@ -97,9 +102,10 @@ def decode_roofline(
     cached_positions: int = 1023,
     dtype: torch.dtype = torch.bfloat16,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> float:
     """Tokens per second at batch 1 if a step took only the time to read its bytes once."""
-    return bandwidth / decode_bytes_per_token(spec, cached_positions, dtype, quantization)
+    return bandwidth / decode_bytes_per_token(spec, cached_positions, dtype, quantization, kv_cache_dtype)
 
 
 def prefill_flops(spec: ModelSpec, num_tokens: int) -> int:

@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from engine.kv_budget import kv_bytes_per_token  # noqa: F401 - the benchmarks take it from here
 from engine.model import is_layer_linear, weight_shapes
 from engine.spec import ModelSpec
 
@@ -104,10 +105,6 @@ def weight_bytes(
 def prefill_matmul_params(spec: ModelSpec) -> int:
     """Weights each prompt token multiplies: every linear inside the layers (norms are not matmuls)."""
     return sum(_numel(shape) for name, shape in weight_shapes(spec).items() if is_layer_linear(name))
-
-
-def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> int:
-    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype.itemsize
 
 
 def _numel(shape: tuple[int, ...]) -> int:
