@@ -287,6 +287,19 @@ def deal_key_tiles(num_tiles, MIN_TILES: tl.constexpr, NUM_SPLITS: tl.constexpr)
 
 
 @triton.jit
+def int8_kv_tile(
+    k, v, q, k_scale_base, v_scale_base, block_ids, keys, key_mask, stride_scale_block, stride_scale_slot,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """An INT8 cache's key and value tiles in q's dtype (exact: |int8| <= 127), and each key's and value's
+    scale [BLOCK_N], which the caller applies per column (scores * k_scale, p * v_scale)."""
+    scale_offsets = block_ids * stride_scale_block + (keys % BLOCK_SIZE) * stride_scale_slot
+    k_scale = tl.load(k_scale_base + scale_offsets, mask=key_mask, other=0.0)
+    v_scale = tl.load(v_scale_base + scale_offsets, mask=key_mask, other=0.0)
+    return k.to(q.dtype), v.to(q.dtype), k_scale, v_scale
+
+
+@triton.jit
 def store_normalized(out_ptrs, acc, l_sum, mask):
     """out = acc / l_sum in out's dtype, zeros where nothing was summed (an empty sequence, a padded row)."""
     denom = tl.where(l_sum > 0.0, l_sum, 1.0)
@@ -388,12 +401,11 @@ def _paged_decode_kernel(
             # both loads issued before any math: V's addresses do not depend on the scores
             k = tl.load(k_base + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_base + kv_offsets, mask=kv_mask, other=0.0)
-            if KV_INT8:  # exact in bf16 (|int8| <= 127); each key's and value's scale applies per column
-                scale_offsets = block_ids * stride_scale_block + (keys % BLOCK_SIZE) * num_kv_heads
-                k_scale = tl.load(k_scale_base + scale_offsets, mask=key_mask, other=0.0)
-                v_scale = tl.load(v_scale_base + scale_offsets, mask=key_mask, other=0.0)
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
+            if KV_INT8:  # a slot's scales: its KV heads', contiguous
+                k, v, k_scale, v_scale = int8_kv_tile(
+                    k, v, q, k_scale_base, v_scale_base, block_ids, keys, key_mask, stride_scale_block,
+                    num_kv_heads, BLOCK_SIZE,
+                )  # fmt: skip
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)

@@ -37,6 +37,7 @@ from kernels.attention import (
     DecodeWorkspace,
     deal_key_tiles,
     decode_min_keys_per_split,
+    int8_kv_tile,
     store_normalized,
 )
 from kernels.kv_cache import Int8KVCache, KVCache
@@ -156,12 +157,11 @@ def _attend_tiles(
             kv_offsets = slots[:, None] + dims[None, :]
             k = tl.load(k_base + kv_offsets)
             v = tl.load(v_base + kv_offsets)
-        if KV_INT8:  # exact in bf16 (|int8| <= 127); each key's and value's scale applies per column
-            scale_offsets = block_ids * stride_scale_block + (keys % BLOCK_SIZE) * stride_scale_slot
-            k_scale = tl.load(k_scale_base + scale_offsets, mask=key_mask, other=0.0)
-            v_scale = tl.load(v_scale_base + scale_offsets, mask=key_mask, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        if KV_INT8:
+            k, v, k_scale, v_scale = int8_kv_tile(
+                k, v, q, k_scale_base, v_scale_base, block_ids, keys, key_mask, stride_scale_block,
+                stride_scale_slot, BLOCK_SIZE,
+            )  # fmt: skip
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
