@@ -3,7 +3,7 @@
 A fixed English passage (the model's own tokens for it; token ids spread over the vocabulary when there
 is no tokenizer) runs through the model into a float cache of its own, at CALIBRATION_OFFSETS positions
 spread over the context. Each layer's keys, after RoPE, give its offset (their mean) and smoothing (the
-RMS of the rest, per RoPE channel pair): kernels.kv_cache.smoothing_from_keys.
+square root of the rest's RMS, per RoPE channel pair): kernels.kv_cache.smoothing_from_keys.
 
 Why fixed at load, not from each prompt's first chunk: prefix reuse and copy-on-write share blocks
 between sequences, so a block's keys must mean the same whichever sequence wrote them. Why positions

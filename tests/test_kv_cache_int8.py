@@ -68,7 +68,7 @@ def test_smoothing_takes_out_each_channels_mean_and_evens_its_rope_pairs_spread(
     keys[:, 1, 2] += 25.0  # a channel with a large constant part: the offset takes it out
     offset, smoothing = smoothing_from_keys(keys)
     assert torch.equal(smoothing[:, :4], smoothing[:, 4:])
-    assert smoothing[0, 1] > 10 * smoothing[0, 0] and smoothing[0, 5] == smoothing[0, 1]
+    assert smoothing[0, 1] > 4 * smoothing[0, 0] and smoothing[0, 5] == smoothing[0, 1]  # sqrt(40)
     torch.testing.assert_close(offset, keys.mean(dim=0))
     assert smoothing[1, 2] < 2  # the spread around the mean, not the constant part
 
