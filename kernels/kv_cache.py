@@ -12,6 +12,7 @@ large constant part or a large spread (as trained models' keys do) no longer set
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import torch
 
@@ -35,7 +36,7 @@ class Int8KVCache:
     def __len__(self) -> int:
         return self.values.shape[0]
 
-    def __iter__(self):  # noqa: ANN204 - the layers, as a float cache tensor iterates
+    def __iter__(self) -> Iterator[Int8KVCache]:  # the layers, as a float cache tensor iterates
         return (self[layer] for layer in range(len(self)))
 
     @property
