@@ -132,6 +132,21 @@ def group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP: tl.constexpr):
 
 
 @triton.jit
+def widen(w, dtype: tl.constexpr):
+    """A weight tile in dtype (fp32, or the activations' bf16/fp16). INT8 goes to fp32 without the
+    int-to-float instruction, which the CUDA guide lists at 16 a clock per SM on compute capability 9.0
+    (against 128 float adds): the fp32 with 2^23's exponent whose low mantissa bits hold w + 128 is
+    2^23 + 128 + w exactly, so an integer add and a float add convert it; a bf16 is then the fp32's upper
+    half (exact for integers of 8 bits). Float weights convert as usual."""
+    if w.dtype == tl.int8:
+        f = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        if dtype == tl.bfloat16:
+            return (f.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return f.to(dtype)
+    return w.to(dtype)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [1, K], K contiguous
     w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous; float or int8
@@ -166,12 +181,12 @@ def _gemv_kernel(
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
         xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+        w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
         if SCALE_GROUP > 0:
             w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
         acc += w * xk
         if GATE_UP:
-            w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+            w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
             if SCALE_GROUP > 0:
                 w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
             acc_up += w_up * xk
@@ -354,12 +369,14 @@ def _skinny_kernel(
         # The weight-dtype hook: weights of another dtype than x (int8) are converted in registers here
         # (straight to fp32 in the interpreter, whose bf16 conversions are wrong; exact either way).
         if SCALE_GROUP > 0:
-            w = w.to(tl.float32) * group_scales(scale_ptr, w_rows, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
+            w = widen(w, tl.float32) * group_scales(
+                scale_ptr, w_rows, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP
+            )
         if UPCAST:
             x = x.to(tl.float32)
-            w = w.to(tl.float32)
+            w = widen(w, tl.float32)
         else:
-            w = w.to(act_dtype)
+            w = widen(w, act_dtype)
         x_t = tl.trans(x)  # [BLOCK_K, BLOCK_M]
         acc = tl.dot(w, x_t, acc, input_precision=DOT_PRECISION)
         if GATE_UP:
@@ -368,13 +385,13 @@ def _skinny_kernel(
             else:
                 w_up = tl.load(w_up_ptrs, mask=k_mask[None, :], other=0.0)
             if SCALE_GROUP > 0:
-                w_up = w_up.to(tl.float32) * group_scales(
+                w_up = widen(w_up, tl.float32) * group_scales(
                     scale_ptr, w_rows + N, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP
                 )
             if UPCAST:  # noqa: SIM108 (a constexpr branch)
-                w_up = w_up.to(tl.float32)
+                w_up = widen(w_up, tl.float32)
             else:
-                w_up = w_up.to(act_dtype)
+                w_up = widen(w_up, act_dtype)
             acc_up = tl.dot(w_up, x_t, acc_up, input_precision=DOT_PRECISION)
             w_up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -581,14 +598,14 @@ def _gemm_kernel(
             b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         # int8 weights: converted in registers (exact up to 127; straight to fp32 in the interpreter)
         if SCALE_GROUP > 0:  # b is [BLOCK_K, BLOCK_N]: the scales' tile transposed
-            b = b.to(tl.float32) * tl.trans(
+            b = widen(b, tl.float32) * tl.trans(
                 group_scales(scale_ptr, w_rows, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
             )
         if UPCAST:
             a = a.to(tl.float32)
-            b = b.to(tl.float32)
+            b = widen(b, tl.float32)
         else:
-            b = b.to(x_ptr.dtype.element_ty)
+            b = widen(b, x_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if GATE_UP:
             if EVEN_K:
@@ -596,13 +613,13 @@ def _gemm_kernel(
             else:
                 b_up = tl.load(w_up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             if SCALE_GROUP > 0:
-                b_up = b_up.to(tl.float32) * tl.trans(
+                b_up = widen(b_up, tl.float32) * tl.trans(
                     group_scales(scale_ptr, w_rows + N, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
                 )
             if UPCAST:  # noqa: SIM108 (a constexpr branch)
-                b_up = b_up.to(tl.float32)
+                b_up = widen(b_up, tl.float32)
             else:
-                b_up = b_up.to(x_ptr.dtype.element_ty)
+                b_up = widen(b_up, x_ptr.dtype.element_ty)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
             w_up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K

@@ -48,6 +48,7 @@ from kernels.linear import (
     linear_reference,
     linear_triton,
     weights_kind,
+    widen,
 )
 from kernels.rmsnorm import add_rms_norm_into_triton, rms_norm_reference, rms_norm_triton
 
@@ -161,12 +162,12 @@ def _weight_tile(
 ):
     """The [BLOCK_N, BLOCK_K] gate (or only) and up weight tiles in fp32, group scales applied
     (SCALE_GROUP > 0); without GATE_UP, up is gate."""
-    w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+    w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
     if SCALE_GROUP > 0:
         w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
     w_up = w
     if GATE_UP:
-        w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+        w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
         if SCALE_GROUP > 0:
             w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
     return w, w_up

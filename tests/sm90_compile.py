@@ -114,11 +114,15 @@ def variant_key(launch: Launch) -> tuple:
     return (launch.kernel.fn.__name__, tuple(constexprs), tuple(types), tuple(sorted(launch.options.items())))
 
 
-def run_decoder(spec: object, prompt_len: int, kv_cache_dtype: str = "auto") -> None:
+def run_decoder(
+    spec: object, prompt_len: int, kv_cache_dtype: str = "auto", quantization: str | None = None
+) -> None:
     """A prefill, a decode step and a verify-shaped step (5 logit rows) of a 2-layer bf16 decoder."""
     spec = dataclasses.replace(spec, num_layers=2)
     weights = random_weights(spec, torch.bfloat16, "cpu")
-    decoder = Decoder.from_weights(spec, weights, max_positions=1024, ops=TRITON_OPS)
+    decoder = Decoder.from_weights(
+        spec, weights, max_positions=1024, ops=TRITON_OPS, quantization=quantization
+    )
     runner = ModelRunner(
         decoder,
         64,
@@ -149,6 +153,7 @@ def run_engine_kernels() -> None:
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="qwen2", qkv_bias=True), 40)
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="mistral", sliding_window=24), 40)
     run_decoder(QWEN3_0_6B, 100, kv_cache_dtype="int8")  # the INT8 KV cache's write and attention
+    run_decoder(QWEN3_0_6B, 100, quantization="int8")  # INT8 weights in every linear kernel
     # split decode attention, as a CUDA graph sized for a 32k block table runs it
     query = torch.empty(2, 32, 128, dtype=torch.bfloat16)
     cache = torch.empty(2, 2056, 16, 8, 128, dtype=torch.bfloat16)

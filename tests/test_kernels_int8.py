@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from kernels import linear
 from kernels.int8 import Int8Weight, dequantize, quantize_int8, split, stack_rows
@@ -158,3 +160,21 @@ def test_int8_norm_linear_matches_reference(
         hidden, residual, norm_weight, 1e-6, dequantize(weight, dtype), gate_up=gate_up
     )
     torch.testing.assert_close(expected, dense)
+
+
+@triton.jit
+def _widen_kernel(src, out_fp32, out_bf16, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    w = tl.load(src + offs)
+    tl.store(out_fp32 + offs, linear.widen(w, tl.float32))
+    tl.store(out_bf16 + offs, linear.widen(w, tl.bfloat16))
+
+
+def test_int8_widens_exactly_to_fp32_and_bf16() -> None:
+    """The kernels' int8 conversion (an integer add into 2^23's exponent, a float add, and for bf16 the
+    fp32's upper half), for every int8 value."""
+    values = torch.arange(-128, 128, dtype=torch.int8, device=DEVICE)
+    out_fp32 = torch.empty(256, device=DEVICE)
+    out_bf16 = torch.empty(256, dtype=torch.bfloat16, device=DEVICE)
+    _widen_kernel[(1,)](values, out_fp32, out_bf16, N=256)
+    assert torch.equal(out_fp32, values.float()) and torch.equal(out_bf16.float(), values.float())
