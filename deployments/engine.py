@@ -140,7 +140,7 @@ class EngineDeployment:
             vocab_size=self.engine.spec.vocab_size,
             device=device,
             dtype=dtype,
-            quantization=args.quantization,
+            quantization=self.engine.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
         )
 

@@ -28,6 +28,7 @@ from engine.sampling import SamplingParams, TokenLogprob, make_generator
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import Speculator
+from kernels.int8 import Int8Weight
 from kernels.kv_cache import KV_CACHE_DTYPES
 from kernels.sampling import _chunking as sampling_chunking  # warm_up: the sampler's variants
 
@@ -139,6 +140,9 @@ class Engine:
             raise InvalidRequestError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {config.kv_cache_dtype!r}"
             )
+        # what the layer linears run in: as asked, or INT8 where the file held it (a GGUF's Q8_0)
+        held_int8 = any(isinstance(weight, Int8Weight) for weight in model.weights.values())
+        self.quantization = config.quantization or ("int8" if held_int8 else None)
         self.logit_vocab_size = model.logit_vocab_size  # the ids the engine can emit (Decoder)
         tokenizer_eos = model.tokenizer.eos_token_ids if model.tokenizer is not None else ()
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)

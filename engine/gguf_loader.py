@@ -312,17 +312,32 @@ def _whole_groups(weights: dict[str, LinearWeight], spec: ModelSpec) -> bool:
     return requantized
 
 
+def _dequantize_mixed_groups(weights: dict[str, LinearWeight], spec: ModelSpec, dtype: torch.dtype) -> None:
+    """A fused group that mixes Q8_0 (INT8) with other types, dequantized whole into dtype, in place: the
+    fused weight is one tensor, all INT8 or all float."""
+    for index in range(spec.num_layers):
+        for group in FUSED_LINEARS:
+            names = [name for suffix in group if (name := f"model.layers.{index}.{suffix}") in weights]
+            if len({isinstance(weights[name], Int8Weight) for name in names}) > 1:
+                for name in names:
+                    if isinstance(weights[name], Int8Weight):
+                        weights[name] = dequantize(weights[name], dtype)
+
+
 def load_gguf_weights(
     reader: gguf.GGUFReader,
     spec: ModelSpec,
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     int8: bool = False,
+    keep_q8_0: bool = True,
 ) -> dict[str, LinearWeight]:
-    """All weights under their canonical HF names, dequantized one tensor at a time into `dtype`. int8:
-    the layers' linear weights as INT8 (kernels/int8.py): Q8_0 ones as they are, with group-32 scales,
-    never dequantized; others quantized one tensor at a time with a scale per row (for a quantized type
-    a warning says so: those weights are rounded twice)."""
+    """All weights under their canonical HF names, one tensor at a time. Q8_0 layer linears load as INT8
+    as they are (kernels/int8.py: int8 values, group-32 scales), never dequantized (keep_q8_0 False:
+    dequantized like the rest); a q/k/v or gate/up group that mixes them with other types is dequantized
+    whole. The other tensors are dequantized into `dtype`. int8: every layer linear INT8, the others
+    quantized one tensor at a time with a scale per row (for a quantized type a warning says so: those
+    weights are rounded twice), and so is a group that mixes Q8_0 with other types."""
     wanted = weight_shapes(spec)
     weights: dict[str, LinearWeight] = {}
     requantized: set[str] = set()
@@ -344,7 +359,7 @@ def load_gguf_weights(
             heads = spec.num_heads
         elif spec.family in ("llama", "mistral") and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             heads = spec.num_kv_heads
-        if int8 and is_layer_linear(name) and tensor.tensor_type == _QUANT.Q8_0:
+        if (int8 or keep_q8_0) and is_layer_linear(name) and tensor.tensor_type == _QUANT.Q8_0:
             values, scale = _q8_0_blocks(tensor, shape)
             if heads is not None:  # the scales' rows move with their values' rows
                 values, scale = _unpermute_rows(values, heads), _unpermute_rows(scale, heads)
@@ -368,6 +383,8 @@ def load_gguf_weights(
         raise ModelLoadError(f"GGUF file lacks weights the {spec.family} model needs: {shown}")
     if int8 and _whole_groups(weights, spec):
         requantized.add("Q8_0 (fused with other types)")
+    if not int8:
+        _dequantize_mixed_groups(weights, spec, dtype)
     if requantized:
         logger.warning(
             "INT8 weights from a GGUF file: its %s layer weights are dequantized, then quantized to INT8 "

@@ -57,7 +57,7 @@ def load_model(
     quantization: str | None = None,
 ) -> LoadedModel:
     """quantization "int8": the layers' linear weights load as INT8 (kernels/int8.py), one tensor at a
-    time; a GGUF's Q8_0 ones as they are (engine.gguf_loader)."""
+    time. A GGUF's Q8_0 layer weights load as INT8 as they are either way (engine.gguf_loader)."""
     source = resolve_model_source(model)
     if source.is_dir():
         spec, weights = load_safetensors_folder(source, dtype, device, int8=quantization == "int8")

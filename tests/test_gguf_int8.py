@@ -1,7 +1,8 @@
-"""GGUF Q8_0 served as INT8: with int8 asked for, a Q8_0 file's layer weights load as their blocks are
-(int8 values, group-32 scales, q/k rows un-permuted with their scales), never dequantized; the decoder
-keeps them INT8 and computes what the dequantized file computes. Other quantized types are dequantized
-and re-quantized, with a warning about the double rounding."""
+"""GGUF Q8_0 served as INT8: a Q8_0 file's layer weights load as their blocks are (int8 values, group-32
+scales, q/k rows un-permuted with their scales), never dequantized, whether or not int8 is asked for;
+the decoder keeps them INT8 and computes what the dequantized file computes. With int8 asked for, other
+quantized types are dequantized and re-quantized, with a warning about the double rounding; without it,
+they and any fused group they share with Q8_0 are dequantized."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_q8_0_loads_as_int8_and_computes_what_the_dequantized_file_does(tmp_path
     tiny = Tiny()  # llama: q and k rows permuted in the file
     reader = read_gguf(_write(tmp_path / "q8.gguf", tiny, {}))
     spec = spec_from_gguf(reader)
-    dense = load_gguf_weights(reader, spec, torch.float32)
+    dense = load_gguf_weights(reader, spec, torch.float32, keep_q8_0=False)
     int8 = load_gguf_weights(reader, spec, torch.float32, int8=True)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
                  "model.layers.1.mlp.down_proj.weight"):  # fmt: skip
@@ -117,3 +118,29 @@ def test_safetensors_load_as_int8_one_tensor_at_a_time(tmp_path: Path) -> None:
         if isinstance(weight, Int8Weight):
             assert torch.equal(weight.values, quantize_int8(dense[name]).values), name
     assert np.isfinite(_last_logits(spec, weights).numpy()).all()
+
+
+def test_q8_0_serves_as_int8_unasked_and_mixed_groups_dequantize(tmp_path: Path) -> None:
+    """Without int8: the Q8_0 layer weights are the same INT8 blocks; q/k/v, where k is Q4_1, and the
+    Q4_1 down_proj are dequantized (no second rounding); the engine reports INT8."""
+    from engine.engine import Engine, EngineConfig
+    from engine.loader import load_model
+
+    tiny = Tiny(architecture="qwen2", num_kv_heads=1)
+    path = _write(
+        tmp_path / "mixed.gguf", tiny, {"attn_k.weight": QuantType.Q4_1, "ffn_down.weight": QuantType.Q4_1}
+    )
+    reader = read_gguf(path)
+    spec = spec_from_gguf(reader)
+    unasked = load_gguf_weights(reader, spec, torch.float32)
+    asked = load_gguf_weights(reader, spec, torch.float32, int8=True)
+    dense = load_gguf_weights(reader, spec, torch.float32, keep_q8_0=False)
+    for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"):  # Q8_0, in groups of Q8_0 only
+        weight, same = unasked[f"model.layers.0.{name}.weight"], asked[f"model.layers.0.{name}.weight"]
+        assert isinstance(weight, Int8Weight) and torch.equal(weight.values, same.values), name
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+        full = f"model.layers.0.{name}.weight"
+        assert isinstance(unasked[full], torch.Tensor) and torch.equal(unasked[full], dense[full]), name
+    torch.testing.assert_close(_last_logits(spec, unasked), _last_logits(spec, dense), rtol=1e-4, atol=1e-4)
+    engine = Engine(load_model(str(path)), EngineConfig(max_model_len=64, max_num_seqs=1))
+    assert engine.quantization == "int8"

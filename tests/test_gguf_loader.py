@@ -225,9 +225,10 @@ def float_tensors(tensors: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray,
 
 
 def load(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """Every tensor dequantized (Q8_0 layer linears too: tests/test_gguf_int8.py covers them kept INT8)."""
     reader = read_gguf(path)
     spec = spec_from_gguf(reader)
-    return spec, load_gguf_weights(reader, spec, dtype)
+    return spec, load_gguf_weights(reader, spec, dtype, keep_q8_0=False)
 
 
 # ---- every quant type against an independent reference ---------------------------------------------------
