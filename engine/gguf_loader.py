@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -298,30 +299,32 @@ def _q8_0_blocks(tensor: Any, shape: tuple[int, int]) -> tuple[torch.Tensor, tor
     return torch.from_numpy(values), torch.from_numpy(scale)
 
 
+def _mixed_groups(weights: dict[str, LinearWeight], spec: ModelSpec, kind: Callable) -> Iterator[list[str]]:
+    """The names of each fused group (FUSED_LINEARS) whose members differ in kind(weight): fuse() joins
+    them into one weight, which must be all of one kind."""
+    for index in range(spec.num_layers):
+        for group in FUSED_LINEARS:
+            names = [name for suffix in group if (name := f"model.layers.{index}.{suffix}") in weights]
+            if len({kind(weights[name]) for name in names}) > 1:
+                yield names
+
+
 def _whole_groups(weights: dict[str, LinearWeight], spec: ModelSpec) -> bool:
     """A fused group whose members hold different scales (Q8_0's groups of 32 beside per-row ones): all
     of it re-quantized with a scale per row from its float32 values, in place. Whether any group was."""
     requantized = False
-    for index in range(spec.num_layers):
-        for group in FUSED_LINEARS:
-            names = [name for suffix in group if (name := f"model.layers.{index}.{suffix}") in weights]
-            if len({weights[name].scale.dim() for name in names}) > 1:
-                for name in names:
-                    weights[name] = quantize_int8(dequantize(weights[name], torch.float32))
-                requantized = True
+    for names in _mixed_groups(weights, spec, lambda weight: weight.scale.dim()):
+        for name in names:
+            weights[name] = quantize_int8(dequantize(weights[name], torch.float32))
+        requantized = True
     return requantized
 
 
 def _dequantize_mixed_groups(weights: dict[str, LinearWeight], spec: ModelSpec, dtype: torch.dtype) -> None:
-    """A fused group that mixes Q8_0 (INT8) with other types, dequantized whole into dtype, in place: the
-    fused weight is one tensor, all INT8 or all float."""
-    for index in range(spec.num_layers):
-        for group in FUSED_LINEARS:
-            names = [name for suffix in group if (name := f"model.layers.{index}.{suffix}") in weights]
-            if len({isinstance(weights[name], Int8Weight) for name in names}) > 1:
-                for name in names:
-                    if isinstance(weights[name], Int8Weight):
-                        weights[name] = dequantize(weights[name], dtype)
+    """A fused group that mixes Q8_0 (INT8) with other types, dequantized whole into dtype, in place."""
+    for names in _mixed_groups(weights, spec, lambda weight: isinstance(weight, Int8Weight)):
+        for name in names:
+            weights[name] = dequantize(weights[name], dtype)
 
 
 def load_gguf_weights(
