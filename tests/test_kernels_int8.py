@@ -23,14 +23,9 @@ from kernels.linear import (
     linear_triton,
 )
 from kernels.norm_linear import add_rms_norm_linear_reference, add_rms_norm_linear_triton
+from tests.test_kernels_linear import tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _tolerance(dtype: torch.dtype) -> dict[str, float]:
-    if dtype == torch.bfloat16:
-        return {"rtol": 1.6e-2, "atol": 1.6e-2}
-    return {"rtol": 2e-3, "atol": 2e-3} if DEVICE == "cuda" else {"rtol": 1e-5, "atol": 1e-5}
 
 
 def _inputs(
@@ -106,10 +101,10 @@ def test_int8_linear_matches_dequantized_product(
     else:
         result, reference = linear_triton(x, weight, bias), linear_reference(x, weight, bias)
     assert result.shape == (m, n) and result.dtype == dtype
-    torch.testing.assert_close(result.double(), expected, **_tolerance(dtype))
+    torch.testing.assert_close(result.double(), expected, **tolerance(dtype))
     # the reference multiplies by the weight dequantized to x's dtype (rounded once)
     expected_reference = _expected(x, weight, bias, gate_up, dense=dequantize(weight, dtype))
-    torch.testing.assert_close(reference.double(), expected_reference, **_tolerance(dtype))
+    torch.testing.assert_close(reference.double(), expected_reference, **tolerance(dtype))
 
 
 # several programs and K steps with a ragged last one; K split 3 ways (the partials carry unscaled sums)
@@ -133,7 +128,7 @@ def test_int8_forced_tiles(case: tuple, gate_up: bool, group_size: int | None) -
     launch = {"gemv": linear._launch_gemv, "skinny": linear._launch_skinny, "gemm": linear._launch_gemm}[kind]
     values, scale, scale_group = split(weight)
     launch(x, values, None, out, gate_up, config, scale=scale, scale_group=scale_group)
-    torch.testing.assert_close(out.double(), _expected(x, weight, None, gate_up), **_tolerance(dtype))
+    torch.testing.assert_close(out.double(), _expected(x, weight, None, gate_up), **tolerance(dtype))
 
 
 @pytest.mark.parametrize("group_size", [None, 16], ids=["per-row", "group16"])
@@ -153,7 +148,7 @@ def test_int8_norm_linear_matches_reference(
     expected, expected_summed = add_rms_norm_linear_reference(
         hidden, residual, norm_weight, 1e-6, weight, gate_up=gate_up
     )
-    torch.testing.assert_close(out.double(), expected.double(), **_tolerance(dtype))
+    torch.testing.assert_close(out.double(), expected.double(), **tolerance(dtype))
     torch.testing.assert_close(summed, expected_summed)
     # and the reference is the dense layer's: the scales went where they belong
     dense, _ = add_rms_norm_linear_reference(

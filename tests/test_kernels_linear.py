@@ -38,7 +38,7 @@ SHAPES = [
 ]
 
 
-def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
     if dtype == torch.bfloat16:
         return {"rtol": 1.6e-2, "atol": 1.6e-2}
     # fp32: exact-ish in the interpreter; on the GPU the GEMM's fp32 tl.dot runs in TF32.
@@ -97,10 +97,10 @@ def test_linear_matches_reference(shape: tuple[int, int, int], dtype: torch.dtyp
         result = linear_triton(x, weight, bias)
     assert result.shape == (m, n) and result.dtype == dtype
     assert torch.isfinite(result).all(), "an output element was not written"
-    torch.testing.assert_close(result.double(), expected, **_tolerance(dtype))
+    torch.testing.assert_close(result.double(), expected, **tolerance(dtype))
     # The reference itself agrees (it is what the CPU engine runs).
     reference = linear_reference(x, weight, bias)
-    torch.testing.assert_close(reference.double(), expected, **_tolerance(dtype))
+    torch.testing.assert_close(reference.double(), expected, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -121,9 +121,9 @@ def test_gate_up_silu_matches_reference(shape: tuple[int, int, int], dtype: torc
         result = gate_up_silu_triton(x, weight)
     assert result.shape == (m, intermediate) and result.dtype == dtype
     assert torch.isfinite(result).all(), "an output element was not written"
-    torch.testing.assert_close(result.double(), expected, **_tolerance(dtype))
+    torch.testing.assert_close(result.double(), expected, **tolerance(dtype))
     reference = gate_up_silu_reference(x, weight)
-    torch.testing.assert_close(reference.double(), expected, **_tolerance(dtype))
+    torch.testing.assert_close(reference.double(), expected, **tolerance(dtype))
 
 
 # Tile shapes the heuristic would not pick for these small sizes: several programs, several K steps
@@ -154,7 +154,7 @@ def test_forced_tiles(case: tuple, gate_up: bool) -> None:
         assert not linear._skinny_workspace(x.device)[1].any()
     expected = _gate_up64(x, weight) if gate_up else _linear64(x, weight, bias)
     assert buffer[:, n:].isnan().all() and torch.isfinite(out).all()
-    torch.testing.assert_close(out.double(), expected, **_tolerance(dtype))
+    torch.testing.assert_close(out.double(), expected, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
@@ -166,7 +166,7 @@ def test_skinny_widens_into_float32_out(split_k: int) -> None:
     config = SkinnyConfig(block_n=16, block_k=16, split_k=split_k, num_warps=4, num_stages=2)
     linear._launch_skinny(x, weight, None, out, False, config)
     expected = _linear64(x, weight, None)
-    torch.testing.assert_close(out.double(), expected, **_tolerance(torch.bfloat16))
+    torch.testing.assert_close(out.double(), expected, **tolerance(torch.bfloat16))
     assert torch.equal(out, out.bfloat16().float()), "not rounded to bf16 before widening"
 
 

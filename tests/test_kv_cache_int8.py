@@ -32,6 +32,7 @@ from kernels.kv_cache import (
 )
 from kernels.prefill_attention import paged_prefill_attention_triton
 from kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
+from tests.test_speculative_engine import run_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 16
@@ -210,16 +211,25 @@ def test_copying_a_block_copies_its_scales() -> None:
     assert kv_cache_bytes(layers) == 2 * 4 * 16 * 2 * (64 + 4) + 2 * (2 * 64 * 4)
 
 
-def test_an_engine_on_an_int8_cache_reuses_prefixes_and_copies_on_write() -> None:
-    """Two requests that share a prompt's full blocks: the second reuses them (prefix cache) and, where
-    the shared block is partial, copies it. Its tokens are those it decodes alone on a fresh engine."""
+@pytest.fixture(scope="module")
+def model() -> LoadedModel:
+    """A 2-layer SmolLM2-shaped model of random weights, no tokenizer."""
     spec = dataclasses.replace(SMOLLM2_135M, num_layers=2)
     weights = random_weights(spec, torch.float32, "cpu")
-    model = LoadedModel(name="random", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+    return LoadedModel(name="random", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
+
+
+def _int8_engine(model: LoadedModel, **changes: object) -> Engine:
     config = EngineConfig(kv_cache_dtype="int8", max_model_len=256, kv_cache_tokens=1024, max_num_seqs=4)
+    return Engine(model, dataclasses.replace(config, **changes))
+
+
+def test_an_engine_on_an_int8_cache_reuses_prefixes_and_copies_on_write(model: LoadedModel) -> None:
+    """Two requests that share a prompt's full blocks: the second reuses them (prefix cache) and, where
+    the shared block is partial, copies it. Its tokens are those it decodes alone on a fresh engine."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompt = [(position * 37 + 11) % 1000 for position in range(40)]  # 2 full blocks and 8 tokens
-    engine = Engine(model, config)
+    engine = _int8_engine(model)
     assert isinstance(engine.runner.kv_cache, Int8KVCache)
 
     def run(prompt: list[int]) -> tuple[list[int], int]:
@@ -236,40 +246,23 @@ def test_an_engine_on_an_int8_cache_reuses_prefixes_and_copies_on_write() -> Non
     first, first_cached = run(prompt)
     second, second_cached = run(prompt)
     assert first_cached == 0 and second_cached >= 32  # the two full blocks, reused
-    alone = Engine(model, config).generate(prompt, params)[0]
+    alone = _int8_engine(model).generate(prompt, params)[0]
     assert first == alone and second == alone
 
 
-def _int8_engine(**changes: object) -> Engine:
-    spec = dataclasses.replace(SMOLLM2_135M, num_layers=2)
-    weights = random_weights(spec, torch.float32, "cpu")
-    model = LoadedModel(name="random", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
-    config = EngineConfig(kv_cache_dtype="int8", max_model_len=256, kv_cache_tokens=1024, max_num_seqs=4)
-    return Engine(model, dataclasses.replace(config, **changes))
-
-
-def _run_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    ids = [engine.add_request(prompt, params) for prompt in prompts]
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
-    while engine.has_unfinished():
-        for output in engine.step():
-            tokens[output.request_id] += output.new_token_ids
-    return [tokens[request_id] for request_id in ids]
-
-
-def test_preempted_requests_on_an_int8_cache_lose_nothing() -> None:
+def test_preempted_requests_on_an_int8_cache_lose_nothing(model: LoadedModel) -> None:
     """A cache too small for two requests at once preempts (their blocks are freed and recomputed): the
     tokens are those a roomy INT8 cache gives."""
     prompts = [[(seed * 101 + position * 7) % 900 + 5 for position in range(6)] for seed in range(2)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)  # 5 blocks each when done
-    small = _int8_engine(block_size=4, kv_cache_tokens=24)  # 6 blocks: both start, then one is preempted
-    assert _run_all(small, prompts, params) == _run_all(_int8_engine(), prompts, params)
+    small = _int8_engine(model, block_size=4, kv_cache_tokens=24)  # 6 blocks: both start, one is preempted
+    assert run_batch(small, prompts, params) == run_batch(_int8_engine(model), prompts, params)
     assert small.scheduler.num_preemptions > 0
 
 
-def test_speculative_verification_on_an_int8_cache_gives_plain_decoding() -> None:
+def test_speculative_verification_on_an_int8_cache_gives_plain_decoding(model: LoadedModel) -> None:
     prompt = [11, 12, 13, 14, 15, 16] * 6  # repeats: the n-gram proposer drafts
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    speculative = _int8_engine(proposer="ngram", num_draft=3)
-    assert speculative.generate(prompt, params)[0] == _int8_engine().generate(prompt, params)[0]
+    speculative = _int8_engine(model, proposer="ngram", num_draft=3)
+    assert speculative.generate(prompt, params)[0] == _int8_engine(model).generate(prompt, params)[0]
     assert speculative.speculator is not None and speculative.speculator.stats.drafts_accepted > 0

@@ -43,7 +43,7 @@ def plain(model: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
     return [engine.generate(prompt, GREEDY)[0] for prompt in prompts]
 
 
-def _batch(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     ids = [engine.add_request(prompt, params) for prompt in prompts]
     tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
     while engine.has_unfinished():
@@ -66,7 +66,7 @@ def test_greedy_speculation_equals_plain_decoding(
     engine = Engine(model, EngineConfig(num_draft=4, adapt_num_draft=False, **settings))
     assert engine.speculator is not None and not engine.run_ahead
     assert [engine.generate(prompt, GREEDY)[0] for prompt in prompts] == plain
-    assert _batch(engine, prompts, GREEDY) == plain  # both in one batch
+    assert run_batch(engine, prompts, GREEDY) == plain  # both in one batch
     stats = engine.speculator.stats
     assert stats.drafts_accepted > 0 and stats.drafts_proposed >= stats.drafts_accepted
     assert stats.proposer_failures == 0
@@ -156,9 +156,9 @@ def test_a_fixed_draft_count_drafts_every_step(
     num_draft drafts at every step anyway (the placement benchmark's setting)."""
     settings = {"proposer": "draft", "draft_layers": model.spec.num_layers, "num_draft": 4}
     adaptive = Engine(model, EngineConfig(**settings))
-    assert _batch(adaptive, prompts[1:], GREEDY) == plain[1:]
+    assert run_batch(adaptive, prompts[1:], GREEDY) == plain[1:]
     fixed = Engine(model, EngineConfig(**settings, adapt_num_draft=False))
-    assert _batch(fixed, prompts[1:], GREEDY) == plain[1:]
+    assert run_batch(fixed, prompts[1:], GREEDY) == plain[1:]
     adaptive_stats, fixed_stats = adaptive.speculator.stats, fixed.speculator.stats
     assert adaptive_stats.drafts_proposed <= 4
     # 40 tokens: every step but the last few (cut by max_tokens) carries 4 drafts, and all are accepted
