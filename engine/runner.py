@@ -125,7 +125,6 @@ class ModelRunner:
         self.block_size = block_size
         self.device = decoder.model.embed_tokens.weight.device
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.dtype = dtype
         # [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache: KVCache
         if kv_cache_dtype == "int8":

@@ -196,17 +196,20 @@ def _qkv_epilogue_kernel(
 
 
 @triton.jit
+def _round_to_int8(x):
+    """x rounded half away from zero, within [-127, 127], as int8."""
+    rounded = tl.where(x >= 0, tl.floor(x + 0.5), -tl.floor(-x + 0.5))
+    return tl.minimum(tl.maximum(rounded, -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
 def _store_int8_rows(dst1, dst2, scale_dst, x1, x2, mask):
     """Each head row [x1, x2] (fp32 halves [HEADS, BLOCK_HALF]) as int8 with its scale (scale_dst
     [HEADS, 1]): symmetric, rounded half away from zero (kv_cache.quantize_kv_reference)."""
     amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))[:, None]  # [HEADS, 1]
     scale = tl.where(amax > 0.0, amax / 127.0, 1.0)
-    q1 = x1 / scale
-    q2 = x2 / scale
-    q1 = tl.minimum(tl.maximum(tl.where(q1 >= 0, tl.floor(q1 + 0.5), -tl.floor(-q1 + 0.5)), -127.0), 127.0)
-    q2 = tl.minimum(tl.maximum(tl.where(q2 >= 0, tl.floor(q2 + 0.5), -tl.floor(-q2 + 0.5)), -127.0), 127.0)
-    tl.store(dst1, q1.to(tl.int8), mask=mask)
-    tl.store(dst2, q2.to(tl.int8), mask=mask)
+    tl.store(dst1, _round_to_int8(x1 / scale), mask=mask)
+    tl.store(dst2, _round_to_int8(x2 / scale), mask=mask)
     head_mask = tl.max(mask.to(tl.int32), axis=1)[:, None] > 0
     tl.store(scale_dst, scale, mask=head_mask)
 
