@@ -29,6 +29,7 @@
 #   bash bench/device_run.sh profilesteps  # (carry .assets) engine-direct serving steps, classed and profiled
 #   bash bench/device_run.sh int8     # INT8 weights and KV: kernel tests compiled, bench_int8, int8_accuracy
 #   MODELS=qwen3-4b CACHED=32767 BATCH_LIMIT=0 bash bench/device_run.sh int8  # INT8 KV at 32k positions
+#   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
 #   PROBES="unpaced throughput" bash bench/device_run.sh serveprobe  # (carry .whl, .assets) serve-load's
@@ -246,6 +247,13 @@ int8)  # INT8 weights: the kernels' tests compiled; bench_int8 (bf16 beside INT8
     if [ -e "/tmp/tc/models/$GGUF" ]; then
         run 150 python3 bench/int8_accuracy.py --device cuda --dtype bfloat16 --out "$OUT/int8_accuracy.json"
     fi
+    ;;
+int8ab)  # (carrying an earlier tree in .prev) the INT8 linears at M = 1 and 16, that tree against this one
+    for tree in .prev .; do
+        mkdir -p "$OUT/linear$tree"
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD run "${LIMIT:-120}" python3 bench/bench_linear.py "$OUT/linear$tree" \
+            --int8 --m "${M:-1,16}" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --replays 30)
+    done
     ;;
 batch1ab)  # batch-1 decode of the code before issue #15 (git archive f8d5fa9 into .old) against this one
     run "${LIMIT:-300}" python3 bench/batch1_ab.py .old . --rounds "${ROUNDS:-2}" --out "$OUT"

@@ -131,14 +131,61 @@ def group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP: tl.constexpr):
     return tl.load(scale_ptr + rows[:, None] * num_groups + groups[None, :])
 
 
+# Four int8 weights (one 32-bit register) to four fp32 without the int-to-float instruction, which the
+# CUDA guide lists at 16 a clock per SM on compute capability 9.0 (against 64 for PRMT, 128 for a float
+# add): XOR turns each signed byte w into w + 128 unsigned, PRMT sets it as the low mantissa byte of 2^23,
+# and subtracting 2^23 + 128 leaves w exactly.
+_INT8_TO_FP32_ASM: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 t, m;
+xor.b32 t, $4, 0x80808080;
+mov.b32 m, 0x4B000000;
+prmt.b32 $0, t, m, 0x7650;
+prmt.b32 $1, t, m, 0x7651;
+prmt.b32 $2, t, m, 0x7652;
+prmt.b32 $3, t, m, 0x7653;
+sub.f32 $0, $0, 0f4B000080;
+sub.f32 $1, $1, 0f4B000080;
+sub.f32 $2, $2, 0f4B000080;
+sub.f32 $3, $3, 0f4B000080;
+}
+""")
+# The same to four bf16 (two registers): each exact fp32's upper half, two to a register.
+_INT8_TO_BF16_ASM: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 t, m, f<4>;
+xor.b32 t, $2, 0x80808080;
+mov.b32 m, 0x4B000000;
+prmt.b32 f0, t, m, 0x7650;
+prmt.b32 f1, t, m, 0x7651;
+prmt.b32 f2, t, m, 0x7652;
+prmt.b32 f3, t, m, 0x7653;
+sub.f32 f0, f0, 0f4B000080;
+sub.f32 f1, f1, 0f4B000080;
+sub.f32 f2, f2, 0f4B000080;
+sub.f32 f3, f3, 0f4B000080;
+prmt.b32 $0, f0, f1, 0x7632;
+prmt.b32 $1, f2, f3, 0x7632;
+}
+""")
+_ASM_WIDEN: tl.constexpr = tl.constexpr(not INTERPRET)  # the interpreter runs no PTX: arithmetic there
+
+
 @triton.jit
 def widen(w, dtype: tl.constexpr):
-    """A weight tile in dtype (fp32, or the activations' bf16/fp16). INT8 goes to fp32 without the
-    int-to-float instruction, which the CUDA guide lists at 16 a clock per SM on compute capability 9.0
-    (against 128 float adds): the fp32 with 2^23's exponent whose low mantissa bits hold w + 128 is
-    2^23 + 128 + w exactly, so an integer add and a float add convert it; a bf16 is then the fp32's upper
-    half (exact for integers of 8 bits). Float weights convert as usual."""
+    """A weight tile in dtype (fp32, or the activations' bf16/fp16). INT8 goes through 2^23 + 128 + w, an
+    fp32 whose low mantissa byte is w + 128 (see _INT8_TO_FP32_ASM), four weights to a PTX block; the
+    interpreter takes the same route in arithmetic. A bf16 is the exact fp32's upper half. Float weights
+    convert as usual."""
     if w.dtype == tl.int8:
+        if _ASM_WIDEN and dtype == tl.float32:
+            return tl.inline_asm_elementwise(
+                _INT8_TO_FP32_ASM, "=r,=r,=r,=r,r", [w], dtype=tl.float32, is_pure=True, pack=4
+            )
+        if _ASM_WIDEN and dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise(
+                _INT8_TO_BF16_ASM, "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4
+            )
         f = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
         if dtype == tl.bfloat16:
             return (f.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)

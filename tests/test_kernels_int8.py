@@ -158,18 +158,21 @@ def test_int8_norm_linear_matches_reference(
 
 
 @triton.jit
-def _widen_kernel(src, out_fp32, out_bf16, N: tl.constexpr):
-    offs = tl.arange(0, N)
+def _widen_kernel(src, out_fp32, out_bf16, ROWS: tl.constexpr, N: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * N + tl.arange(0, N)[None, :]
     w = tl.load(src + offs)
     tl.store(out_fp32 + offs, linear.widen(w, tl.float32))
     tl.store(out_bf16 + offs, linear.widen(w, tl.bfloat16))
 
 
-def test_int8_widens_exactly_to_fp32_and_bf16() -> None:
-    """The kernels' int8 conversion (an integer add into 2^23's exponent, a float add, and for bf16 the
-    fp32's upper half), for every int8 value."""
-    values = torch.arange(-128, 128, dtype=torch.int8, device=DEVICE)
-    out_fp32 = torch.empty(256, device=DEVICE)
-    out_bf16 = torch.empty(256, dtype=torch.bfloat16, device=DEVICE)
-    _widen_kernel[(1,)](values, out_fp32, out_bf16, N=256)
+@pytest.mark.parametrize("rows", [1, 16])  # 2 weights a thread (fewer than PTX takes at once), and 32
+def test_int8_widens_exactly_to_fp32_and_bf16(rows: int) -> None:
+    """The kernels' int8 conversion (the weight + 128 as 2^23's low mantissa byte, less 2^23 + 128; for
+    bf16 the fp32's upper half), for every int8 value, in a shuffled order: PTX four to a register on
+    the GPU, arithmetic in the interpreter."""
+    order = torch.randperm(256 * rows, generator=torch.Generator().manual_seed(rows))
+    values = (torch.arange(256 * rows) % 256 - 128)[order].to(torch.int8).reshape(rows, 256).to(DEVICE)
+    out_fp32 = torch.empty(rows, 256, device=DEVICE)
+    out_bf16 = torch.empty(rows, 256, dtype=torch.bfloat16, device=DEVICE)
+    _widen_kernel[(1,)](values, out_fp32, out_bf16, ROWS=rows, N=256)
     assert torch.equal(out_fp32, values.float()) and torch.equal(out_bf16.float(), values.float())
