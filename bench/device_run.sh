@@ -29,6 +29,7 @@
 #   bash bench/device_run.sh profilesteps  # (carry .assets) engine-direct serving steps, classed and profiled
 #   bash bench/device_run.sh int8     # INT8 weights and KV: kernel tests compiled, bench_int8, int8_accuracy
 #   MODELS=qwen3-4b CACHED=32767 BATCH_LIMIT=0 bash bench/device_run.sh int8  # INT8 KV at 32k positions
+#   bash bench/device_run.sh lineartests  # the linear kernels' GPU tests: bf16, INT8, norm-fused
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
@@ -237,7 +238,7 @@ serveprobe)  # (carrying .whl and .assets) serve-load over HTTP with each proces
     ;;
 int8)  # INT8 weights: the kernels' tests compiled; bench_int8 (bf16 beside INT8 in one run); the accuracy
     # on SmolLM2 in bf16 when its GGUF is here (part0, part1 first)
-    sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_int8.py tests/test_kv_cache_int8.py
+    [ "${TEST_LIMIT:-150}" = 0 ] || sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_int8.py tests/test_kv_cache_int8.py
     run "${LIMIT:-330}" python3 bench/bench_int8.py --out "$OUT" --models "${MODELS:-qwen3-0.6b,qwen3-4b}" \
         --modes "${MODES:-base,int8,int8-kv,int8-both}" ${CACHED:+--cached "$CACHED"}
     [ "${BATCH_LIMIT:-200}" = 0 ] || for mode in "" "--quantization int8"; do  # 64 sequences, the 4B shape, each against its own roofline
@@ -247,6 +248,9 @@ int8)  # INT8 weights: the kernels' tests compiled; bench_int8 (bf16 beside INT8
     if [ -e "/tmp/tc/models/$GGUF" ]; then
         run 150 python3 bench/int8_accuracy.py --device cuda --dtype bfloat16 --out "$OUT/int8_accuracy.json"
     fi
+    ;;
+lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards
+    sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
     ;;
 int8ab)  # (carrying an earlier tree in .prev) the INT8 linears at M = 1 and 16, that tree against this one
     for tree in .prev .; do
