@@ -182,8 +182,18 @@ class Case:
         theirs = self.cublas_call()(0)
         return ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item()
 
-    def candidates(self) -> list[TileConfig]:
-        """Every tile configuration the sweep tries for this shape."""
+    def candidates(self, near: bool = False) -> list[TileConfig]:
+        """Every tile configuration the sweep tries for this shape; near (GEMV only): the picked tile with
+        half, the same and twice its K step, either warp count, and 1, 2 or 4 K tiles a loop step."""
+        if near and self.m <= linear.GEMV_MAX_M:
+            picked = self.heuristic()
+            return [
+                linear.GemvConfig(picked.block_n, block_k, num_warps, unroll)
+                for block_k in (picked.block_k // 2, picked.block_k, picked.block_k * 2)
+                for num_warps in (4, 8)
+                for unroll in (1, 2, 4)
+                if block_k >= 16
+            ]
         if linear.GEMV_MAX_M < self.m <= linear.SKINNY_MAX_M:
             # INT8 weights: as many bytes a K step in 256 or 512 columns
             block_ks = (256, 512) if self.int8 else (128, 256)
@@ -200,13 +210,16 @@ class Case:
             block_m = triton.next_power_of_2(self.m)
             tiles = 2 if self.gate_up else 1
             configs = []
+            k_cap = max(128, triton.next_power_of_2(self.k))
             for block_n in (1, 2, 4, 8, 16, 32):
                 for num_warps in (4, 8):
                     for block_k in (128, 256, 512, 1024, 2048, 4096):
                         registers = block_m * block_n * tiles * block_k // (32 * num_warps)
-                        if block_k > max(128, triton.next_power_of_2(self.k)) or not 8 <= registers <= 128:
+                        if block_k > k_cap or not 8 <= registers <= 128:
                             continue  # past K, or too few/many fp32 accumulators per thread
-                        configs.append(linear.GemvConfig(block_n, block_k, num_warps))
+                        for unroll in (1, 2, 4):  # K tiles a loop step, loaded together
+                            if unroll == 1 or (block_k * unroll <= k_cap and registers <= 64):
+                                configs.append(linear.GemvConfig(block_n, block_k, num_warps, unroll))
             return configs
         cap = max(16, triton.next_power_of_2(self.m))
         table = linear.GATE_UP_CANDIDATES if self.gate_up else linear.GEMM_CANDIDATES
@@ -278,6 +291,17 @@ def tuned_rows(sweeps: list[dict], int8: bool = False) -> list[dict]:
     return rows
 
 
+def merge_tuned(path: Path, rows: list[dict]) -> list[dict]:
+    """The table at path (if any) with rows for the same kernel, shape and weights replaced by these."""
+
+    def key(row: dict) -> tuple:
+        return row["kind"], row["m"], row["n"], row["k"], row["gate_up"], row.get("weights", "float")
+
+    fresh = {key(row) for row in rows}
+    kept = [row for row in json.loads(path.read_text()) if key(row) not in fresh] if path.exists() else []
+    return kept + rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -292,9 +316,12 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every candidate tile config")
     parser.add_argument("--int8", action="store_true", help="INT8 weights (a scale per row) on our side")
     parser.add_argument(
+        "--near", action="store_true", help="with --sweep: only the GEMV tiles next to the one picked"
+    )
+    parser.add_argument(
         "--write-tuned",
         metavar="PATH",
-        help="with --sweep: write the fastest config per shape as a kernels/tuned/<device>.json table",
+        help="with --sweep: merge the fastest config per shape into a kernels/tuned/<device>.json table",
     )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the linear benchmark needs a GPU"
@@ -338,7 +365,7 @@ def main() -> None:
                 )
                 if args.sweep:
                     timings = sweep_configs(
-                        case.candidates(), case.triton_call, case.copies, max(10, args.replays // 3)
+                        case.candidates(args.near), case.triton_call, case.copies, max(10, args.replays // 3)
                     )
                     sweeps.append({"model": model, "layer": layer, "M": m, "n": case.n_out, "k": k,
                                    "kind": KINDS[type(case.heuristic())],
@@ -355,8 +382,9 @@ def main() -> None:
     (out_dir / "bench_linear.json").write_text(json.dumps(result, indent=2))
 
     if args.write_tuned and sweeps:
-        Path(args.write_tuned).write_text(json.dumps(tuned_rows(sweeps, args.int8), indent=1) + "\n")
-        print(f"tuned configs written to {args.write_tuned}")
+        merged = merge_tuned(Path(args.write_tuned), tuned_rows(sweeps, args.int8))
+        Path(args.write_tuned).write_text(json.dumps(merged, indent=1) + "\n")
+        print(f"tuned configs merged into {args.write_tuned}")
     if sweeps:
         print("\nsweep: heuristic pick vs fastest candidate")
         for sweep in sweeps:

@@ -17,8 +17,7 @@ Three Triton kernels serve every call, picked by the number of rows of x:
   tile to finish (an atomic counter) adds them up in split order: deterministic, one launch.
 - prefill (M > SKINNY_MAX_M): a tiled GEMM on the tensor cores (tl.dot, bf16 in, fp32 accumulation),
   tiles chosen per shape by a small cost model (tile efficiency x waves over the SMs), grouped tile
-  order for L2 reuse. INT8 weights swap the operands there too (out.T = W @ x.T), so that the weight
-  tile converted in registers is wgmma's register operand rather than written back to shared memory.
+  order for L2 reuse.
 Tiles measured fastest per shape on a GPU (kernels/tuned/<device>.json) override the heuristics.
 
 The gate/up kernels compute the matching gate and up columns in the same program and write
@@ -151,41 +150,20 @@ sub.f32 $2, $2, 0f4B000080;
 sub.f32 $3, $3, 0f4B000080;
 }
 """)
-# The same to four bf16 (two registers): each exact fp32's upper half, two to a register.
-_INT8_TO_BF16_ASM: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 t, m, f<4>;
-xor.b32 t, $2, 0x80808080;
-mov.b32 m, 0x4B000000;
-prmt.b32 f0, t, m, 0x7650;
-prmt.b32 f1, t, m, 0x7651;
-prmt.b32 f2, t, m, 0x7652;
-prmt.b32 f3, t, m, 0x7653;
-sub.f32 f0, f0, 0f4B000080;
-sub.f32 f1, f1, 0f4B000080;
-sub.f32 f2, f2, 0f4B000080;
-sub.f32 f3, f3, 0f4B000080;
-prmt.b32 $0, f0, f1, 0x7632;
-prmt.b32 $1, f2, f3, 0x7632;
-}
-""")
 _ASM_WIDEN: tl.constexpr = tl.constexpr(not INTERPRET)  # the interpreter runs no PTX: arithmetic there
 
 
 @triton.jit
 def widen(w, dtype: tl.constexpr):
     """A weight tile in dtype (fp32, or the activations' bf16/fp16). INT8 goes through 2^23 + 128 + w, an
-    fp32 whose low mantissa byte is w + 128 (see _INT8_TO_FP32_ASM), four weights to a PTX block; the
-    interpreter takes the same route in arithmetic. A bf16 is the exact fp32's upper half. Float weights
+    fp32 whose low mantissa byte is w + 128: to fp32 (the GEMVs) four weights to a PTX block
+    (_INT8_TO_FP32_ASM), elsewhere and in the interpreter in arithmetic, which measured faster than the
+    same in PTX for the tensor-core kernels' bf16. A bf16 is the exact fp32's upper half. Float weights
     convert as usual."""
     if w.dtype == tl.int8:
         if _ASM_WIDEN and dtype == tl.float32:
             return tl.inline_asm_elementwise(
                 _INT8_TO_FP32_ASM, "=r,=r,=r,=r,r", [w], dtype=tl.float32, is_pure=True, pack=4
-            )
-        if _ASM_WIDEN and dtype == tl.bfloat16:
-            return tl.inline_asm_elementwise(
-                _INT8_TO_BF16_ASM, "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4
             )
         f = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
         if dtype == tl.bfloat16:
@@ -210,6 +188,7 @@ def _gemv_kernel(
     GATE_UP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr = 1,  # K tiles per loop step, their loads issued together: more bytes in flight
 ):
     # The products are formed in fp32 (weights are upcast on load), so there is no bf16 arithmetic for
     # the interpreter to get wrong and no UPCAST flag is needed here.
@@ -221,24 +200,24 @@ def _gemv_kernel(
     gate_rows = w_ptr + rows[:, None] * stride_wn  # [BLOCK_N, 1]
     up_rows = w_ptr + (rows + N)[:, None] * stride_wn  # [BLOCK_N, 1] (GATE_UP only)
     offs_k0 = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + tl.zeros((BLOCK_N, 1), dtype=tl.int32)  # [BLOCK_N, 1]
 
     # [BLOCK_N, BLOCK_K] partial sums, reduced across K once after the loop.
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + offs_k0
-        k_mask = offs_k < K
-        w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
-        xk = tl.load(x_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
-        if SCALE_GROUP > 0:
-            w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
-        acc += w * xk
-        if GATE_UP:
-            w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
+    for k_step in range(0, K, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            offs_k = k_step + u * BLOCK_K + offs_k0
+            k_mask = offs_k < K
+            xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
             if SCALE_GROUP > 0:
-                w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
-            acc_up += w_up * xk
+                w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
+            acc += w * xk
+            if GATE_UP:
+                w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
+                if SCALE_GROUP > 0:
+                    w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
+                acc_up += w_up * xk
     result = tl.sum(acc, axis=1)  # [BLOCK_N]
     result_up = result
     if GATE_UP:
@@ -258,6 +237,7 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
+    unroll: int = 1  # K tiles per loop step, loaded together
 
 
 def gemv_config(m: int, n: int, k: int, gate_up: bool, weights: str = "float") -> GemvConfig:
@@ -298,7 +278,7 @@ def _launch_gemv(
     m, k = x.shape
     n = out.shape[1]
     assert m == 1, "the GEMV takes one row of x; more take the skinny GEMM"
-    block_n, block_k, num_warps = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
+    block_n, block_k, num_warps, unroll = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -314,6 +294,7 @@ def _launch_gemv(
         GATE_UP=gate_up,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        UNROLL=unroll,
         num_warps=num_warps,
     )
 
@@ -591,108 +572,6 @@ def _launch_skinny(
 
 
 @triton.jit
-def _gemm_loop(
-    x_ptrs, w_ptrs, w_up_ptrs, scale_ptr, w_rows, offs_k, K, N,
-    SCALE_GROUP: tl.constexpr, GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """The K loop, x @ W.T: acc (and acc_up with GATE_UP) fp32 [BLOCK_M, BLOCK_N]."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k_tile * BLOCK_K
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        # int8 weights: converted in registers (exact up to 127; straight to fp32 in the interpreter)
-        if SCALE_GROUP > 0:  # b is [BLOCK_K, BLOCK_N]: the scales' tile transposed
-            b = widen(b, tl.float32) * tl.trans(
-                group_scales(scale_ptr, w_rows, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
-            )
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = widen(b, tl.float32)
-        else:
-            b = widen(b, x_ptrs.dtype.element_ty)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if GATE_UP:
-            if EVEN_K:
-                b_up = tl.load(w_up_ptrs)
-            else:
-                b_up = tl.load(w_up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            if SCALE_GROUP > 0:
-                b_up = widen(b_up, tl.float32) * tl.trans(
-                    group_scales(scale_ptr, w_rows + N, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
-                )
-            if UPCAST:  # noqa: SIM108 (a constexpr branch)
-                b_up = widen(b_up, tl.float32)
-            else:
-                b_up = widen(b_up, x_ptrs.dtype.element_ty)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-            w_up_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-
-    return acc, acc_up
-
-
-@triton.jit
-def _gemm_swapped_loop(
-    x_ptrs, w_ptr, scale_ptr, w_rows, offs_k, K, N, stride_wn,
-    SCALE_GROUP: tl.constexpr, GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """The K loop with the operands swapped, out.T = W @ x.T, for int8 weights: the weight tile, converted
-    in registers, is the MMA's A operand, which wgmma takes from registers, so it never goes back through
-    shared memory (as the B operand must). acc, acc_up fp32 [BLOCK_M, BLOCK_N], as _gemm_loop's."""
-    act_dtype: tl.constexpr = x_ptrs.dtype.element_ty
-    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    w_up_ptrs = w_ptr + (w_rows + N)[:, None] * stride_wn + offs_k[None, :]  # GATE_UP only
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k_tile * BLOCK_K
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            w = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        if SCALE_GROUP > 0:
-            w = widen(w, tl.float32) * group_scales(
-                scale_ptr, w_rows, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP
-            )
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = widen(w, tl.float32)
-        else:
-            w = widen(w, act_dtype)
-        a_t = tl.trans(a)  # [BLOCK_K, BLOCK_M]
-        acc = tl.dot(w, a_t, acc, input_precision=DOT_PRECISION)
-        if GATE_UP:
-            if EVEN_K:  # noqa: SIM108 (a constexpr branch)
-                w_up = tl.load(w_up_ptrs)
-            else:
-                w_up = tl.load(w_up_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            if SCALE_GROUP > 0:
-                w_up = widen(w_up, tl.float32) * group_scales(
-                    scale_ptr, w_rows + N, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP
-                )
-            if UPCAST:  # noqa: SIM108 (a constexpr branch)
-                w_up = widen(w_up, tl.float32)
-            else:
-                w_up = widen(w_up, act_dtype)
-            acc_up = tl.dot(w_up, a_t, acc_up, input_precision=DOT_PRECISION)
-            w_up_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    return tl.trans(acc), tl.trans(acc_up)
-
-
-@triton.jit
 def _gemm_kernel(
     x_ptr,  # [M, K], K contiguous
     w_ptr,  # [N, K] or [2 * N, K] (GATE_UP), K contiguous; x's dtype, or int8
@@ -715,7 +594,6 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    SWAP_AB: tl.constexpr = False,  # out.T = W @ x.T (int8 weights: _gemm_swapped_loop)
     DOT_PRECISION: tl.constexpr = "tf32",  # "ieee" for fp32 inputs: exact fp32, not TF32
 ):
     # Grouped order: GROUP_M row-tiles share each weight column-tile while it is hot in L2.
@@ -738,16 +616,44 @@ def _gemm_kernel(
     w_ptrs = w_ptr + w_rows[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     w_up_ptrs = w_ptr + (w_rows + N)[None, :] * stride_wn + offs_k[:, None]  # GATE_UP only
 
-    if SWAP_AB:
-        acc, acc_up = _gemm_swapped_loop(
-            x_ptrs, w_ptr, scale_ptr, w_rows, offs_k, K, N, stride_wn, SCALE_GROUP, GATE_UP, EVEN_K, UPCAST,
-            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-        )  # fmt: skip
-    else:
-        acc, acc_up = _gemm_loop(
-            x_ptrs, w_ptrs, w_up_ptrs, scale_ptr, w_rows, offs_k, K, N, SCALE_GROUP, GATE_UP, EVEN_K, UPCAST,
-            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-        )  # fmt: skip
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_tile in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k_tile * BLOCK_K
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        # int8 weights: converted in registers (exact up to 127; straight to fp32 in the interpreter)
+        if SCALE_GROUP > 0:  # b is [BLOCK_K, BLOCK_N]: the scales' tile transposed
+            b = widen(b, tl.float32) * tl.trans(
+                group_scales(scale_ptr, w_rows, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
+            )
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = widen(b, tl.float32)
+        else:
+            b = widen(b, x_ptr.dtype.element_ty)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if GATE_UP:
+            if EVEN_K:
+                b_up = tl.load(w_up_ptrs)
+            else:
+                b_up = tl.load(w_up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if SCALE_GROUP > 0:
+                b_up = widen(b_up, tl.float32) * tl.trans(
+                    group_scales(scale_ptr, w_rows + N, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
+                )
+            if UPCAST:  # noqa: SIM108 (a constexpr branch)
+                b_up = widen(b_up, tl.float32)
+            else:
+                b_up = widen(b_up, x_ptr.dtype.element_ty)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            w_up_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
 
     if HAS_SCALE and SCALE_GROUP == 0:
         acc *= tl.load(scale_ptr + w_rows)[None, :]
@@ -796,8 +702,8 @@ def gemm_config(
 
     BLOCK_M is capped at the next power of two >= m (at least 16, the smallest tl.dot). BLOCK_K is 128
     bytes of a row (64 bf16, 32 fp32) unless k is smaller, which keeps 3-4 pipeline stages of the
-    largest tiles within the 227 KB of shared memory. INT8 weights run swapped (_gemm_swapped_loop) on
-    tiles of at least 64 weight rows. A measured tile (tuned_config, for these weights) takes precedence."""
+    largest tiles within the 227 KB of shared memory. A measured tile (tuned_config, for these weights)
+    takes precedence."""
     tuned = tuned_config("gemm", m, n, k, gate_up, weights)
     if tuned is not None and element_size == 2:  # tuned in bf16
         return GemmConfig(**tuned)
@@ -806,8 +712,6 @@ def gemm_config(
     best: GemmConfig | None = None
     best_cost = float("inf")
     for config, throughput in GATE_UP_CANDIDATES if gate_up else GEMM_CANDIDATES:
-        if weights == "int8" and config.block_n < 64:
-            continue  # the swapped MMA's M is the weight rows: wgmma takes 64 a warpgroup
         block_m = min(config.block_m, block_m_cap)
         programs = triton.cdiv(m, block_m) * triton.cdiv(n, config.block_n)
         waves = triton.cdiv(programs, num_sms())
@@ -860,7 +764,6 @@ def _launch_gemm(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         GROUP_M=8,
-        SWAP_AB=weight.dtype == torch.int8,
         num_warps=num_warps,
         num_stages=num_stages,
     )

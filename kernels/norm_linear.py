@@ -140,13 +140,10 @@ def _summed_tile(
 
 
 @triton.jit
-def _normed_tile(summed, rstd, norm_weight_ptr, offs_k, mask, act_dtype: tl.constexpr):
-    """round(round(summed * rstd) * norm_weight): the reference's two roundings; fp32 in summed's shape
-    [rows, BLOCK_K]. The norm weight is loaded in that shape too (each row the same), so that it needs no
-    layout exchange through shared memory."""
-    zero_rows = tl.zeros((summed.shape[0], 1), dtype=tl.int32)
-    norm_weight = tl.load(norm_weight_ptr + zero_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    normed = (summed * rstd).to(act_dtype).to(tl.float32)
+def _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype: tl.constexpr):
+    """round(round(summed * rstd) * norm_weight): the reference's two roundings; fp32 [BLOCK_M, BLOCK_K]."""
+    norm_weight = tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+    normed = (summed * rstd[:, None]).to(act_dtype).to(tl.float32)
     return (normed * norm_weight).to(act_dtype).to(tl.float32)
 
 
@@ -238,6 +235,7 @@ def _add_rms_norm_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_K_NORM: tl.constexpr,  # columns per statistics tile (pass 1): >= BLOCK_K
+    UNROLL: tl.constexpr = 1,  # K tiles per step of pass 2, their loads issued together
 ):
     # Products and statistics are fp32 and every bf16 rounding is an explicit cast, so there is no bf16
     # arithmetic for the interpreter to get wrong (no UPCAST flag needed, as in linear.py's GEMV).
@@ -281,35 +279,32 @@ def _add_rms_norm_gemv_kernel(
 
     # Pass 2: the weight rows against the normed row, tile by tile. With SINGLE_K (one tile, the same
     # width as the statistics tile) the row is still in registers; otherwise it is rebuilt per tile from
-    # hidden (+ residual), which this program has just read (L1/L2 hits), as a [BLOCK_N, BLOCK_K] tile of
-    # BLOCK_N copies of the row: loaded in the weight tile's own layout, the product needs no exchange
-    # through shared memory (and no barrier) in the loop.
-    rstd = tl.sum(rstd, axis=0)  # BLOCK_M is 1: the row's scalar
-    tile_rows = tl.zeros((BLOCK_N,), dtype=tl.int32)  # [BLOCK_N] copies of row 0
-    tile_mask = k_mask[None, :] & (tile_rows < M)[:, None]
+    # hidden (+ residual), which this program has just read (L1/L2 hits).
     if not SINGLE_K:
+        mask = m_mask[:, None] & k_mask[None, :]
         summed = _summed_tile(
-            hidden_ptr, residual_ptr, tile_rows, offs_k0, tile_mask, stride_hm, stride_rm, HAS_RESIDUAL
+            hidden_ptr, residual_ptr, offs_m, offs_k0, mask, stride_hm, stride_rm, HAS_RESIDUAL
         )
-    x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k0, tile_mask, act_dtype)
-    acc = w * x  # [BLOCK_N, BLOCK_K] (with SINGLE_K, x [1, BLOCK_K] broadcasts over the weight rows)
+    x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k0, k_mask, act_dtype)
+    acc = w * x  # [BLOCK_N, BLOCK_K]: x [1, BLOCK_K] broadcasts over the weight rows
     acc_up = acc
     if GATE_UP:
         acc_up = w_up * x
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        offs_k = k0 + offs_k0
-        k_mask = offs_k < K
-        w, w_up = _weight_tile(
-            gate_rows, up_rows, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP
-        )
-        tile_mask = k_mask[None, :] & (tile_rows < M)[:, None]
-        summed = _summed_tile(
-            hidden_ptr, residual_ptr, tile_rows, offs_k, tile_mask, stride_hm, stride_rm, HAS_RESIDUAL
-        )
-        x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k, tile_mask, act_dtype)
-        acc += w * x
-        if GATE_UP:
-            acc_up += w_up * x
+    for k_step in range(BLOCK_K, K, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            offs_k = k_step + u * BLOCK_K + offs_k0
+            k_mask = offs_k < K
+            w, w_up = _weight_tile(
+                gate_rows, up_rows, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP
+            )
+            mask = m_mask[:, None] & k_mask[None, :]
+            summed = _summed_tile(
+                hidden_ptr, residual_ptr, offs_m, offs_k, mask, stride_hm, stride_rm, HAS_RESIDUAL
+            )
+            x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype)
+            acc += w * x
+            if GATE_UP:
+                acc_up += w_up * x
 
     # [1, BLOCK_N] results
     result = tl.sum(acc, axis=1)[None, :]
@@ -350,7 +345,7 @@ def _launch_gemv(
     m, k = hidden.shape
     n = out.shape[1]
     assert m == 1, "the fused GEMV takes one row; more take the norm, then the skinny GEMM"
-    block_n, block_k, num_warps = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
+    block_n, block_k, num_warps, unroll = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
     if block_k_norm is None:
         # The statistics pass takes whole rows in one tile where registers allow (up to 32 fp32 per
         # thread per tensor, before the accumulators are live), else loops.
@@ -390,6 +385,7 @@ def _launch_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_K_NORM=block_k_norm,
+        UNROLL=unroll,
         num_warps=num_warps,
     )
 
