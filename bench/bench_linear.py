@@ -15,6 +15,9 @@ the same run; "% of copy bw" counts the weight, x and the output once each.
 --int8 times TileInfer's kernels on INT8 weights (a scale per row, kernels/int8.py) against cuBLAS on the
 bf16 ones; "% of copy bw" then counts the INT8 bytes and the scales, and the tuned rows say "weights": "int8".
 
+--fp8 also times the same product in FP8 (e4m3, weights and activations scaled per tensor) through
+cuBLASLt (torch._scaled_mm; x padded to 16 rows): a speed reference at 1 byte a weight.
+
 --sweep also times every candidate tile configuration per shape (GEMV block sizes and warps, the skinny
 GEMM's tiles and K splits, the GEMM candidate tiles) and reports the heuristic's pick beside the fastest,
 to tune kernels/linear.py.
@@ -166,6 +169,17 @@ class Case:
 
         return call
 
+    def fp8_call(self) -> Callable[[int], object]:
+        """The same product in FP8 (e4m3) through cuBLASLt (torch._scaled_mm), weights and activations
+        quantized with one scale each, rows of x padded to 16 (its smallest); the GEMM only (no SwiGLU).
+        A speed reference for the INT8 kernels (1 byte a weight too), not a numerics one."""
+        fp8 = torch.float8_e4m3fn
+        weights = [weight.to(fp8) for weight in self.weights]  # [N, K] rows: .t() is column-major
+        x = torch.zeros(max(16, -(-self.m // 16) * 16), self.k, device=DEVICE, dtype=fp8)
+        x[: self.m] = self.x.to(fp8)
+        one = torch.ones((), device=DEVICE)
+        return lambda i: torch._scaled_mm(x, weights[i].t(), scale_a=one, scale_b=one, out_dtype=DTYPE)
+
     def cublas_call(self) -> Callable[[int], object]:
         if self.gate_up:
 
@@ -315,6 +329,7 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also time every candidate tile config")
     parser.add_argument("--int8", action="store_true", help="INT8 weights (a scale per row) on our side")
+    parser.add_argument("--fp8", action="store_true", help="also time the GEMM in FP8 through cuBLASLt")
     parser.add_argument(
         "--near", action="store_true", help="with --sweep: only the GEMV tiles next to the one picked"
     )
@@ -355,6 +370,8 @@ def main() -> None:
                     "kernel": KINDS[type(case.heuristic())],
                     "relative_error_vs_cublas": error,
                 }
+                if args.fp8:
+                    row["fp8_cublaslt_us"] = time_in_graph(case.fp8_call(), case.copies, args.replays) * 1e6
                 rows.append(row)
                 print(
                     f"{model:13s} {layer:8s} {row['shape']:>12s} M={m:<4d} triton {row['triton_us']:8.2f} us"
@@ -400,6 +417,7 @@ def main() -> None:
         f"copy bw {bandwidth / 1e12:.2f} TB/s; results in {out_dir / 'bench_linear.json'}"
     )
     columns = ("shape".ljust(30), "M".rjust(4), "triton µs", "cuBLAS µs", "speedup", "% copy bw")
+    columns += ("FP8 µs",) if args.fp8 else ()
     header = "| " + " | ".join(columns) + " |"
     print(header)
     print("|" + "|".join("-" * (len(part)) for part in header.split("|")[1:-1]) + "|")
@@ -408,6 +426,7 @@ def main() -> None:
         print(
             f"| {shape:30s} | {row['M']:4d} | {row['triton_us']:9.2f} | {row['cublas_us']:9.2f} "
             f"| {row['speedup']:6.2f}x | {row['triton_pct_copy_bw']:8.1f}% |"
+            + (f" {row['fp8_cublaslt_us']:6.2f} |" if args.fp8 else "")
         )
 
 
