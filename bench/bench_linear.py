@@ -198,14 +198,14 @@ class Case:
 
     def candidates(self, near: bool = False) -> list[TileConfig]:
         """Every tile configuration the sweep tries for this shape; near (GEMV only): the picked tile with
-        half, the same and twice its K step, either warp count, and 1, 2 or 4 K tiles a loop step."""
+        half, the same and twice its K step, either warp count, with and without prefetching."""
         if near and self.m <= linear.GEMV_MAX_M:
             picked = self.heuristic()
             return [
-                linear.GemvConfig(picked.block_n, block_k, num_warps, unroll)
+                linear.GemvConfig(picked.block_n, block_k, num_warps, prefetch)
                 for block_k in (picked.block_k // 2, picked.block_k, picked.block_k * 2)
                 for num_warps in (4, 8)
-                for unroll in (1, 2, 4)
+                for prefetch in (False, True)
                 if block_k >= 16
             ]
         if linear.GEMV_MAX_M < self.m <= linear.SKINNY_MAX_M:
@@ -231,9 +231,9 @@ class Case:
                         registers = block_m * block_n * tiles * block_k // (32 * num_warps)
                         if block_k > k_cap or not 8 <= registers <= 128:
                             continue  # past K, or too few/many fp32 accumulators per thread
-                        for unroll in (1, 2, 4):  # K tiles a loop step, loaded together
-                            if unroll == 1 or (block_k * unroll <= k_cap and registers <= 64):
-                                configs.append(linear.GemvConfig(block_n, block_k, num_warps, unroll))
+                        for prefetch in (False, True):  # the next K tile loaded before this one's products
+                            if not prefetch or (block_k < k_cap and registers <= 64):
+                                configs.append(linear.GemvConfig(block_n, block_k, num_warps, prefetch))
             return configs
         cap = max(16, triton.next_power_of_2(self.m))
         table = linear.GATE_UP_CANDIDATES if self.gate_up else linear.GEMM_CANDIDATES

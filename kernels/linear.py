@@ -188,7 +188,7 @@ def _gemv_kernel(
     GATE_UP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    UNROLL: tl.constexpr = 1,  # K tiles per loop step, their loads issued together: more bytes in flight
+    PREFETCH: tl.constexpr = False,  # load the next K tile before the products of this one
 ):
     # The products are formed in fp32 (weights are upcast on load), so there is no bf16 arithmetic for
     # the interpreter to get wrong and no UPCAST flag is needed here.
@@ -204,20 +204,35 @@ def _gemv_kernel(
     # [BLOCK_N, BLOCK_K] partial sums, reduced across K once after the loop.
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k_step in range(0, K, BLOCK_K * UNROLL):
-        for u in tl.static_range(UNROLL):
-            offs_k = k_step + u * BLOCK_K + offs_k0
-            k_mask = offs_k < K
-            xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
-            if SCALE_GROUP > 0:
-                w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
-            acc += w * xk
+    if PREFETCH:  # the first tiles; each step then loads the next ones while its products run
+        w_next = tl.load(gate_rows + offs_k0[None, :], mask=(offs_k0 < K)[None, :], other=0.0)
+        w_up_next = w_next
+        if GATE_UP:
+            w_up_next = tl.load(up_rows + offs_k0[None, :], mask=(offs_k0 < K)[None, :], other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + offs_k0
+        k_mask = offs_k < K
+        if PREFETCH:  # the next tiles (none past K: the mask is all false there)
+            w_raw, w_up_raw = w_next, w_up_next
+            next_mask = (offs_k + BLOCK_K < K)[None, :]
+            w_next = tl.load(gate_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
             if GATE_UP:
-                w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
-                if SCALE_GROUP > 0:
-                    w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
-                acc_up += w_up * xk
+                w_up_next = tl.load(up_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
+        else:
+            w_raw = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+            w_up_raw = w_raw
+            if GATE_UP:
+                w_up_raw = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        w = widen(w_raw, tl.float32)
+        if SCALE_GROUP > 0:
+            w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
+        acc += w * xk
+        if GATE_UP:
+            w_up = widen(w_up_raw, tl.float32)
+            if SCALE_GROUP > 0:
+                w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
+            acc_up += w_up * xk
     result = tl.sum(acc, axis=1)  # [BLOCK_N]
     result_up = result
     if GATE_UP:
@@ -237,7 +252,7 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
-    unroll: int = 1  # K tiles per loop step, loaded together
+    prefetch: bool = False  # the plain GEMV loads the next K tile before this one's products
 
 
 def gemv_config(m: int, n: int, k: int, gate_up: bool, weights: str = "float") -> GemvConfig:
@@ -278,7 +293,7 @@ def _launch_gemv(
     m, k = x.shape
     n = out.shape[1]
     assert m == 1, "the GEMV takes one row of x; more take the skinny GEMM"
-    block_n, block_k, num_warps, unroll = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
+    block_n, block_k, num_warps, prefetch = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -294,7 +309,7 @@ def _launch_gemv(
         GATE_UP=gate_up,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        UNROLL=unroll,
+        PREFETCH=prefetch,
         num_warps=num_warps,
     )
 

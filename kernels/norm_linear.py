@@ -235,7 +235,6 @@ def _add_rms_norm_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_K_NORM: tl.constexpr,  # columns per statistics tile (pass 1): >= BLOCK_K
-    UNROLL: tl.constexpr = 1,  # K tiles per step of pass 2, their loads issued together
 ):
     # Products and statistics are fp32 and every bf16 rounding is an explicit cast, so there is no bf16
     # arithmetic for the interpreter to get wrong (no UPCAST flag needed, as in linear.py's GEMV).
@@ -290,21 +289,20 @@ def _add_rms_norm_gemv_kernel(
     acc_up = acc
     if GATE_UP:
         acc_up = w_up * x
-    for k_step in range(BLOCK_K, K, BLOCK_K * UNROLL):
-        for u in tl.static_range(UNROLL):
-            offs_k = k_step + u * BLOCK_K + offs_k0
-            k_mask = offs_k < K
-            w, w_up = _weight_tile(
-                gate_rows, up_rows, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP
-            )
-            mask = m_mask[:, None] & k_mask[None, :]
-            summed = _summed_tile(
-                hidden_ptr, residual_ptr, offs_m, offs_k, mask, stride_hm, stride_rm, HAS_RESIDUAL
-            )
-            x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype)
-            acc += w * x
-            if GATE_UP:
-                acc_up += w_up * x
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        offs_k = k0 + offs_k0
+        k_mask = offs_k < K
+        w, w_up = _weight_tile(
+            gate_rows, up_rows, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP
+        )
+        mask = m_mask[:, None] & k_mask[None, :]
+        summed = _summed_tile(
+            hidden_ptr, residual_ptr, offs_m, offs_k, mask, stride_hm, stride_rm, HAS_RESIDUAL
+        )
+        x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype)
+        acc += w * x
+        if GATE_UP:
+            acc_up += w_up * x
 
     # [1, BLOCK_N] results
     result = tl.sum(acc, axis=1)[None, :]
@@ -345,7 +343,8 @@ def _launch_gemv(
     m, k = hidden.shape
     n = out.shape[1]
     assert m == 1, "the fused GEMV takes one row; more take the norm, then the skinny GEMM"
-    block_n, block_k, num_warps, unroll = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
+    config = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
+    block_n, block_k, num_warps = config.block_n, config.block_k, config.num_warps  # (no prefetch here)
     if block_k_norm is None:
         # The statistics pass takes whole rows in one tile where registers allow (up to 32 fp32 per
         # thread per tensor, before the accumulators are live), else loops.
@@ -385,7 +384,6 @@ def _launch_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_K_NORM=block_k_norm,
-        UNROLL=unroll,
         num_warps=num_warps,
     )
 

@@ -146,7 +146,6 @@ def test_matches_unfused_chain(case: tuple[int, int, int, bool, bool, bool], dty
 # several K steps with a ragged last one, and (block_k_norm) a statistics pass of several ragged tiles.
 FORCED = [
     (1, 37, 100, GemvConfig(block_n=4, block_k=32, num_warps=4), None),
-    (1, 37, 100, GemvConfig(block_n=4, block_k=16, num_warps=4, unroll=3), None),
     (1, 37, 100, GemvConfig(block_n=4, block_k=32, num_warps=4), 32),
     (1, 37, 100, GemvConfig(block_n=8, block_k=16, num_warps=4), 64),
     (1, 30, 50, GemvConfig(block_n=16, block_k=64, num_warps=4), None),
