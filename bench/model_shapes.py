@@ -37,6 +37,22 @@ QWEN3_4B = dataclasses.replace(
     QWEN3_0_6B, hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32
 )
 
+# The rest of the Qwen3 dense family, from their config.json files (for bench/capacity.py's sizing).
+QWEN3_1_7B = dataclasses.replace(QWEN3_0_6B, hidden_size=2048, intermediate_size=6144, num_layers=28)
+QWEN3_8B = dataclasses.replace(
+    QWEN3_4B, hidden_size=4096, intermediate_size=12288, num_layers=36, tie_word_embeddings=False
+)
+QWEN3_14B = dataclasses.replace(
+    QWEN3_8B, hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40
+)
+QWEN3_32B = dataclasses.replace(
+    QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64
+)
+QWEN3_SIZES: dict[str, ModelSpec] = {
+    "Qwen3-0.6B": QWEN3_0_6B, "Qwen3-1.7B": QWEN3_1_7B, "Qwen3-4B": QWEN3_4B, "Qwen3-8B": QWEN3_8B,
+    "Qwen3-14B": QWEN3_14B, "Qwen3-32B": QWEN3_32B,
+}  # fmt: skip
+
 SMOLLM2_135M = ModelSpec(
     family="llama",
     vocab_size=49152,

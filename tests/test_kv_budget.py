@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from bench.model_shapes import QWEN3_0_6B
+from bench.capacity import capacity
+from bench.model_shapes import QWEN3_0_6B, QWEN3_SIZES
 from engine.errors import InvalidRequestError
 from engine.kv_budget import kv_bytes_per_token, kv_cache_tokens_from_memory, step_reserve_bytes
+from engine.model import weight_shapes
 
 GIB = 1 << 30
 
@@ -38,3 +42,23 @@ def test_the_reserve_grows_with_the_step_and_the_logits() -> None:
     small = step_reserve_bytes(QWEN3_0_6B, 2048, 256, 151669)
     assert step_reserve_bytes(QWEN3_0_6B, 8192, 256, 151669) > small
     assert step_reserve_bytes(QWEN3_0_6B, 2048, 1280, 151669) - small == 1024 * 151669 * 32
+
+
+def test_qwen3_sizes_have_their_model_cards_parameter_counts() -> None:
+    """bench/capacity.py sizes these shapes: each has the parameter count its model card gives."""
+    cards = {"Qwen3-0.6B": 0.6, "Qwen3-1.7B": 1.7, "Qwen3-4B": 4.0, "Qwen3-8B": 8.2, "Qwen3-14B": 14.8,
+             "Qwen3-32B": 32.8}  # fmt: skip
+    for name, spec in QWEN3_SIZES.items():
+        parameters = sum(math.prod(shape) for shape in weight_shapes(spec).values())
+        assert round(parameters / 1e9, 1) == cards[name], name
+
+
+def test_capacity_counts_int8_weights_and_kv() -> None:
+    """The sizing report on an H200's free memory: Qwen3-32B's bf16 cache falls short of 64 sequences
+    of 4k tokens, its INT8 weights leave room for them, and an INT8 cache holds about twice the tokens."""
+    free = int(139 * 2**30)
+    bf16, int8 = (capacity(QWEN3_SIZES["Qwen3-32B"], mode, free, 64, 4096) for mode in ("bf16", "int8"))
+    assert not bf16["serves"] and int8["serves"]
+    assert int8["weights_gib"] < bf16["weights_gib"] / 1.8
+    kv, int8_kv = (capacity(QWEN3_SIZES["Qwen3-8B"], mode, free, 64, 4096) for mode in ("bf16", "int8-kv"))
+    assert 1.9 < int8_kv["kv_tokens"] / kv["kv_tokens"] < 2.0
