@@ -212,7 +212,8 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
-        if PREFETCH:  # the next tiles (none past K: the mask is all false there)
+        xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        if PREFETCH:  # this step's tiles came with the last; the next ones go out now (none past K)
             w_raw, w_up_raw = w_next, w_up_next
             next_mask = (offs_k + BLOCK_K < K)[None, :]
             w_next = tl.load(gate_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
@@ -220,15 +221,13 @@ def _gemv_kernel(
                 w_up_next = tl.load(up_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
         else:
             w_raw = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-            w_up_raw = w_raw
-            if GATE_UP:
-                w_up_raw = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-        xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         w = widen(w_raw, tl.float32)
         if SCALE_GROUP > 0:
             w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
         acc += w * xk
         if GATE_UP:
+            if not PREFETCH:
+                w_up_raw = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
             w_up = widen(w_up_raw, tl.float32)
             if SCALE_GROUP > 0:
                 w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
