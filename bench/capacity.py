@@ -3,11 +3,11 @@ engine's own sizing (engine/kv_budget.py) applied to each shape, without loading
 
     python bench/capacity.py [--free-gib 139.0] [--sequences 64] [--context 4096] [--out DIR]
 
-For every Qwen3 dense size and mode (bf16; INT8 weights; INT8 KV; both) it takes the weights' bytes
-(bench/model_shapes.weight_bytes: INT8 layer linears with their scales, the embedding and any untied
-LM head in bf16), the free memory left after them, and the KV tokens the engine would allot there
-(kv_cache_tokens_from_memory with the default gpu_memory_utilization 0.9, the step reserve of
-max_num_batched_tokens 8192 and one logit row a sequence). A model "serves" the load when those
+For every Qwen3 dense size and mode (bench_int8.py's: base = bf16; INT8 weights; INT8 KV; both) it
+takes the weights' bytes (bench/model_shapes.weight_bytes: INT8 layer linears with their scales, the
+embedding and any untied LM head in bf16), the free memory left after them, and the KV tokens the engine
+would allot there (kv_cache_tokens_from_memory with the default gpu_memory_utilization 0.9, the step
+reserve of max_num_batched_tokens 8192 and one logit row a sequence). A model "serves" the load when those
 tokens hold every sequence's whole context. --free-gib is the device memory free before loading (an
 H200 shows about 139 GiB). This is arithmetic on the shapes: the weights' peak while loading and the
 CUDA context are not in it.
@@ -25,17 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_int8 import MODES  # noqa: E402
 from bench.model_shapes import QWEN3_SIZES, weight_bytes  # noqa: E402
 from engine.errors import InvalidRequestError  # noqa: E402
 from engine.kv_budget import kv_bytes_per_token, kv_cache_tokens_from_memory, step_reserve_bytes  # noqa: E402
 
 GIB = 1 << 30
-MODES = {
-    "bf16": (None, "auto"),
-    "int8": ("int8", "auto"),
-    "int8-kv": (None, "int8"),
-    "int8-both": ("int8", "int8"),
-}
 BLOCK_SIZE = 16
 MAX_NUM_BATCHED_TOKENS = 8192
 GPU_MEMORY_UTILIZATION = 0.9

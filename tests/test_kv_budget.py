@@ -57,8 +57,8 @@ def test_capacity_counts_int8_weights_and_kv() -> None:
     """The sizing report on an H200's free memory: Qwen3-32B's bf16 cache falls short of 64 sequences
     of 4k tokens, its INT8 weights leave room for them, and an INT8 cache holds about twice the tokens."""
     free = int(139 * 2**30)
-    bf16, int8 = (capacity(QWEN3_SIZES["Qwen3-32B"], mode, free, 64, 4096) for mode in ("bf16", "int8"))
+    bf16, int8 = (capacity(QWEN3_SIZES["Qwen3-32B"], mode, free, 64, 4096) for mode in ("base", "int8"))
     assert not bf16["serves"] and int8["serves"]
     assert int8["weights_gib"] < bf16["weights_gib"] / 1.8
-    kv, int8_kv = (capacity(QWEN3_SIZES["Qwen3-8B"], mode, free, 64, 4096) for mode in ("bf16", "int8-kv"))
+    kv, int8_kv = (capacity(QWEN3_SIZES["Qwen3-8B"], mode, free, 64, 4096) for mode in ("base", "int8-kv"))
     assert 1.9 < int8_kv["kv_tokens"] / kv["kv_tokens"] < 2.0
