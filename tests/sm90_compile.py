@@ -41,7 +41,9 @@ from engine.runner import ModelRunner  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.scheduler import ScheduledSequence  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
+from kernels import norm_linear  # noqa: E402
 from kernels.attention import AttentionMetadata, DecodeWorkspace, paged_decode_attention_triton  # noqa: E402
+from kernels.linear import GemvConfig  # noqa: E402
 from kernels.prefill_attention import allocate_prefill_workspace, paged_prefill_attention_triton  # noqa: E402
 from kernels.sampling import SamplingTensors, sample_triton  # noqa: E402
 
@@ -154,6 +156,15 @@ def run_engine_kernels() -> None:
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="mistral", sliding_window=24), 40)
     run_decoder(QWEN3_0_6B, 100, kv_cache_dtype="int8")  # the INT8 KV cache's write and attention
     run_decoder(QWEN3_0_6B, 100, quantization="int8")  # INT8 weights in every linear kernel
+    # the norm-fused GEMV with the whole row in one K tile (SINGLE_K), as tuned tiles on the GPU pick it
+    hidden = torch.empty(1, 1024, dtype=torch.bfloat16)
+    for gate_up in (False, True):
+        norm_linear._launch_gemv(
+            hidden, torch.empty_like(hidden), torch.empty(1024, dtype=torch.bfloat16), 1e-6,
+            torch.empty(4096, 1024, dtype=torch.bfloat16), None, gate_up,
+            torch.empty(1, 2048 if gate_up else 4096, dtype=torch.bfloat16), torch.empty_like(hidden),
+            GemvConfig(block_n=2, block_k=1024, num_warps=4),
+        )  # fmt: skip
     # split decode attention, as a CUDA graph sized for a 32k block table runs it
     query = torch.empty(2, 32, 128, dtype=torch.bfloat16)
     cache = torch.empty(2, 2056, 16, 8, 128, dtype=torch.bfloat16)
