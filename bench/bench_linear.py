@@ -152,7 +152,7 @@ class Case:
         self.int8 = int8
         self.ours = [quantize_int8(weight) for weight in self.weights] if int8 else self.weights
         if int8:
-            weight_bytes = n_rows * k + n_rows * 4  # values and fp32 scales
+            weight_bytes = self.ours[0].nbytes()  # values and fp32 scales
         self.x = torch.randn(m, k, device=DEVICE, generator=gen).to(DTYPE)
         self.out = torch.empty(m, self.n_out, device=DEVICE, dtype=DTYPE)
         self.bytes = weight_bytes + self.x.numel() * DTYPE.itemsize + self.out.numel() * DTYPE.itemsize
@@ -307,12 +307,9 @@ def tuned_rows(sweeps: list[dict], int8: bool = False) -> list[dict]:
 
 def merge_tuned(path: Path, rows: list[dict]) -> list[dict]:
     """The table at path (if any) with rows for the same kernel, shape and weights replaced by these."""
-
-    def key(row: dict) -> tuple:
-        return row["kind"], row["m"], row["n"], row["k"], row["gate_up"], row.get("weights", "float")
-
-    fresh = {key(row) for row in rows}
-    kept = [row for row in json.loads(path.read_text()) if key(row) not in fresh] if path.exists() else []
+    fresh = {linear.tuned_key(row) for row in rows}
+    table = json.loads(path.read_text()) if path.exists() else []
+    kept = [row for row in table if linear.tuned_key(row) not in fresh]
     return kept + rows
 
 

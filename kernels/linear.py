@@ -62,11 +62,12 @@ def _tuned_table() -> dict[tuple[str, int, int, int, bool, str], dict[str, int]]
     path = tuned_path(torch.cuda.get_device_name())
     if not path.exists():
         return {}
-    table = {}
-    for row in json.loads(path.read_text()):
-        key = (row["kind"], row["m"], row["n"], row["k"], row["gate_up"], row.get("weights", "float"))
-        table[key] = row["config"]
-    return table
+    return {tuned_key(row): row["config"] for row in json.loads(path.read_text())}
+
+
+def tuned_key(row: dict) -> tuple[str, int, int, int, bool, str]:
+    """A tuned-table row's kernel, M, shape and weights: what its config is looked up by."""
+    return row["kind"], row["m"], row["n"], row["k"], row["gate_up"], row.get("weights", "float")
 
 
 def tuned_config(
