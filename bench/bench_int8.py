@@ -5,11 +5,13 @@ weights in INT8 or not, the bf16 embedding and LM head, and the KV at its own by
 
     python bench/bench_int8.py [--models qwen3-0.6b,qwen3-4b] [--modes base,int8,int8-kv,int8-both]
         [--cached 1023] [--out DIR]
+    python bench/bench_int8.py --models qwen3-4b --gguf q8_0.gguf   # also that file, as `serve run` loads it
     python bench/bench_int8.py --device cpu --tiny   # a smoke run
 
 Modes: base (the dtype), int8 (INT8 weights), int8-kv (the INT8 KV cache), int8-both. Every engine
-takes the same random weights (bench/model_shapes.py); the INT8 ones quantize them at load. The table
-comes last.
+takes the same random weights (bench/model_shapes.py); the INT8 ones quantize them at load. --gguf adds a
+row for a GGUF file of the (one) model's shape, loaded as the server loads it (a Q8_0 file's layer
+weights as INT8 with group-32 scales), against the bytes its weights load as. The table comes last.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from bench.bench_engine import (  # noqa: E402
 )
 from bench.model_shapes import MODELS, random_weights  # noqa: E402
 from engine.engine import DTYPES  # noqa: E402
+from engine.kv_budget import kv_bytes_per_token  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from kernels.int8 import Int8Weight  # noqa: E402
 
 # mode -> (EngineConfig.quantization, EngineConfig.kv_cache_dtype)
 MODES = {
@@ -51,10 +56,14 @@ MODES = {
 PREFILL_LEN = 512
 
 
-def bench_mode(name: str, weights: dict, prompt: list[int], settings: Settings, part: dict[str, Any]) -> None:
+GGUF_MODE = "gguf"
+
+
+def bench_mode(
+    name: str, weights: dict, prompt: list[int], settings: Settings, part: dict[str, Any], key: str
+) -> None:
     """Build one engine (settings.quantization), time its decode and a prefill into part."""
     spec = MODELS[name]
-    key = {value: name for name, value in MODES.items()}[(settings.quantization, settings.kv_cache_dtype)]
     started = time.perf_counter()
     engine = attempt(part, "build", settings, lambda: build_engine(name, spec, weights, settings))
     if engine is None:
@@ -69,7 +78,32 @@ def bench_mode(name: str, weights: dict, prompt: list[int], settings: Settings, 
         print(f"{name} {key}: prefill {PREFILL_LEN} {part['prefill']['tok_s']:,.0f} tok/s", flush=True)
 
 
-def bench_model(name: str, settings: Settings, bandwidth: float, modes: list[str]) -> dict[str, Any]:
+def loaded_bytes(weights: dict) -> int:
+    """Bytes of the weights as loaded (a tied head is the embedding, counted once)."""
+    return sum(
+        w.nbytes() if isinstance(w, Int8Weight) else w.numel() * w.element_size() for w in weights.values()
+    )
+
+
+def bench_gguf(
+    name: str, path: str, prompt: list[int], settings: Settings, bandwidth: float
+) -> dict[str, Any]:
+    """The GGUF file's row: loaded as `serve run` loads it, against its own bytes a token."""
+    spec = MODELS[name]
+    started = time.perf_counter()
+    loaded = load_model(path, settings.dtype, settings.device)
+    assert loaded.spec.vocab_size == spec.vocab_size and loaded.spec.hidden_size == spec.hidden_size, path
+    print(f"{name} {GGUF_MODE}: {path} loaded in {time.perf_counter() - started:.1f} s", flush=True)
+    cached = settings.prompt_len - 1
+    total = loaded_bytes(loaded.weights) + cached * kv_bytes_per_token(spec, settings.dtype)
+    part: dict[str, Any] = {"roofline_tok_s": bandwidth / total, "bytes_per_token": total, "file": path}
+    bench_mode(name, loaded.weights, prompt, settings, part, GGUF_MODE)
+    return part
+
+
+def bench_model(
+    name: str, settings: Settings, bandwidth: float, modes: list[str], gguf: str | None = None
+) -> dict[str, Any]:
     spec = MODELS[name]
     cached = settings.prompt_len - 1
     weights = random_weights(spec, settings.dtype, settings.device)
@@ -86,7 +120,11 @@ def bench_model(name: str, settings: Settings, bandwidth: float, modes: list[str
             ),
         }
         changes = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
-        bench_mode(name, weights, prompt, dataclasses.replace(settings, **changes), part)
+        bench_mode(name, weights, prompt, dataclasses.replace(settings, **changes), part, mode)
+        free_memory()
+    if gguf:
+        del weights
+        record[GGUF_MODE] = bench_gguf(name, gguf, prompt, settings, bandwidth)
         free_memory()
     return record
 
@@ -102,14 +140,16 @@ def print_table(results: dict[str, Any]) -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for record in results["models"]:
         base = record.get("base", {})
-        for mode in results["modes"]:
+        for mode in results["modes"] + ([GGUF_MODE] if GGUF_MODE in record else []):
             part = record.get(mode, {})
             decode, prefill = _tok_s(part, "decode"), _tok_s(part, "prefill")
             base_decode, base_prefill = _tok_s(base, "decode"), _tok_s(base, "prefill")
             share = f"{100 * decode / part['roofline_tok_s']:.1f} %" if decode else "—"
             speedup = f"{decode / base_decode:.2f}×" if decode and base_decode else "—"
             prefill_speedup = f"{prefill / base_prefill:.2f}×" if prefill and base_prefill else "—"
-            name = dtype if mode == "base" else mode
+            name = (
+                dtype if mode == "base" else f"GGUF {Path(part['file']).name}" if mode == GGUF_MODE else mode
+            )
             print(
                 f"| {record['model']} | {name} | {decode or 0:,.1f} | {share} | {speedup} | "
                 f"{prefill or 0:,.0f} | {prefill_speedup} |"
@@ -126,8 +166,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny model, short runs (a CPU smoke run)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ",".join(MODES))
     parser.add_argument("--cached", type=int, default=None, help="positions before decoding (default 1023)")
+    parser.add_argument("--gguf", help="also this GGUF file, of the one model named by --models")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args()
+    if args.gguf and (args.tiny or "," in args.models):
+        parser.error("--gguf: one model of the file's shape (--models NAME)")
     tiny = args.tiny
     modes = args.modes.split(",")
     unknown = [mode for mode in modes if mode not in MODES]
@@ -157,7 +200,8 @@ def main() -> None:
         "models": [],
     }
     for name in ["tiny"] if tiny else args.models.split(","):
-        results["models"].append(bench_model(name, settings, machine["copy_bandwidth_bytes_per_s"], modes))
+        bandwidth = machine["copy_bandwidth_bytes_per_s"]
+        results["models"].append(bench_model(name, settings, bandwidth, modes, args.gguf))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_int8.json").write_text(json.dumps(results, indent=1, default=str))

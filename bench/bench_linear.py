@@ -198,14 +198,16 @@ class Case:
 
     def candidates(self, near: bool = False) -> list[TileConfig]:
         """Every tile configuration the sweep tries for this shape; near (GEMV only): the picked tile with
-        half, the same and twice its K step, either warp count, with and without prefetching."""
+        half, the same and twice its K step, either warp count, with and without prefetching, summed at
+        the end or at each step."""
         if near and self.m <= linear.GEMV_MAX_M:
             picked = self.heuristic()
             return [
-                linear.GemvConfig(picked.block_n, block_k, num_warps, prefetch)
+                linear.GemvConfig(picked.block_n, block_k, num_warps, prefetch, sum_each_step)
                 for block_k in (picked.block_k // 2, picked.block_k, picked.block_k * 2)
                 for num_warps in (4, 8)
                 for prefetch in (False, True)
+                for sum_each_step in (False, True)
                 if block_k >= 16
             ]
         if linear.GEMV_MAX_M < self.m <= linear.SKINNY_MAX_M:
@@ -221,19 +223,24 @@ class Case:
                 if split_k <= k_tiles[block_k]
             ]
         if self.m <= linear.GEMV_MAX_M:
-            block_m = triton.next_power_of_2(self.m)
             tiles = 2 if self.gate_up else 1
             configs = []
             k_cap = max(128, triton.next_power_of_2(self.k))
             for block_n in (1, 2, 4, 8, 16, 32):
                 for num_warps in (4, 8):
                     for block_k in (128, 256, 512, 1024, 2048, 4096):
-                        registers = block_m * block_n * tiles * block_k // (32 * num_warps)
+                        # fp32 accumulators a thread (a tile's elements a thread when summed each step)
+                        registers = block_n * tiles * block_k // (32 * num_warps)
                         if block_k > k_cap or not 8 <= registers <= 128:
-                            continue  # past K, or too few/many fp32 accumulators per thread
+                            continue
                         for prefetch in (False, True):  # the next K tile loaded before this one's products
-                            if not prefetch or (block_k < k_cap and registers <= 64):
-                                configs.append(linear.GemvConfig(block_n, block_k, num_warps, prefetch))
+                            for sum_each_step in (False, True):
+                                if not prefetch or (block_k < k_cap and (sum_each_step or registers <= 64)):
+                                    configs.append(
+                                        linear.GemvConfig(
+                                            block_n, block_k, num_warps, prefetch, sum_each_step
+                                        )
+                                    )
             return configs
         cap = max(16, triton.next_power_of_2(self.m))
         table = linear.GATE_UP_CANDIDATES if self.gate_up else linear.GEMM_CANDIDATES

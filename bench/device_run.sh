@@ -33,6 +33,9 @@
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
+#   bash bench/device_run.sh gemvprobe  # (carry .peers/llamacpp) INT8 GEMV counters (ncu) and tiles; builds
+#       # llama.cpp and writes the peer's BF16 and Q8_0 models in the background, for peerq8 right after
+#   bash bench/device_run.sh peerq8   # (after gemvprobe, warm) llama.cpp BF16 / Q8_0, TileInfer on the Q8_0 file
 #   PROBES="unpaced throughput" bash bench/device_run.sh serveprobe  # (carry .whl, .assets) serve-load's
 #       # processes' CPU, paced; then each probe (unpaced, same_thread, quiet, throughput); then run_ahead_check
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
@@ -248,6 +251,45 @@ int8)  # INT8 weights: the kernels' tests compiled; bench_int8 (bf16 beside INT8
     if [ -e "/tmp/tc/models/$GGUF" ]; then
         run 150 python3 bench/int8_accuracy.py --device cuda --dtype bfloat16 --out "$OUT/int8_accuracy.json"
     fi
+    ;;
+gemvprobe)  # INT8 GEMV: hardware counters of chosen tiles, then tiles timed; the peer built meanwhile
+    (
+        BUILD_ONLY=1 BUDGET_S=540 OUT="$OUT/peer" nice -n 19 bash .peers/llamacpp/run.sh > /dev/null 2>&1
+        mkdir -p /tmp/q8
+        for pair in q4b:qwen3-4b q06:qwen3-0.6b; do
+            m=${pair%%:*}
+            nice -n 10 python3 .peers/llamacpp/make_random_gguf.py "/tmp/$m.gguf" "${pair#*:}" \
+                --vocab-gguf /tmp/lcpp/models/ggml-vocab-qwen2.gguf
+            nice -n 10 python3 bench/q8_0_gguf.py "/tmp/$m.gguf" "/tmp/q8/$m.gguf"
+        done
+    ) > "$OUT/peer_prep.log" 2>&1 &
+    prep=$!
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats"
+    SECTIONS="$SECTIONS --section WarpStateStats --section SchedulerStats"
+    for probe in "qkv --int8 tuned;32,512,8,0,1;16,2048,8,0,1;16,1024,8,1,1;8,1024,4,1,1" \
+        "qkv tuned" "gate_up --int8 tuned;16,1024,8,0,1;16,512,8,1,1;8,2048,8,0,1"; do
+        set -- $probe
+        layer=$1; shift; configs=${!#}; flags=${*%"$configs"}
+        timeout 120 "$NCU" --clock-control none -k regex:_gemv_kernel $SECTIONS python3 bench/gemv_probe.py \
+            --layers "$layer" $flags --configs "$configs" --launch-only > "$OUT/ncu_${layer}${flags// /}.txt" 2>&1
+        echo "== ncu $layer $flags ($(grep -c "_gemv_kernel" "$OUT/ncu_${layer}${flags// /}.txt") kernel reports)"
+        grep -E "^  _gemv|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit Reg|Warp Cycles Per Issued|No Eligible|Issued Warp Per|L2 Hit|Eligible Warps" \
+            "$OUT/ncu_${layer}${flags// /}.txt" | awk '{$1=$1; print}' | head -"${NCU_LINES:-120}"
+    done
+    run "${LIMIT:-300}" python3 bench/gemv_probe.py --int8 --layers qkv,o,gate_up,down \
+        --configs "tuned;${GRID:-4-32,512-2048,4-8,0-1,1}" --write-tuned "$OUT/NVIDIA_H200.json"
+    while kill -0 "$prep" 2> /dev/null && [ "$SECONDS" -lt "${PREP_UNTIL_S:-570}" ]; do sleep 5; done
+    kill -0 "$prep" 2> /dev/null && echo "the peer's preparation goes on in the background"
+    tail -5 "$OUT/peer_prep.log"; ls -la /tmp/q8 /tmp/*.gguf
+    ;;
+peerq8)  # (after gemvprobe on the same warm machine) llama.cpp on the BF16 and Q8_0 files; TileInfer on Q8_0
+    for dir in /tmp /tmp/q8; do
+        BENCH_ONLY=1 MDIR=$dir BUDGET_S=${PEER_S:-160} OUT="$OUT/peer${dir//\//_}" NPL=${NPL:-1,8,64,256} \
+            bash .peers/llamacpp/run.sh 2>&1 | sed -n '/===== summary/,$p'
+    done
+    run "${LIMIT:-240}" python3 bench/bench_int8.py --out "$OUT" --models qwen3-4b --modes base,int8 \
+        --gguf /tmp/q8/q4b.gguf
     ;;
 lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py

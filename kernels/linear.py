@@ -190,6 +190,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr = False,  # load the next K tile before the products of this one
+    SUM_EACH_STEP: tl.constexpr = False,  # reduce each K tile's products to [BLOCK_N] at once
 ):
     # The products are formed in fp32 (weights are upcast on load), so there is no bf16 arithmetic for
     # the interpreter to get wrong and no UPCAST flag is needed here.
@@ -202,9 +203,12 @@ def _gemv_kernel(
     up_rows = w_ptr + (rows + N)[:, None] * stride_wn  # [BLOCK_N, 1] (GATE_UP only)
     offs_k0 = tl.arange(0, BLOCK_K)
 
-    # [BLOCK_N, BLOCK_K] partial sums, reduced across K once after the loop.
+    # [BLOCK_N, BLOCK_K] partial sums, reduced across K once after the loop; or (SUM_EACH_STEP) [BLOCK_N]
+    # sums, each tile's products reduced at once, so that no accumulator holds a register per tile element.
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    row_sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_sums_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if PREFETCH:  # the first tiles; each step then loads the next ones while its products run
         w_next = tl.load(gate_rows + offs_k0[None, :], mask=(offs_k0 < K)[None, :], other=0.0)
         w_up_next = w_next
@@ -225,18 +229,24 @@ def _gemv_kernel(
         w = widen(w_raw, tl.float32)
         if SCALE_GROUP > 0:
             w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
-        acc += w * xk
+        if SUM_EACH_STEP:
+            row_sums += tl.sum(w * xk, axis=1)
+        else:
+            acc += w * xk
         if GATE_UP:
             if not PREFETCH:
                 w_up_raw = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
             w_up = widen(w_up_raw, tl.float32)
             if SCALE_GROUP > 0:
                 w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
-            acc_up += w_up * xk
-    result = tl.sum(acc, axis=1)  # [BLOCK_N]
-    result_up = result
-    if GATE_UP:
-        result_up = tl.sum(acc_up, axis=1)
+            if SUM_EACH_STEP:
+                row_sums_up += tl.sum(w_up * xk, axis=1)
+            else:
+                acc_up += w_up * xk
+    if SUM_EACH_STEP:
+        result, result_up = row_sums, row_sums_up
+    else:
+        result, result_up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)  # [BLOCK_N]
     if HAS_SCALE and SCALE_GROUP == 0:
         result *= tl.load(scale_ptr + rows)
         if GATE_UP:
@@ -253,6 +263,7 @@ class GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     prefetch: bool = False  # the plain GEMV loads the next K tile before this one's products
+    sum_each_step: bool = False  # each K tile's products summed at once (no tile-sized accumulator)
 
 
 def gemv_config(m: int, n: int, k: int, gate_up: bool, weights: str = "float") -> GemvConfig:
@@ -293,7 +304,9 @@ def _launch_gemv(
     m, k = x.shape
     n = out.shape[1]
     assert m == 1, "the GEMV takes one row of x; more take the skinny GEMM"
-    block_n, block_k, num_warps, prefetch = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
+    block_n, block_k, num_warps, prefetch, sum_each_step = config or gemv_config(
+        m, n, k, gate_up, weights_kind(weight)
+    )
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -310,6 +323,7 @@ def _launch_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PREFETCH=prefetch,
+        SUM_EACH_STEP=sum_each_step,
         num_warps=num_warps,
     )
 
