@@ -124,12 +124,22 @@ def gate_up_silu_reference(
 
 
 @triton.jit
-def group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP: tl.constexpr):
-    """fp32 [len(rows), len(offs_k)]: scale[row, k // SCALE_GROUP] of a group-scaled INT8 weight (scale
-    [rows, K / SCALE_GROUP], rows contiguous); columns past K take the last group (their weights are 0)."""
+def group_scales(scale_ptr, rows, k_start, K, SCALE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 [len(rows), BLOCK_K]: scale[row, k // SCALE_GROUP] for k in k_start + [0, BLOCK_K) of a
+    group-scaled INT8 weight (scale [rows, K / SCALE_GROUP], rows contiguous; k_start a multiple of
+    BLOCK_K); columns past K take the last group (their weights are 0). Each group's scale is loaded once
+    and broadcast over its columns, so a pipelined loop stages BLOCK_K / SCALE_GROUP scales a row, not
+    BLOCK_K."""
     num_groups = K // SCALE_GROUP
-    groups = tl.minimum(offs_k // SCALE_GROUP, num_groups - 1)
-    return tl.load(scale_ptr + rows[:, None] * num_groups + groups[None, :])
+    if BLOCK_K <= SCALE_GROUP:  # the tile lies in one group
+        group = tl.minimum(k_start // SCALE_GROUP, num_groups - 1)
+        scales = tl.load(scale_ptr + rows * num_groups + group)
+        return tl.broadcast_to(scales[:, None], (rows.shape[0], BLOCK_K))
+    GROUPS: tl.constexpr = BLOCK_K // SCALE_GROUP
+    groups = tl.minimum(k_start // SCALE_GROUP + tl.arange(0, GROUPS), num_groups - 1)
+    scales = tl.load(scale_ptr + rows[:, None] * num_groups + groups[None, :])  # [rows, GROUPS]
+    wide = tl.broadcast_to(scales[:, :, None], (rows.shape[0], GROUPS, SCALE_GROUP))
+    return tl.reshape(wide, (rows.shape[0], BLOCK_K))
 
 
 # Four int8 weights (one 32-bit register) to four fp32 without the int-to-float instruction, which the
@@ -228,7 +238,7 @@ def _gemv_kernel(
             w_raw = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
         w = widen(w_raw, tl.float32)
         if SCALE_GROUP > 0:
-            w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
+            w *= group_scales(scale_ptr, rows, k0, K, SCALE_GROUP, BLOCK_K)
         if SUM_EACH_STEP:
             row_sums += tl.sum(w * xk, axis=1)
         else:
@@ -238,7 +248,7 @@ def _gemv_kernel(
                 w_up_raw = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
             w_up = widen(w_up_raw, tl.float32)
             if SCALE_GROUP > 0:
-                w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
+                w_up *= group_scales(scale_ptr, rows + N, k0, K, SCALE_GROUP, BLOCK_K)
             if SUM_EACH_STEP:
                 row_sums_up += tl.sum(w_up * xk, axis=1)
             else:
@@ -429,7 +439,7 @@ def _skinny_kernel(
         # (straight to fp32 in the interpreter, whose bf16 conversions are wrong; exact either way).
         if SCALE_GROUP > 0:
             w = widen(w, tl.float32) * group_scales(
-                scale_ptr, w_rows, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP
+                scale_ptr, w_rows, k_tile * BLOCK_K, K, SCALE_GROUP, BLOCK_K
             )
         if UPCAST:
             x = x.to(tl.float32)
@@ -445,7 +455,7 @@ def _skinny_kernel(
                 w_up = tl.load(w_up_ptrs, mask=k_mask[None, :], other=0.0)
             if SCALE_GROUP > 0:
                 w_up = widen(w_up, tl.float32) * group_scales(
-                    scale_ptr, w_rows + N, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP
+                    scale_ptr, w_rows + N, k_tile * BLOCK_K, K, SCALE_GROUP, BLOCK_K
                 )
             if UPCAST:  # noqa: SIM108 (a constexpr branch)
                 w_up = widen(w_up, tl.float32)
@@ -658,7 +668,7 @@ def _gemm_kernel(
         # int8 weights: converted in registers (exact up to 127; straight to fp32 in the interpreter)
         if SCALE_GROUP > 0:  # b is [BLOCK_K, BLOCK_N]: the scales' tile transposed
             b = widen(b, tl.float32) * tl.trans(
-                group_scales(scale_ptr, w_rows, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
+                group_scales(scale_ptr, w_rows, k_tile * BLOCK_K, K, SCALE_GROUP, BLOCK_K)
             )
         if UPCAST:
             a = a.to(tl.float32)
@@ -673,7 +683,7 @@ def _gemm_kernel(
                 b_up = tl.load(w_up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             if SCALE_GROUP > 0:
                 b_up = widen(b_up, tl.float32) * tl.trans(
-                    group_scales(scale_ptr, w_rows + N, k_tile * BLOCK_K + offs_k, K, SCALE_GROUP)
+                    group_scales(scale_ptr, w_rows + N, k_tile * BLOCK_K, K, SCALE_GROUP, BLOCK_K)
                 )
             if UPCAST:  # noqa: SIM108 (a constexpr branch)
                 b_up = widen(b_up, tl.float32)

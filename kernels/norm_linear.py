@@ -151,7 +151,8 @@ def _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype: tl.co
 def _weight_tile(
     gate_rows,
     up_rows,
-    offs_k,
+    k_start,
+    offs_k,  # k_start + [0, BLOCK_K)
     k_mask,
     scale_ptr,
     rows,
@@ -159,17 +160,18 @@ def _weight_tile(
     K,
     GATE_UP: tl.constexpr,
     SCALE_GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """The [BLOCK_N, BLOCK_K] gate (or only) and up weight tiles in fp32, group scales applied
     (SCALE_GROUP > 0); without GATE_UP, up is gate."""
     w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
     if SCALE_GROUP > 0:
-        w *= group_scales(scale_ptr, rows, offs_k, K, SCALE_GROUP)
+        w *= group_scales(scale_ptr, rows, k_start, K, SCALE_GROUP, BLOCK_K)
     w_up = w
     if GATE_UP:
         w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
         if SCALE_GROUP > 0:
-            w_up *= group_scales(scale_ptr, rows + N, offs_k, K, SCALE_GROUP)
+            w_up *= group_scales(scale_ptr, rows + N, k_start, K, SCALE_GROUP, BLOCK_K)
     return w, w_up
 
 
@@ -235,6 +237,7 @@ def _add_rms_norm_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_K_NORM: tl.constexpr,  # columns per statistics tile (pass 1): >= BLOCK_K
+    SUM_EACH_STEP: tl.constexpr = False,  # reduce each K tile's products at once (as linear.py's GEMV)
 ):
     # Products and statistics are fp32 and every bf16 rounding is an explicit cast, so there is no bf16
     # arithmetic for the interpreter to get wrong (no UPCAST flag needed, as in linear.py's GEMV).
@@ -255,7 +258,9 @@ def _add_rms_norm_gemv_kernel(
     # The first weight tile does not depend on the norm: its loads go out first, so their latency hides
     # behind the statistics pass.
     k_mask = offs_k0 < K
-    w, w_up = _weight_tile(gate_rows, up_rows, offs_k0, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP)
+    w, w_up = _weight_tile(
+        gate_rows, up_rows, 0, offs_k0, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP, BLOCK_K
+    )
 
     # Pass 1: the sum of squares of each row (and this program's slice of residual_out), in tiles of
     # BLOCK_K_NORM >= BLOCK_K columns: usually one tile (ONE_NORM_TILE), i.e. one round trip to L2.
@@ -289,24 +294,34 @@ def _add_rms_norm_gemv_kernel(
     acc_up = acc
     if GATE_UP:
         acc_up = w_up * x
+    if SUM_EACH_STEP:  # [BLOCK_N] sums from here on (kept [BLOCK_N, BLOCK_K]-free)
+        row_sums = tl.sum(acc, axis=1)
+        row_sums_up = tl.sum(acc_up, axis=1)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
         w, w_up = _weight_tile(
-            gate_rows, up_rows, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP
+            gate_rows, up_rows, k0, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP, BLOCK_K
         )
         mask = m_mask[:, None] & k_mask[None, :]
         summed = _summed_tile(
             hidden_ptr, residual_ptr, offs_m, offs_k, mask, stride_hm, stride_rm, HAS_RESIDUAL
         )
         x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype)
-        acc += w * x
-        if GATE_UP:
-            acc_up += w_up * x
+        if SUM_EACH_STEP:
+            row_sums += tl.sum(w * x, axis=1)
+            if GATE_UP:
+                row_sums_up += tl.sum(w_up * x, axis=1)
+        else:
+            acc += w * x
+            if GATE_UP:
+                acc_up += w_up * x
 
     # [1, BLOCK_N] results
-    result = tl.sum(acc, axis=1)[None, :]
-    result_up = tl.sum(acc_up, axis=1)[None, :]
+    if SUM_EACH_STEP:
+        result, result_up = row_sums[None, :], row_sums_up[None, :]
+    else:
+        result, result_up = tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :]
     if HAS_SCALE and SCALE_GROUP == 0:
         result *= tl.load(scale_ptr + rows)[None, :]
         if GATE_UP:
@@ -345,6 +360,7 @@ def _launch_gemv(
     assert m == 1, "the fused GEMV takes one row; more take the norm, then the skinny GEMM"
     config = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
     block_n, block_k, num_warps = config.block_n, config.block_k, config.num_warps  # (no prefetch here)
+    sum_each_step = config.sum_each_step
     if block_k_norm is None:
         # The statistics pass takes whole rows in one tile where registers allow (up to 32 fp32 per
         # thread per tensor, before the accumulators are live), else loops.
@@ -383,6 +399,7 @@ def _launch_gemv(
         BLOCK_M=1,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        SUM_EACH_STEP=sum_each_step,
         BLOCK_K_NORM=block_k_norm,
         num_warps=num_warps,
     )

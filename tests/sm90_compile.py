@@ -33,9 +33,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from bench.model_shapes import QWEN3_0_6B, SMOLLM2_135M, random_weights  # noqa: E402
+from bench.model_shapes import QWEN3_0_6B, QWEN3_4B, SMOLLM2_135M, random_weights  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
-from engine.model import Decoder  # noqa: E402
+from engine.model import Decoder, is_layer_linear  # noqa: E402
 from engine.ops import TRITON_OPS  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
@@ -43,11 +43,13 @@ from engine.scheduler import ScheduledSequence  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 from kernels import norm_linear  # noqa: E402
 from kernels.attention import AttentionMetadata, DecodeWorkspace, paged_decode_attention_triton  # noqa: E402
+from kernels.int8 import quantize_int8  # noqa: E402
 from kernels.linear import GemvConfig  # noqa: E402
 from kernels.prefill_attention import allocate_prefill_workspace, paged_prefill_attention_triton  # noqa: E402
 from kernels.sampling import SamplingTensors, sample_triton  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
+H200_SHARED_BYTES = 232448  # the most shared memory a block may take on sm_90 (227 KiB)
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl")
 TYPES = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
@@ -101,7 +103,11 @@ def compile_launch(launch: Launch) -> None:
         else:
             signature[param.name] = argument_type(value)
     source = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs)
-    triton.compile(source, target=TARGET, options=launch.options)
+    kernel = triton.compile(source, target=TARGET, options=launch.options)
+    if kernel.metadata.shared > H200_SHARED_BYTES:  # the launch would fail with OutOfResources
+        raise RuntimeError(
+            f"{kernel.metadata.shared} bytes of shared memory, the H200 has {H200_SHARED_BYTES}"
+        )
 
 
 def variant_key(launch: Launch) -> tuple:
@@ -117,11 +123,21 @@ def variant_key(launch: Launch) -> tuple:
 
 
 def run_decoder(
-    spec: object, prompt_len: int, kv_cache_dtype: str = "auto", quantization: str | None = None
+    spec: object,
+    prompt_len: int,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+    group_size: int | None = None,
 ) -> None:
-    """A prefill, a decode step and a verify-shaped step (5 logit rows) of a 2-layer bf16 decoder."""
+    """A prefill, a decode step and a verify-shaped step (5 logit rows) of a 2-layer bf16 decoder;
+    group_size: its layer linears INT8 with scales for groups of that many inputs (a Q8_0 GGUF's 32)."""
     spec = dataclasses.replace(spec, num_layers=2)
     weights = random_weights(spec, torch.bfloat16, "cpu")
+    if group_size:
+        weights = {
+            name: quantize_int8(weight, group_size) if is_layer_linear(name) else weight
+            for name, weight in weights.items()
+        }
     decoder = Decoder.from_weights(
         spec, weights, max_positions=1024, ops=TRITON_OPS, quantization=quantization
     )
@@ -156,6 +172,8 @@ def run_engine_kernels() -> None:
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="mistral", sliding_window=24), 40)
     run_decoder(QWEN3_0_6B, 100, kv_cache_dtype="int8")  # the INT8 KV cache's write and attention
     run_decoder(QWEN3_0_6B, 100, quantization="int8")  # INT8 weights in every linear kernel
+    # a Q8_0 GGUF's group-32 scales in every linear kernel, at Qwen3-4B's widths (a smaller vocabulary)
+    run_decoder(dataclasses.replace(QWEN3_4B, vocab_size=4096), 100, group_size=32)
     # the norm-fused GEMV with the whole row in one K tile (SINGLE_K), as tuned tiles on the GPU pick it
     hidden = torch.empty(1, 1024, dtype=torch.bfloat16)
     for gate_up in (False, True):

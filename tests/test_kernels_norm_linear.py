@@ -149,12 +149,19 @@ FORCED = [
     (1, 37, 100, GemvConfig(block_n=4, block_k=32, num_warps=4), 32),
     (1, 37, 100, GemvConfig(block_n=8, block_k=16, num_warps=4), 64),
     (1, 30, 50, GemvConfig(block_n=16, block_k=64, num_warps=4), None),
+    (1, 37, 100, GemvConfig(block_n=4, block_k=32, num_warps=4, sum_each_step=True), None),
+    (1, 30, 50, GemvConfig(block_n=16, block_k=64, num_warps=4, sum_each_step=True), None),
 ]
 
 
 @pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
 @pytest.mark.parametrize(
-    "case", FORCED, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-BN{c[3].block_n}-BK{c[3].block_k}-{c[4]}" for c in FORCED]
+    "case",
+    FORCED,
+    ids=[
+        f"M{c[0]}-N{c[1]}-K{c[2]}-BN{c[3].block_n}-BK{c[3].block_k}-{c[4]}{'-sum' * c[3].sum_each_step}"
+        for c in FORCED
+    ],
 )
 def test_forced_tiles(case: tuple[int, int, int, GemvConfig, int | None], gate_up: bool) -> None:
     m, n, k, config, block_k_norm = case
