@@ -36,6 +36,8 @@
 #   bash bench/device_run.sh gemvprobe  # (carry .peers/llamacpp) INT8 GEMV counters (ncu) and tiles; builds
 #       # llama.cpp and writes the peer's BF16 and Q8_0 models in the background, for peerq8 right after
 #   bash bench/device_run.sh peerq8   # (after gemvprobe, warm) llama.cpp BF16 / Q8_0, TileInfer on the Q8_0 file
+#   bash bench/device_run.sh q8serve  # (carry .peers/llamacpp, an earlier tree in .prev) GPU linear tests,
+#       # bench_int8 on Qwen3-4B with the peer's Q8_0 file, and .prev's bench_int8 beside it
 #   PROBES="unpaced throughput" bash bench/device_run.sh serveprobe  # (carry .whl, .assets) serve-load's
 #       # processes' CPU, paced; then each probe (unpaced, same_thread, quiet, throughput); then run_ahead_check
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
@@ -290,6 +292,24 @@ peerq8)  # (after gemvprobe on the same warm machine) llama.cpp on the BF16 and 
     done
     run "${LIMIT:-240}" python3 bench/bench_int8.py --out "$OUT" --models qwen3-4b --modes base,int8 \
         --gguf /tmp/q8/q4b.gguf
+    ;;
+q8serve)  # the linear kernels' GPU tests; bench_int8 with the peer's Q8_0 file, beside .prev's tree (A/B)
+    mkdir -p /tmp/lcpp /tmp/q8
+    (
+        tar -xzf .peers/llamacpp/llama.cpp.tar.gz -C /tmp/lcpp ./models/ggml-vocab-qwen2.gguf
+        python3 .peers/llamacpp/make_random_gguf.py /tmp/q4b.gguf qwen3-4b --vocab-gguf /tmp/lcpp/models/ggml-vocab-qwen2.gguf
+        python3 bench/q8_0_gguf.py /tmp/q4b.gguf /tmp/q8/q4b.gguf
+    ) > "$OUT/q8_prep.log" 2>&1 &
+    [ "${TEST_LIMIT:-150}" = 0 ] || sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py \
+        tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
+    wait; tail -2 "$OUT/q8_prep.log"
+    run "${LIMIT:-240}" python3 bench/bench_int8.py --out "$OUT" --models qwen3-4b --modes base,int8 \
+        --gguf /tmp/q8/q4b.gguf
+    if [ -d .prev ]; then
+        mkdir -p "$OUT/prev"
+        (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
+            --models qwen3-4b --modes base,int8)
+    fi
     ;;
 lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
