@@ -198,15 +198,13 @@ class Case:
 
     def candidates(self, near: bool = False) -> list[TileConfig]:
         """Every tile configuration the sweep tries for this shape; near (GEMV only): the picked tile with
-        half, the same and twice its K step, either warp count, with and without prefetching, summed at
-        the end or at each step."""
+        half, the same and twice its K step, either warp count, summed at the end or at each step."""
         if near and self.m <= linear.GEMV_MAX_M:
             picked = self.heuristic()
             return [
-                linear.GemvConfig(picked.block_n, block_k, num_warps, prefetch, sum_each_step)
+                linear.GemvConfig(picked.block_n, block_k, num_warps, sum_each_step)
                 for block_k in (picked.block_k // 2, picked.block_k, picked.block_k * 2)
                 for num_warps in (4, 8)
-                for prefetch in (False, True)
                 for sum_each_step in (False, True)
                 if block_k >= 16
             ]
@@ -233,14 +231,8 @@ class Case:
                         registers = block_n * tiles * block_k // (32 * num_warps)
                         if block_k > k_cap or not 8 <= registers <= 128:
                             continue
-                        for prefetch in (False, True):  # the next K tile loaded before this one's products
-                            for sum_each_step in (False, True):
-                                if not prefetch or (block_k < k_cap and (sum_each_step or registers <= 64)):
-                                    configs.append(
-                                        linear.GemvConfig(
-                                            block_n, block_k, num_warps, prefetch, sum_each_step
-                                        )
-                                    )
+                        for sum_each_step in (False, True):
+                            configs.append(linear.GemvConfig(block_n, block_k, num_warps, sum_each_step))
             return configs
         cap = max(16, triton.next_power_of_2(self.m))
         table = linear.GATE_UP_CANDIDATES if self.gate_up else linear.GEMM_CANDIDATES

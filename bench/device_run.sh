@@ -280,7 +280,7 @@ gemvprobe)  # INT8 GEMV: hardware counters of chosen tiles, then tiles timed; th
             "$OUT/ncu_${layer}${flags// /}.txt" | awk '{$1=$1; print}' | head -"${NCU_LINES:-120}"
     done
     run "${LIMIT:-300}" python3 bench/gemv_probe.py --int8 --layers qkv,o,gate_up,down \
-        --configs "tuned;${GRID:-4-32,512-2048,4-8,0-1,1}" --write-tuned "$OUT/NVIDIA_H200.json"
+        --configs "tuned;${GRID:-4-32,512-2048,4-8,0-1}" --write-tuned "$OUT/NVIDIA_H200.json"
     while kill -0 "$prep" 2> /dev/null && [ "$SECONDS" -lt "${PREP_UNTIL_S:-570}" ]; do sleep 5; done
     kill -0 "$prep" 2> /dev/null && echo "the peer's preparation goes on in the background"
     tail -5 "$OUT/peer_prep.log"; ls -la /tmp/q8 /tmp/*.gguf

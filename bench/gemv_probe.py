@@ -4,8 +4,8 @@
         [--write-tuned kernels/tuned/NVIDIA_H200.json]
     ncu --clock-control none ... python bench/gemv_probe.py ... --launch-only
 
-A config is block_n,block_k,num_warps,prefetch,sum_each_step (linear.GemvConfig); "tuned" is what the
-engine picks for the shape; a range "4-32,512-2048,4-8,0-1,1" takes every power of two (each flag) in it.
+A config is block_n,block_k,num_warps,sum_each_step (linear.GemvConfig); "tuned" is what the
+engine picks for the shape; a range "4-32,512-2048,4-8,0-1" takes every power of two (each flag) in it.
 --write-tuned merges the fastest config of each layer into that table (bench_linear's format).
 --launch-only runs each config twice outside graphs (the first compiles): a profiler sees two launches
 per config, in the order given, the second warm.

@@ -199,7 +199,6 @@ def _gemv_kernel(
     GATE_UP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr = False,  # load the next K tile before the products of this one
     SUM_EACH_STEP: tl.constexpr = False,  # reduce each K tile's products to [BLOCK_N] at once
 ):
     # The products are formed in fp32 (weights are upcast on load), so there is no bf16 arithmetic for
@@ -219,24 +218,11 @@ def _gemv_kernel(
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     row_sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_sums_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if PREFETCH:  # the first tiles; each step then loads the next ones while its products run
-        w_next = tl.load(gate_rows + offs_k0[None, :], mask=(offs_k0 < K)[None, :], other=0.0)
-        w_up_next = w_next
-        if GATE_UP:
-            w_up_next = tl.load(up_rows + offs_k0[None, :], mask=(offs_k0 < K)[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
         xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        if PREFETCH:  # this step's tiles came with the last; the next ones go out now (none past K)
-            w_raw, w_up_raw = w_next, w_up_next
-            next_mask = (offs_k + BLOCK_K < K)[None, :]
-            w_next = tl.load(gate_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
-            if GATE_UP:
-                w_up_next = tl.load(up_rows + BLOCK_K + offs_k[None, :], mask=next_mask, other=0.0)
-        else:
-            w_raw = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-        w = widen(w_raw, tl.float32)
+        w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
         if SCALE_GROUP > 0:
             w *= group_scales(scale_ptr, rows, k0, K, SCALE_GROUP, BLOCK_K)
         if SUM_EACH_STEP:
@@ -244,9 +230,7 @@ def _gemv_kernel(
         else:
             acc += w * xk
         if GATE_UP:
-            if not PREFETCH:
-                w_up_raw = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-            w_up = widen(w_up_raw, tl.float32)
+            w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
             if SCALE_GROUP > 0:
                 w_up *= group_scales(scale_ptr, rows + N, k0, K, SCALE_GROUP, BLOCK_K)
             if SUM_EACH_STEP:
@@ -272,7 +256,6 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
-    prefetch: bool = False  # the plain GEMV loads the next K tile before this one's products
     sum_each_step: bool = False  # each K tile's products summed at once (no tile-sized accumulator)
 
 
@@ -314,9 +297,7 @@ def _launch_gemv(
     m, k = x.shape
     n = out.shape[1]
     assert m == 1, "the GEMV takes one row of x; more take the skinny GEMM"
-    block_n, block_k, num_warps, prefetch, sum_each_step = config or gemv_config(
-        m, n, k, gate_up, weights_kind(weight)
-    )
+    block_n, block_k, num_warps, sum_each_step = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -332,7 +313,6 @@ def _launch_gemv(
         GATE_UP=gate_up,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PREFETCH=prefetch,
         SUM_EACH_STEP=sum_each_step,
         num_warps=num_warps,
     )

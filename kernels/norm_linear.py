@@ -359,8 +359,7 @@ def _launch_gemv(
     n = out.shape[1]
     assert m == 1, "the fused GEMV takes one row; more take the norm, then the skinny GEMM"
     config = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
-    block_n, block_k, num_warps = config.block_n, config.block_k, config.num_warps  # (no prefetch here)
-    sum_each_step = config.sum_each_step
+    block_n, block_k, num_warps, sum_each_step = config
     if block_k_norm is None:
         # The statistics pass takes whole rows in one tile where registers allow (up to 32 fp32 per
         # thread per tensor, before the accumulators are live), else loops.
