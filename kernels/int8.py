@@ -36,6 +36,9 @@ class Int8Weight:
             scale.shape,
             values.shape,
         )
+        group = self.group_size
+        # a power of two: the kernels' K tiles (powers of two) then hold whole groups, or lie in one
+        assert scale.dim() == 1 or group & (group - 1) == 0, f"scale groups of {group} inputs"
 
     @property
     def group_size(self) -> int:

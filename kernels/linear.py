@@ -130,6 +130,7 @@ def group_scales(scale_ptr, rows, k_start, K, SCALE_GROUP: tl.constexpr, BLOCK_K
     BLOCK_K); columns past K take the last group (their weights are 0). Each group's scale is loaded once
     and broadcast over its columns, so a pipelined loop stages BLOCK_K / SCALE_GROUP scales a row, not
     BLOCK_K."""
+    tl.static_assert(BLOCK_K % SCALE_GROUP == 0 or SCALE_GROUP % BLOCK_K == 0)
     num_groups = K // SCALE_GROUP
     if BLOCK_K <= SCALE_GROUP:  # the tile lies in one group
         group = tl.minimum(k_start // SCALE_GROUP, num_groups - 1)
