@@ -33,9 +33,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from bench.model_shapes import QWEN3_0_6B, QWEN3_4B, SMOLLM2_135M, random_weights  # noqa: E402
+from bench.model_shapes import QWEN3_0_6B, SMOLLM2_135M, random_weights  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
-from engine.model import Decoder, is_layer_linear  # noqa: E402
+from engine.model import Decoder  # noqa: E402
 from engine.ops import TRITON_OPS  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
@@ -123,21 +123,11 @@ def variant_key(launch: Launch) -> tuple:
 
 
 def run_decoder(
-    spec: object,
-    prompt_len: int,
-    kv_cache_dtype: str = "auto",
-    quantization: str | None = None,
-    group_size: int | None = None,
+    spec: object, prompt_len: int, kv_cache_dtype: str = "auto", quantization: str | None = None
 ) -> None:
-    """A prefill, a decode step and a verify-shaped step (5 logit rows) of a 2-layer bf16 decoder;
-    group_size: its layer linears INT8 with scales for groups of that many inputs (a Q8_0 GGUF's 32)."""
+    """A prefill, a decode step and a verify-shaped step (5 logit rows) of a 2-layer bf16 decoder."""
     spec = dataclasses.replace(spec, num_layers=2)
     weights = random_weights(spec, torch.bfloat16, "cpu")
-    if group_size:
-        weights = {
-            name: quantize_int8(weight, group_size) if is_layer_linear(name) else weight
-            for name, weight in weights.items()
-        }
     decoder = Decoder.from_weights(
         spec, weights, max_positions=1024, ops=TRITON_OPS, quantization=quantization
     )
@@ -172,8 +162,13 @@ def run_engine_kernels() -> None:
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="mistral", sliding_window=24), 40)
     run_decoder(QWEN3_0_6B, 100, kv_cache_dtype="int8")  # the INT8 KV cache's write and attention
     run_decoder(QWEN3_0_6B, 100, quantization="int8")  # INT8 weights in every linear kernel
-    # a Q8_0 GGUF's group-32 scales in every linear kernel, at Qwen3-4B's widths (a smaller vocabulary)
-    run_decoder(dataclasses.replace(QWEN3_4B, vocab_size=4096), 100, group_size=32)
+    # a Q8_0 GGUF's group-32 scales in the GEMV, the skinny GEMM and the GEMM, at Qwen3-4B's widths
+    for rows, gate_up in ((6144, False), (19456, True)):
+        weight = quantize_int8(torch.zeros(rows, 2560), group_size=32)
+        for m in (1, 5, 100):
+            x = torch.empty(m, 2560, dtype=torch.bfloat16)
+            out = torch.empty(m, rows // 2 if gate_up else rows, dtype=torch.bfloat16)
+            (linear.gate_up_silu_triton if gate_up else linear.linear_triton)(x, weight, out=out)
     # the norm-fused GEMV with the whole row in one K tile (SINGLE_K), as tuned tiles on the GPU pick it
     hidden = torch.empty(1, 1024, dtype=torch.bfloat16)
     for gate_up in (False, True):
