@@ -44,6 +44,7 @@ from bench.model_shapes import MODELS, random_weights  # noqa: E402
 from engine.engine import DTYPES  # noqa: E402
 from engine.kv_budget import kv_bytes_per_token  # noqa: E402
 from engine.loader import load_model  # noqa: E402
+from engine.spec import ModelSpec  # noqa: E402
 from kernels.int8 import Int8Weight  # noqa: E402
 
 # mode -> (EngineConfig.quantization, EngineConfig.kv_cache_dtype)
@@ -60,10 +61,15 @@ GGUF_MODE = "gguf"
 
 
 def bench_mode(
-    name: str, weights: dict, prompt: list[int], settings: Settings, part: dict[str, Any], key: str
+    name: str,
+    spec: ModelSpec,
+    weights: dict,
+    prompt: list[int],
+    settings: Settings,
+    part: dict[str, Any],
+    key: str,
 ) -> None:
     """Build one engine (settings.quantization), time its decode and a prefill into part."""
-    spec = MODELS[name]
     started = time.perf_counter()
     engine = attempt(part, "build", settings, lambda: build_engine(name, spec, weights, settings))
     if engine is None:
@@ -89,15 +95,15 @@ def bench_gguf(
     name: str, path: str, prompt: list[int], settings: Settings, bandwidth: float
 ) -> dict[str, Any]:
     """The GGUF file's row: loaded as `serve run` loads it, against its own bytes a token."""
-    spec = MODELS[name]
     started = time.perf_counter()
     loaded = load_model(path, settings.dtype, settings.device)
-    assert loaded.spec.vocab_size == spec.vocab_size and loaded.spec.hidden_size == spec.hidden_size, path
+    spec = loaded.spec  # the file's own, as the server runs it
+    assert spec.vocab_size == MODELS[name].vocab_size and spec.hidden_size == MODELS[name].hidden_size, path
     print(f"{name} {GGUF_MODE}: {path} loaded in {time.perf_counter() - started:.1f} s", flush=True)
     cached = settings.prompt_len - 1
     total = loaded_bytes(loaded.weights) + cached * kv_bytes_per_token(spec, settings.dtype)
     part: dict[str, Any] = {"roofline_tok_s": bandwidth / total, "bytes_per_token": total, "file": path}
-    bench_mode(name, loaded.weights, prompt, settings, part, GGUF_MODE)
+    bench_mode(name, spec, loaded.weights, prompt, settings, part, GGUF_MODE)
     return part
 
 
@@ -120,7 +126,7 @@ def bench_model(
             ),
         }
         changes = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
-        bench_mode(name, weights, prompt, dataclasses.replace(settings, **changes), part, mode)
+        bench_mode(name, spec, weights, prompt, dataclasses.replace(settings, **changes), part, mode)
         free_memory()
     if gguf:
         del weights

@@ -221,14 +221,14 @@ class Case:
                 if split_k <= k_tiles[block_k]
             ]
         if self.m <= linear.GEMV_MAX_M:
-            tiles = 2 if self.gate_up else 1
             configs = []
             k_cap = max(128, triton.next_power_of_2(self.k))
             for block_n in (1, 2, 4, 8, 16, 32):
                 for num_warps in (4, 8):
                     for block_k in (128, 256, 512, 1024, 2048, 4096):
-                        # fp32 accumulators a thread (a tile's elements a thread when summed each step)
-                        registers = block_n * tiles * block_k // (32 * num_warps)
+                        registers = gemv_elements_per_thread(
+                            linear.GemvConfig(block_n, block_k, num_warps), self.gate_up
+                        )
                         if block_k > k_cap or not 8 <= registers <= 128:
                             continue
                         for sum_each_step in (False, True):
@@ -256,6 +256,15 @@ class Case:
 
 
 TileConfig = linear.GemvConfig | linear.SkinnyConfig | linear.GemmConfig
+
+
+def gemv_elements_per_thread(config: linear.GemvConfig, gate_up: bool) -> int:
+    """Weight tile elements a thread holds each K step (gate/up: both tiles): its fp32 accumulators, or
+    (sum_each_step) the products it sums at once."""
+    tiles = 2 if gate_up else 1
+    return config.block_n * tiles * config.block_k // (32 * config.num_warps)
+
+
 LAUNCHES = {
     linear.GemvConfig: linear._launch_gemv,
     linear.SkinnyConfig: linear._launch_skinny,

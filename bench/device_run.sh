@@ -77,6 +77,15 @@ sharded() {  # sharded SHARDS LIMIT_S FILE...: the files' GPU-machine tests spre
     for log in $(grep -L -E " in [0-9.]+s" /tmp/shard.*.log); do grep -E "PASSED|FAILED" "$log"; done
 }
 
+q8_0_file() {  # q8_0_file NAME SHAPE: the peer kit's random BF16 GGUF /tmp/NAME.gguf and its Q8_0 /tmp/q8/NAME.gguf
+    mkdir -p /tmp/lcpp /tmp/q8
+    [ -e /tmp/lcpp/models/ggml-vocab-qwen2.gguf ] ||
+        tar -xzf .peers/llamacpp/llama.cpp.tar.gz -C /tmp/lcpp ./models/ggml-vocab-qwen2.gguf
+    nice -n 10 python3 .peers/llamacpp/make_random_gguf.py "/tmp/$1.gguf" "$2" \
+        --vocab-gguf /tmp/lcpp/models/ggml-vocab-qwen2.gguf
+    nice -n 10 python3 bench/q8_0_gguf.py "/tmp/$1.gguf" "/tmp/q8/$1.gguf"
+}
+
 case "${1:-}" in
 part0) cp ".assets/$GGUF.part00" /tmp/part00 && echo "part 0 kept" ;;
 part1)
@@ -257,13 +266,8 @@ int8)  # INT8 weights: the kernels' tests compiled; bench_int8 (bf16 beside INT8
 gemvprobe)  # INT8 GEMV: hardware counters of chosen tiles, then tiles timed; the peer built meanwhile
     (
         BUILD_ONLY=1 BUDGET_S=540 OUT="$OUT/peer" nice -n 19 bash .peers/llamacpp/run.sh > /dev/null 2>&1
-        mkdir -p /tmp/q8
-        for pair in q4b:qwen3-4b q06:qwen3-0.6b; do
-            m=${pair%%:*}
-            nice -n 10 python3 .peers/llamacpp/make_random_gguf.py "/tmp/$m.gguf" "${pair#*:}" \
-                --vocab-gguf /tmp/lcpp/models/ggml-vocab-qwen2.gguf
-            nice -n 10 python3 bench/q8_0_gguf.py "/tmp/$m.gguf" "/tmp/q8/$m.gguf"
-        done
+        q8_0_file q4b qwen3-4b
+        q8_0_file q06 qwen3-0.6b
     ) > "$OUT/peer_prep.log" 2>&1 &
     prep=$!
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -294,12 +298,7 @@ peerq8)  # (after gemvprobe on the same warm machine) llama.cpp on the BF16 and 
         --gguf /tmp/q8/q4b.gguf
     ;;
 q8serve)  # the linear kernels' GPU tests; bench_int8 with the peer's Q8_0 file, beside .prev's tree (A/B)
-    mkdir -p /tmp/lcpp /tmp/q8
-    (
-        tar -xzf .peers/llamacpp/llama.cpp.tar.gz -C /tmp/lcpp ./models/ggml-vocab-qwen2.gguf
-        python3 .peers/llamacpp/make_random_gguf.py /tmp/q4b.gguf qwen3-4b --vocab-gguf /tmp/lcpp/models/ggml-vocab-qwen2.gguf
-        python3 bench/q8_0_gguf.py /tmp/q4b.gguf /tmp/q8/q4b.gguf
-    ) > "$OUT/q8_prep.log" 2>&1 &
+    q8_0_file q4b qwen3-4b > "$OUT/q8_prep.log" 2>&1 &
     [ "${TEST_LIMIT:-150}" = 0 ] || sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py \
         tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
     wait; tail -2 "$OUT/q8_prep.log"

@@ -26,6 +26,7 @@ from bench.bench_linear import (  # noqa: E402
     MODELS,
     Case,
     copy_bandwidth,
+    gemv_elements_per_thread,
     merge_tuned,
     time_in_graph,
     tuned_rows,
@@ -83,9 +84,7 @@ def main() -> None:
         timings = []
         for config in configs:
             shown = config or case.heuristic()
-            per_thread = (
-                shown.block_n * (2 if layer == "gate_up" else 1) * shown.block_k // (32 * shown.num_warps)
-            )
+            per_thread = gemv_elements_per_thread(shown, case.gate_up)
             if config and not (16 <= per_thread <= args.max_per_thread and shown.block_k <= max(128, 2 * k)):
                 continue
             call = case.triton_call(config)
@@ -107,9 +106,8 @@ def main() -> None:
         timings.sort(key=lambda timing: timing["us"])
         if timings:
             print(f"{layer:8s} fastest {timings[0]['us']:.2f} us {timings[0]['config']}", flush=True)
-        gate_up = layer == "gate_up"
-        sweeps.append({"kind": "gemv", "M": 1, "n": n_rows // 2 if gate_up else n_rows, "k": k,
-                       "gate_up": gate_up, "timings": timings})  # fmt: skip
+        sweeps.append({"kind": "gemv", "M": 1, "n": case.n_out, "k": k, "gate_up": case.gate_up,
+                       "timings": timings})  # fmt: skip
         del case
         torch.cuda.empty_cache()
     if args.write_tuned:

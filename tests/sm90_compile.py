@@ -46,7 +46,6 @@ from engine.sequence import Sequence  # noqa: E402
 from kernels import linear, norm_linear  # noqa: E402
 from kernels.attention import AttentionMetadata, DecodeWorkspace, paged_decode_attention_triton  # noqa: E402
 from kernels.int8 import quantize_int8  # noqa: E402
-from kernels.linear import GemvConfig  # noqa: E402
 from kernels.prefill_attention import allocate_prefill_workspace, paged_prefill_attention_triton  # noqa: E402
 from kernels.sampling import SamplingTensors, sample_triton  # noqa: E402
 
@@ -178,7 +177,7 @@ def run_engine_kernels() -> None:
             hidden, torch.empty_like(hidden), torch.empty(1024, dtype=torch.bfloat16), 1e-6,
             torch.empty(4096, 1024, dtype=torch.bfloat16), None, gate_up,
             torch.empty(1, 2048 if gate_up else 4096, dtype=torch.bfloat16), torch.empty_like(hidden),
-            GemvConfig(block_n=2, block_k=1024, num_warps=4),
+            linear.GemvConfig(block_n=2, block_k=1024, num_warps=4),
         )  # fmt: skip
     # INT8 GEMVs that sum each K step, as the tuned tiles of the Qwen3-4B shapes pick them
     hidden = torch.empty(1, 2560, dtype=torch.bfloat16)
@@ -187,13 +186,13 @@ def run_engine_kernels() -> None:
         norm_linear._launch_gemv(
             hidden, torch.empty_like(hidden), torch.empty(2560, dtype=torch.bfloat16), 1e-6, values, None,
             gate_up, torch.empty(1, 9728 if gate_up else 19456, dtype=torch.bfloat16),
-            torch.empty_like(hidden), GemvConfig(block_n=4, block_k=512, num_warps=4, sum_each_step=True),
-            scale=scale,
+            torch.empty_like(hidden),
+            linear.GemvConfig(block_n=4, block_k=512, num_warps=4, sum_each_step=True), scale=scale,
         )  # fmt: skip
     linear._launch_gemv(
         torch.empty(1, 9728, dtype=torch.bfloat16), torch.empty(2560, 9728, dtype=torch.int8), None,
         torch.empty(1, 2560, dtype=torch.bfloat16), False,
-        GemvConfig(block_n=4, block_k=2048, num_warps=8, sum_each_step=True), scale=torch.empty(2560),
+        linear.GemvConfig(block_n=4, block_k=2048, num_warps=8, sum_each_step=True), scale=torch.empty(2560),
     )  # fmt: skip
     # split decode attention, as a CUDA graph sized for a 32k block table runs it
     query = torch.empty(2, 32, 128, dtype=torch.bfloat16)
