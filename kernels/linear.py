@@ -38,7 +38,7 @@ import triton.language as tl
 
 from kernels.activation import silu_and_mul_reference
 from kernels.int8 import LinearWeight, dequantize, split
-from kernels.triton_common import INTERPRET, num_sms
+from kernels.triton_common import INTERPRET, num_sms, shared_memory_per_block
 
 # Up to this many rows of x take the GEMV; up to SKINNY_MAX_M the skinny GEMM; more the tiled GEMM.
 GEMV_MAX_M = 1
@@ -132,15 +132,18 @@ def group_scales(scale_ptr, rows, k_start, K, SCALE_GROUP: tl.constexpr, BLOCK_K
     BLOCK_K."""
     tl.static_assert(BLOCK_K % SCALE_GROUP == 0 or SCALE_GROUP % BLOCK_K == 0)
     num_groups = K // SCALE_GROUP
+    # (an else, not an early return: the compiler goes on past a return in a constexpr branch)
     if BLOCK_K <= SCALE_GROUP:  # the tile lies in one group
         group = tl.minimum(k_start // SCALE_GROUP, num_groups - 1)
         scales = tl.load(scale_ptr + rows * num_groups + group)
-        return tl.broadcast_to(scales[:, None], (rows.shape[0], BLOCK_K))
-    GROUPS: tl.constexpr = BLOCK_K // SCALE_GROUP
-    groups = tl.minimum(k_start // SCALE_GROUP + tl.arange(0, GROUPS), num_groups - 1)
-    scales = tl.load(scale_ptr + rows[:, None] * num_groups + groups[None, :])  # [rows, GROUPS]
-    wide = tl.broadcast_to(scales[:, :, None], (rows.shape[0], GROUPS, SCALE_GROUP))
-    return tl.reshape(wide, (rows.shape[0], BLOCK_K))
+        tile = tl.broadcast_to(scales[:, None], (rows.shape[0], BLOCK_K))
+    else:
+        GROUPS: tl.constexpr = BLOCK_K // SCALE_GROUP
+        groups = tl.minimum(k_start // SCALE_GROUP + tl.arange(0, GROUPS), num_groups - 1)
+        scales = tl.load(scale_ptr + rows[:, None] * num_groups + groups[None, :])  # [rows, GROUPS]
+        wide = tl.broadcast_to(scales[:, :, None], (rows.shape[0], GROUPS, SCALE_GROUP))
+        tile = tl.reshape(wide, (rows.shape[0], BLOCK_K))
+    return tile
 
 
 # Four int8 weights (one 32-bit register) to four fp32 without the int-to-float instruction, which the
@@ -527,6 +530,30 @@ def skinny_config(m: int, n: int, k: int, gate_up: bool, weights: str = "float")
     return SkinnyConfig(block_n, block_k, split_k, 4, 4)
 
 
+def skinny_stages_that_fit(
+    config: SkinnyConfig,
+    block_m: int,
+    gate_up: bool,
+    x_bytes: int,
+    w_bytes: int,
+    scale_group: int,
+    limit: int,
+) -> int:
+    """config's pipeline stages, fewer where they would pass `limit` bytes of shared memory. The model
+    matches what Triton 3.6 and 3.9 allocate on sm_90: num_stages - 1 buffered K steps (the x tile, the
+    weight tile or tiles, their group scales) plus 8 bytes an output element for the epilogue. A 64-row
+    gate/up tile of group-32 INT8 weights takes 241,664 bytes in 4 stages, past the H200's 232,448."""
+    weight_tiles = 2 if gate_up else 1
+    step = block_m * config.block_k * x_bytes + weight_tiles * config.block_n * config.block_k * w_bytes
+    if scale_group:
+        step += weight_tiles * config.block_n * max(1, config.block_k // scale_group) * 4
+    epilogue = 8 * block_m * config.block_n
+    stages = config.num_stages
+    while stages > 2 and (stages - 1) * step + epilogue > limit:
+        stages -= 1
+    return stages
+
+
 def _launch_skinny(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -541,10 +568,13 @@ def _launch_skinny(
     m, k = x.shape
     n = out.shape[1]
     assert m <= SKINNY_MAX_M, m
-    block_n, block_k, split_k, num_warps, num_stages = config or skinny_config(
-        m, n, k, gate_up, weights_kind(weight)
-    )
+    config = config or skinny_config(m, n, k, gate_up, weights_kind(weight))
     block_m = max(16, triton.next_power_of_2(m))
+    limit = shared_memory_per_block(x.device.index or 0)
+    num_stages = skinny_stages_that_fit(
+        config, block_m, gate_up, x.element_size(), weight.element_size(), scale_group, limit
+    )
+    block_n, block_k, split_k, num_warps, _ = config
     num_tiles = triton.cdiv(n, block_n)
     partials = counters = out  # never touched without a split
     if split_k > 1:

@@ -36,6 +36,14 @@ def autotune_configs(configs: list) -> list:
 
 
 @functools.cache
+def shared_memory_per_block(device_index: int = 0) -> int:
+    """The most shared memory one program may take (opt-in); without a GPU the H200's 227 KiB."""
+    if not torch.cuda.is_available():
+        return 232448
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+@functools.cache
 def num_sms(device_index: int = 0) -> int:
     """Streaming multiprocessors of the GPU (132 on an H200); a nominal 8 without one."""
     if not torch.cuda.is_available():
