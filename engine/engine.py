@@ -18,7 +18,12 @@ import torch
 from engine.block_manager import BlockManager
 from engine.detokenizer import TextStream
 from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.kv_budget import kv_bytes_per_token, kv_cache_tokens_from_memory, step_reserve_bytes
+from engine.kv_budget import (
+    kv_bytes_per_token,
+    kv_cache_tokens_from_memory,
+    largest_layer_linear,
+    step_reserve_bytes,
+)
 from engine.kv_calibration import calibration_ids
 from engine.loader import LoadedModel, load_model
 from engine.model import QUANTIZATIONS, Decoder
@@ -30,6 +35,7 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import Speculator
 from kernels.int8 import Int8Weight
 from kernels.kv_cache import KV_CACHE_DTYPES
+from kernels.linear import reserve_dequant_workspace
 from kernels.sampling import _chunking as sampling_chunking  # warm_up: the sampler's variants
 
 if TYPE_CHECKING:
@@ -165,6 +171,11 @@ class Engine:
         # a verify step needs the logits of every draft position, plain steps one row a sequence
         max_logit_rows = config.max_num_seqs * (1 + config.num_draft if proposer is not None else 1)
         max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)
+        if self.quantization == "int8" and self.device.type == "cuda":
+            # prefill steps dequantize each INT8 layer weight into it for the float GEMM (kernels/linear.py);
+            # taken before the KV cache is sized from what is left
+            dense_bytes = largest_layer_linear(model.spec) * config.torch_dtype().itemsize
+            reserve_dequant_workspace(self.device, dense_bytes)
         kv_cache_tokens = config.kv_cache_tokens
         if kv_cache_tokens is None and self.device.type == "cuda":
             # the weights (and an in-process proposer) are on the device already: the cache takes the rest

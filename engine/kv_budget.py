@@ -40,6 +40,13 @@ def step_reserve_bytes(
     return FIXED_RESERVE_BYTES + activations + logits
 
 
+def largest_layer_linear(spec: ModelSpec) -> int:
+    """Elements of the largest weight a decoder layer multiplies by (q/k/v and gate/up fused)."""
+    qkv_rows = spec.q_size + 2 * spec.kv_size
+    up_rows = (2 if spec.mlp == "swiglu" else 1) * spec.intermediate_size
+    return spec.hidden_size * max(qkv_rows, spec.q_size, up_rows, spec.intermediate_size)
+
+
 def kv_cache_tokens_from_memory(
     free_bytes: int,
     fraction: float,

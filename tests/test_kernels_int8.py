@@ -133,6 +133,40 @@ def test_int8_forced_tiles(case: tuple, gate_up: bool, group_size: int | None) -
     torch.testing.assert_close(out.double(), _expected(x, weight, None, gate_up), **tolerance(dtype))
 
 
+@pytest.fixture
+def dequant_workspace():
+    """A dequantization workspace on DEVICE for the test, none after it (the others run the INT8 GEMM)."""
+    device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device(DEVICE)
+    linear.reserve_dequant_workspace(device, 1 << 16)
+    yield linear._dequant_workspaces[device]
+    del linear._dequant_workspaces[device]
+
+
+@pytest.mark.parametrize("group_size", [None, 32], ids=["per-row", "group32"])
+@pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
+def test_int8_prefill_dequantizes_then_multiplies(
+    dequant_workspace: torch.Tensor, gate_up: bool, group_size: int | None
+) -> None:
+    """From INT8_DEQUANT_MIN_M rows the weight is dequantized into the workspace (group scales applied,
+    rounded to x's dtype; per-row scales left to the GEMM's columns), then the float GEMM runs on it."""
+    n, k, dtype = 37, 96, torch.bfloat16
+    m = linear.INT8_DEQUANT_MIN_M + 5
+    x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=11 + gate_up, group_size=group_size)
+    dequant_workspace.zero_()
+    result = gate_up_silu_triton(x, weight) if gate_up else linear_triton(x, weight)
+    torch.testing.assert_close(result.double(), _expected(x, weight, None, gate_up), **tolerance(dtype))
+    dense = dequant_workspace[: weight.values.numel() * 2].view(dtype).view(weight.shape)
+    expected_dense = dequantize(weight, dtype) if group_size else weight.values.to(dtype)
+    # exact on the GPU; the interpreter truncates fp32 to bf16 where the GPU rounds (one bf16 step)
+    rounding = {"rtol": 0, "atol": 0} if DEVICE == "cuda" else {"rtol": 2**-7, "atol": 0}
+    torch.testing.assert_close(dense, expected_dense, **rounding)
+    # too large for the workspace: the INT8 GEMM, the same product
+    _, wide = _inputs(m, 1 << 10, k, dtype, seed=3, group_size=group_size)
+    torch.testing.assert_close(
+        linear_triton(x, wide).double(), _expected(x, wide, None, False), **tolerance(dtype)
+    )
+
+
 @pytest.mark.parametrize("group_size", [None, 16], ids=["per-row", "group16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])

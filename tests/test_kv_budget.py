@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from bench.capacity import capacity
-from bench.model_shapes import QWEN3_0_6B, QWEN3_SIZES
+from bench.model_shapes import QWEN3_0_6B, QWEN3_SIZES, TINY, random_weights
 from engine.errors import InvalidRequestError
-from engine.kv_budget import kv_bytes_per_token, kv_cache_tokens_from_memory, step_reserve_bytes
-from engine.model import weight_shapes
+from engine.kv_budget import (
+    kv_bytes_per_token,
+    kv_cache_tokens_from_memory,
+    largest_layer_linear,
+    step_reserve_bytes,
+)
+from engine.model import Decoder, weight_shapes
+from kernels.int8 import Int8Weight
 
 GIB = 1 << 30
 
@@ -42,6 +49,22 @@ def test_the_reserve_grows_with_the_step_and_the_logits() -> None:
     small = step_reserve_bytes(QWEN3_0_6B, 2048, 256, 151669)
     assert step_reserve_bytes(QWEN3_0_6B, 8192, 256, 151669) > small
     assert step_reserve_bytes(QWEN3_0_6B, 2048, 1280, 151669) - small == 1024 * 151669 * 32
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "xielu"])
+def test_the_dequantization_workspace_holds_the_largest_int8_layer_weight(mlp: str) -> None:
+    """INT8 prefill dequantizes each layer weight into one workspace, sized from the spec before the
+    decoder is built: the largest INT8 weight (q/k/v and gate/up fused) the built decoder holds."""
+    spec = dataclasses.replace(TINY, mlp=mlp)
+    decoder = Decoder.from_weights(spec, random_weights(spec, torch.float32, "cpu"), 64, quantization="int8")
+    int8_weights = [
+        value
+        for module in decoder.modules()
+        for value in vars(module).values()
+        if isinstance(value, Int8Weight)
+    ]
+    assert len(int8_weights) == 4 * spec.num_layers
+    assert largest_layer_linear(spec) == max(weight.values.numel() for weight in int8_weights)
 
 
 def test_qwen3_sizes_have_their_model_cards_parameter_counts() -> None:
