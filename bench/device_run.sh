@@ -30,6 +30,8 @@
 #   bash bench/device_run.sh int8     # INT8 weights and KV: kernel tests compiled, bench_int8, int8_accuracy
 #   MODELS=qwen3-4b CACHED=32767 BATCH_LIMIT=0 bash bench/device_run.sh int8  # INT8 KV at 32k positions
 #   bash bench/device_run.sh lineartests  # the linear kernels' GPU tests: bf16, INT8, norm-fused
+#   bash bench/device_run.sh int8prefill  # (carry an earlier tree in .prev) INT8 and step-graph GPU tests,
+#       # bench_int8 in every mode, .prev's INT8 beside it
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
@@ -310,6 +312,17 @@ q8serve)  # the linear kernels' GPU tests; bench_int8 with the peer's Q8_0 file,
             --models qwen3-4b --modes base,int8)
     fi
     ;;
+int8prefill)  # (carrying an earlier tree in .prev) the INT8 linears' and step graphs' GPU tests; bench_int8,
+    # every mode, both shapes; .prev's INT8 weights beside it (its prefill without the dequantized-ahead weights)
+    sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_int8.py tests/test_graphs_cuda.py tests/test_engine_cuda.py
+    run "${LIMIT:-330}" python3 bench/bench_int8.py --out "$OUT" --models qwen3-4b,qwen3-0.6b \
+        --modes base,int8,int8-kv,int8-both
+    if [ -d .prev ]; then
+        mkdir -p "$OUT/prev"
+        (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
+            --models qwen3-4b,qwen3-0.6b --modes int8)
+    fi
+    ;;
 lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
     ;;
@@ -317,7 +330,7 @@ int8ab)  # (carrying an earlier tree in .prev) the INT8 linears at M = 1 and 16,
     for tree in .prev .; do
         mkdir -p "$OUT/linear$tree"
         (cd "$tree" && PYTHONPATH=/tmp/site:$PWD run "${LIMIT:-120}" python3 bench/bench_linear.py "$OUT/linear$tree" \
-            --int8 --m "${M:-1,16}" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --replays 30)
+            --int8 --m "${M:-1,16}" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" ${LAYERS:+--layers "$LAYERS"} --replays 30)
     done
     ;;
 batch1ab)  # batch-1 decode of the code before issue #15 (git archive f8d5fa9 into .old) against this one

@@ -35,7 +35,7 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import Speculator
 from kernels.int8 import Int8Weight
 from kernels.kv_cache import KV_CACHE_DTYPES
-from kernels.linear import reserve_dequant_workspace
+from kernels.linear import prefetch_order, reserve_dequant_workspace
 from kernels.sampling import _chunking as sampling_chunking  # warm_up: the sampler's variants
 
 if TYPE_CHECKING:
@@ -172,10 +172,10 @@ class Engine:
         max_logit_rows = config.max_num_seqs * (1 + config.num_draft if proposer is not None else 1)
         max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)
         if self.quantization == "int8" and self.device.type == "cuda":
-            # prefill steps dequantize each INT8 layer weight into it for the float GEMM (kernels/linear.py);
-            # taken before the KV cache is sized from what is left
+            # prefill steps dequantize each INT8 layer weight into one of two buffers for the float GEMM
+            # (kernels/linear.py); taken before the KV cache is sized from what is left
             dense_bytes = largest_layer_linear(model.spec) * config.torch_dtype().itemsize
-            reserve_dequant_workspace(self.device, dense_bytes)
+            reserve_dequant_workspace(self.device, dense_bytes, num_buffers=2)
         kv_cache_tokens = config.kv_cache_tokens
         if kv_cache_tokens is None and self.device.type == "cuda":
             # the weights (and an in-process proposer) are on the device already: the cache takes the rest
@@ -198,6 +198,7 @@ class Engine:
             model.spec, model.weights, self.max_model_len, ops_for(self.device), self.logit_vocab_size,
             quantization=config.quantization,
         )  # fmt: skip
+        prefetch_order(decoder.layer_linears())  # each INT8 prefill GEMM's next weight, dequantized ahead
         self.runner = ModelRunner(
             decoder, num_blocks, config.block_size, config.torch_dtype(), config.max_num_seqs,
             self.max_model_len, use_cuda_graphs=config.cuda_graphs, step_graphs=config.step_graphs,

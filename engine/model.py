@@ -223,6 +223,14 @@ class Decoder(nn.Module):
         self.max_positions = max_positions
         self.cos_sin_cache = torch.empty(0)
 
+    def layer_linears(self) -> list[LinearWeight]:
+        """The decoder layers' weights in the order a forward multiplies by them."""
+        weights: list[LinearWeight] = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += [attn.qkv_weight, attn.o_weight, mlp.input_projection()[0], mlp.down_weight]
+        return weights
+
     @classmethod
     def from_weights(
         cls,

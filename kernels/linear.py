@@ -26,6 +26,7 @@ silu(gate) * up, so the [M, 2 * intermediate] activation never reaches memory.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -37,7 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul_reference
-from kernels.int8 import LinearWeight, dequantize, split
+from kernels.int8 import Int8Weight, LinearWeight, dequantize, split
 from kernels.triton_common import INTERPRET, num_sms, shared_memory_per_block
 
 # Up to this many rows of x take the GEMV; up to SKINNY_MAX_M the skinny GEMM; more the tiled GEMM.
@@ -822,27 +823,99 @@ def _launch_gemm(
 # Prefill with INT8 weights: the whole weight dequantized once into a workspace in x's dtype, then the
 # float GEMM on it. The INT8 GEMM above converts each weight tile in every program that reads it (every
 # BLOCK_M rows of x), on the path between its loads and its tensor-core products; dequantizing costs
-# three bytes a weight of memory traffic instead, about 85 us a Qwen3-4B layer on the H200.
-INT8_DEQUANT_MIN_M = 65  # rows of x from which an INT8 weight is dequantized for the float GEMM
-_dequant_workspaces: dict[torch.device, torch.Tensor] = {}
+# three bytes a weight of memory traffic instead, about 70 us a Qwen3-4B layer on the H200. With two
+# buffers and the decoder's order of weights, a side stream dequantizes the next weight while the GEMM
+# multiplies by this one, so the two overlap.
+INT8_DEQUANT_MIN_M = 256  # rows of x from which an INT8 weight is dequantized (H200: BENCHMARKS.md)
 
 
-def reserve_dequant_workspace(device: torch.device, num_bytes: int) -> None:
-    """Room for the largest INT8 weight in x's dtype (its numel x element size), on device. Call it
-    before any CUDA graph is captured: a workspace is replaced only by a larger one, and a captured graph
-    keeps pointing at the one it saw. Without one (or too small) a prefill runs the INT8 GEMM."""
-    workspace = torch.empty(0, dtype=torch.uint8, device=device)  # its device names the index ("cuda:0")
-    current = _dequant_workspaces.get(workspace.device)
-    if current is None or current.numel() < num_bytes:
-        _dequant_workspaces[workspace.device] = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+@dataclasses.dataclass
+class _Prefetch:
+    values_ptr: int  # the weight it dequantized (its int8 values' address)
+    buffer: int
+    done: torch.cuda.Event | None  # recorded on the side stream (None on the CPU: done already)
+    captured: bool  # issued while a CUDA graph was being captured
 
 
-def _dequant_workspace(device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-    workspace = _dequant_workspaces.get(device)
-    num_bytes = numel * dtype.itemsize
-    if workspace is None or workspace.numel() < num_bytes:
-        return None
-    return workspace[:num_bytes].view(dtype)
+class DequantWorkspace:
+    """Buffers for dense copies of INT8 weights on one device, and which weight a forward takes next."""
+
+    def __init__(self, device: torch.device, num_bytes: int, num_buffers: int) -> None:
+        self.buffers = [torch.empty(num_bytes, dtype=torch.uint8, device=device) for _ in range(num_buffers)]
+        self.successor: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # values_ptr -> split()
+        self.pending: _Prefetch | None = None
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def holds(self, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+        return weight.numel() * dtype.itemsize <= self.buffers[0].numel()
+
+    def dense(
+        self, values: torch.Tensor, scale: torch.Tensor, scale_group: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """values dequantized in dtype (ahead, or now on this stream); the weight that follows started."""
+        pending, self.pending = self.pending, None
+        capturing = self.side is not None and torch.cuda.is_current_stream_capturing()
+        index = 0
+        if pending is not None and pending.captured != capturing:
+            # issued outside this capture (a forward cut short): not waited on here, its buffer avoided
+            index, pending = 1 - pending.buffer, None
+        if pending is not None and pending.done is not None:
+            torch.cuda.current_stream().wait_event(pending.done)  # joins the side stream either way
+        if pending is not None and pending.values_ptr == values.data_ptr():
+            index = pending.buffer
+        else:
+            index %= len(self.buffers)
+            _dequantize(values, scale, scale_group, self._view(index, values.shape, dtype))
+        following = self.successor.get(values.data_ptr())
+        if following is not None and len(self.buffers) > 1 and self.holds(following[0], dtype):
+            self.pending = self._prefetch(following, 1 - index, dtype, capturing)
+        return self._view(index, values.shape, dtype)
+
+    def _prefetch(
+        self, weight: tuple[torch.Tensor, torch.Tensor, int], index: int, dtype: torch.dtype, capturing: bool
+    ) -> _Prefetch:
+        """weight dequantized into buffer index on the side stream, after all work issued so far on this
+        stream (the GEMM that last read that buffer is among it)."""
+        dense = self._view(index, weight[0].shape, dtype)
+        if self.side is None:
+            _dequantize(*weight, dense)
+            return _Prefetch(weight[0].data_ptr(), index, None, capturing)
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            _dequantize(*weight, dense)
+            done = torch.cuda.Event()
+            done.record(self.side)
+        return _Prefetch(weight[0].data_ptr(), index, done, capturing)
+
+    def _view(self, index: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return self.buffers[index][: shape.numel() * dtype.itemsize].view(dtype).view(shape)
+
+
+_dequant_workspaces: dict[torch.device, DequantWorkspace] = {}
+
+
+def reserve_dequant_workspace(device: torch.device, num_bytes: int, num_buffers: int = 1) -> None:
+    """Room for the largest INT8 weight in x's dtype (its numel x element size) on device, in num_buffers
+    buffers (two let the next weight be dequantized ahead: prefetch_order). Call it before any CUDA graph
+    is captured: a workspace is replaced only by a larger one, and a captured graph keeps pointing at the
+    one it saw. Without one (or too small) a prefill runs the INT8 GEMM."""
+    device = torch.empty(0, device=device).device  # with its index ("cuda:0"), as tensors name it
+    current = _dequant_workspaces.get(device)
+    if current is None or current.buffers[0].numel() < num_bytes or len(current.buffers) < num_buffers:
+        _dequant_workspaces[device] = DequantWorkspace(device, num_bytes, num_buffers)
+
+
+def prefetch_order(weights: list[LinearWeight]) -> None:
+    """The weights in the order a forward multiplies by them: each INT8 one's prefill dequantizes the next
+    INT8 one ahead, on a side stream (once reserve_dequant_workspace gave their device two buffers). It
+    replaces the order given before for that device (another decoder's)."""
+    int8 = [split(weight) for weight in weights if isinstance(weight, Int8Weight)]
+    for device in {values.device for values, _, _ in int8} & _dequant_workspaces.keys():
+        _dequant_workspaces[device].successor = {
+            values.data_ptr(): following
+            for (values, _, _), following in zip(int8, int8[1:], strict=False)
+            if values.device == device
+        }
 
 
 @triton.jit
@@ -867,25 +940,14 @@ def _dequantize_kernel(
     tl.store(out_ptr + slots, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_dequantized_gemm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    gate_up: bool,
-    scale: torch.Tensor,
-    scale_group: int,
-    dense: torch.Tensor,
-) -> None:
-    """The INT8 weight (values, scale) dequantized into dense (x's dtype, its shape), then the float GEMM.
-    Group scales go into dense (rounded to x's dtype, as the reference rounds them); a per-row scale
-    multiplies the GEMM's output columns, and dense holds the int8 values exactly."""
-    rows, k = weight.shape
+def _dequantize(values: torch.Tensor, scale: torch.Tensor, scale_group: int, dense: torch.Tensor) -> None:
+    """dense (x's dtype, values' shape) = values x their group scales; a per-row scale is left to the
+    GEMM's output columns, and dense then holds the int8 values exactly."""
+    rows, k = values.shape
     block_k = min(256, triton.next_power_of_2(k))
     _dequantize_kernel[(triton.cdiv(rows, 16), triton.cdiv(k, block_k))](
-        weight, scale, dense, rows, k, SCALE_GROUP=scale_group, BLOCK_R=16, BLOCK_K=block_k, num_warps=4
+        values, scale, dense, rows, k, SCALE_GROUP=scale_group, BLOCK_R=16, BLOCK_K=block_k, num_warps=4
     )
-    _launch_gemm(x, dense, bias, out, gate_up, scale=None if scale_group else scale)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -924,9 +986,12 @@ def _launch(
     elif (
         scale is not None
         and m >= INT8_DEQUANT_MIN_M
-        and (dense := _dequant_workspace(x.device, weight.numel(), x.dtype)) is not None
+        and (
+            (workspace := _dequant_workspaces.get(x.device)) is not None and workspace.holds(weight, x.dtype)
+        )
     ):
-        _launch_dequantized_gemm(x, weight, bias, out, gate_up, scale, scale_group, dense.view(weight.shape))
+        dense = workspace.dense(weight, scale, scale_group, x.dtype)  # group scales applied, per-row not
+        _launch_gemm(x, dense, bias, out, gate_up, scale=None if scale_group else scale)
     else:
         _launch_gemm(x, weight, bias, out, gate_up, scale=scale, scale_group=scale_group)
     return out

@@ -172,16 +172,15 @@ def run_engine_kernels() -> None:
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="qwen2", qkv_bias=True), 40)
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="mistral", sliding_window=24), 40)
     run_decoder(QWEN3_0_6B, 100, kv_cache_dtype="int8")  # the INT8 KV cache's write and attention
-    # INT8 weights in every linear kernel; the prefill dequantizes each weight for the float GEMM
-    linear.reserve_dequant_workspace(torch.device("cpu"), 2 * 3072 * 1024 * 2)
-    run_decoder(QWEN3_0_6B, 100, quantization="int8")
-    linear._dequant_workspaces.clear()  # then the INT8 GEMM: a prefill's weight too large for it
-    # a Q8_0 GGUF's group-32 scales in the GEMV, the skinny GEMM (16 and 64 rows), the GEMM and the
-    # dequantized prefill, at Qwen3-4B's widths; 64 gate/up rows in 4 stages passed the H200's shared memory
-    for rows, gate_up in ((6144, False), (19456, True)):
-        weight = quantize_int8(torch.zeros(rows, 2560), group_size=32)
-        for m, workspace in ((1, False), (5, False), (40, False), (100, False), (100, True)):
-            if workspace:
+    run_decoder(QWEN3_0_6B, 100, quantization="int8")  # INT8 weights in every linear kernel
+    # a Q8_0 GGUF's group-32 scales in the GEMV, the skinny GEMM (16 and 64 rows) and the GEMM, at
+    # Qwen3-4B's widths (64 gate/up rows in 4 stages passed the H200's shared memory); then a prefill
+    # long enough to dequantize the weight first, with group and per-row scales
+    for rows, gate_up, group_size in ((6144, False, 32), (19456, True, 32), (6144, False, None)):
+        weight = quantize_int8(torch.zeros(rows, 2560), group_size=group_size)
+        for m in (1, 5, 40, 100, linear.INT8_DEQUANT_MIN_M) if group_size else (linear.INT8_DEQUANT_MIN_M,):
+            dequantized = m >= linear.INT8_DEQUANT_MIN_M
+            if dequantized:
                 linear.reserve_dequant_workspace(torch.device("cpu"), rows * 2560 * 2)
             x = torch.empty(m, 2560, dtype=torch.bfloat16)
             out = torch.empty(m, rows // 2 if gate_up else rows, dtype=torch.bfloat16)

@@ -14,6 +14,7 @@ from engine.engine import Engine, EngineConfig
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSequence
+from kernels import linear
 from proposers.base import DraftRequest
 
 pytestmark = pytest.mark.gpu
@@ -49,10 +50,13 @@ def test_graph_decode_step_equals_eager(prompt_lens: list[int]) -> None:
     assert torch.equal(eager.argmax(-1), graph.argmax(-1))
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"], ids=["float", "int8"])
 @pytest.mark.parametrize("prompt_lens", [[37], [5, 300, 64]], ids=["one", "three"])
-def test_step_graph_equals_eager(prompt_lens: list[int]) -> None:
+def test_step_graph_equals_eager(prompt_lens: list[int], quantization: str | None) -> None:
     """A prefill step (and a verify-shaped one: several logit rows per sequence) replayed from a
-    StepGraphs bucket gives the eager step's logits; then whole greedy runs agree."""
+    StepGraphs bucket gives the eager step's logits; then whole greedy runs agree. INT8 weights: a
+    369-token step dequantizes each weight for the GEMM, the next one ahead on a side stream, in the
+    graph as eagerly; without the workspace (the INT8 GEMM) the step's logits are the same."""
     spec = dataclasses.replace(SMOLLM2_135M, num_layers=4)
     weights = random_weights(spec, torch.float32, "cuda")
     model = LoadedModel(name="random", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
@@ -60,7 +64,7 @@ def test_step_graph_equals_eager(prompt_lens: list[int]) -> None:
     def engine(step_graphs: bool) -> Engine:
         config = EngineConfig(device="cuda", dtype="float32", max_model_len=1024, kv_cache_tokens=4096,
                               max_num_seqs=8, step_graphs=step_graphs, num_draft=3,
-                              max_num_batched_tokens=512)  # fmt: skip
+                              max_num_batched_tokens=512, quantization=quantization)  # fmt: skip
         return Engine(model, config)
 
     graphed = engine(step_graphs=True)
@@ -82,6 +86,14 @@ def test_step_graph_equals_eager(prompt_lens: list[int]) -> None:
         difference = (eager - from_graph).abs().max().item()
         print(f"max |eager - step graph| = {difference:.3e}")
         assert difference <= 1e-4 * eager.abs().max().item()
+        if quantization and sum(prompt_lens) >= linear.INT8_DEQUANT_MIN_M:
+            workspaces = dict(linear._dequant_workspaces)
+            linear._dequant_workspaces.clear()
+            runner.step_graphs = None
+            int8_gemm = runner.forward_eager(batch.scheduled, num_logits=num_logits)
+            runner.step_graphs = step_graphs
+            linear._dequant_workspaces.update(workspaces)
+            assert (int8_gemm - eager).abs().max().item() <= 1e-4 * eager.abs().max().item()
     for seq in seqs:
         graphed.abort(seq.request_id)
     plain = engine(step_graphs=False)

@@ -138,7 +138,7 @@ def dequant_workspace():
     """A dequantization workspace on DEVICE for the test, none after it (the others run the INT8 GEMM)."""
     device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device(DEVICE)
     linear.reserve_dequant_workspace(device, 1 << 16)
-    yield linear._dequant_workspaces[device]
+    yield linear._dequant_workspaces[device].buffers[0]
     del linear._dequant_workspaces[device]
 
 
@@ -165,6 +165,34 @@ def test_int8_prefill_dequantizes_then_multiplies(
     torch.testing.assert_close(
         linear_triton(x, wide).double(), _expected(x, wide, None, False), **tolerance(dtype)
     )
+
+
+def test_int8_prefill_dequantizes_the_next_weight_ahead_into_the_other_buffer() -> None:
+    """Three weights in a forward's order (prefetch_order): each prefill dequantizes the next into the
+    other buffer before its own GEMM reads its buffer (on a GPU, on a side stream), and the next prefill
+    finds it there; out of order, a weight is dequantized where it is needed. Every product is right."""
+    device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device(DEVICE)
+    k, dtype, m = 64, torch.bfloat16, linear.INT8_DEQUANT_MIN_M
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    weights = [
+        _inputs(1, rows, k, dtype, seed=rows, group_size=group)[1]
+        for rows, group in ((40, None), (24, 32), (32, 16))
+    ]
+    linear.reserve_dequant_workspace(device, 40 * k * 2, num_buffers=2)
+    workspace = linear._dequant_workspaces[device]
+    try:
+        linear.prefetch_order(weights)
+        for order in ((0, 1, 2), (0, 2, 1), (1, 2, 0)):
+            for position, index in enumerate(order):
+                gate_up = index == 2
+                call = gate_up_silu_triton if gate_up else linear_triton
+                result = call(x, weights[index])
+                expected = _expected(x, weights[index], None, gate_up)
+                torch.testing.assert_close(result.double(), expected, **tolerance(dtype))
+                following = weights[index + 1].values.data_ptr() if index < 2 else None
+                assert (workspace.pending and workspace.pending.values_ptr) == following, (order, position)
+    finally:
+        del linear._dequant_workspaces[device]
 
 
 @pytest.mark.parametrize("group_size", [None, 16], ids=["per-row", "group16"])
