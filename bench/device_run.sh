@@ -315,12 +315,12 @@ q8serve)  # the linear kernels' GPU tests; bench_int8 with the peer's Q8_0 file,
 int8prefill)  # (carrying an earlier tree in .prev) the INT8 linears' and step graphs' GPU tests; bench_int8,
     # every mode, both shapes; .prev's INT8 weights beside it (its prefill without the dequantized-ahead weights)
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_int8.py tests/test_graphs_cuda.py tests/test_engine_cuda.py
-    run "${LIMIT:-330}" python3 bench/bench_int8.py --out "$OUT" --models qwen3-4b,qwen3-0.6b \
-        --modes base,int8,int8-kv,int8-both
+    run "${LIMIT:-330}" python3 bench/bench_int8.py --out "$OUT" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" \
+        --modes "${MODES:-base,int8,int8-kv,int8-both}"
     if [ -d .prev ]; then
         mkdir -p "$OUT/prev"
         (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
-            --models qwen3-4b,qwen3-0.6b --modes int8)
+            --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes base,int8)
     fi
     ;;
 lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards

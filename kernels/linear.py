@@ -542,13 +542,16 @@ def skinny_stages_that_fit(
 ) -> int:
     """config's pipeline stages, fewer where they would pass `limit` bytes of shared memory. The model
     matches what Triton 3.6 and 3.9 allocate on sm_90: num_stages - 1 buffered K steps (the x tile, the
-    weight tile or tiles, their group scales) plus 8 bytes an output element for the epilogue. A 64-row
-    gate/up tile of group-32 INT8 weights takes 241,664 bytes in 4 stages, past the H200's 232,448."""
+    weight tile or tiles, their group scales) plus 8 bytes an output element for the epilogue (fp32 x:
+    at least the weight tile in fp32). In 4 stages, 64 gate/up rows take 241,664 bytes with group-32 INT8
+    weights at Qwen3-4B's widths, and 237,568 in fp32 at SmolLM2's: past the H200's 232,448."""
     weight_tiles = 2 if gate_up else 1
     step = block_m * config.block_k * x_bytes + weight_tiles * config.block_n * config.block_k * w_bytes
     if scale_group:
         step += weight_tiles * config.block_n * max(1, config.block_k // scale_group) * 4
     epilogue = 8 * block_m * config.block_n
+    if x_bytes == 4:  # fp32 (no tensor cores): the widened weight tile changes layout in shared memory
+        epilogue = max(epilogue, 4 * config.block_n * config.block_k)
     stages = config.num_stages
     while stages > 2 and (stages - 1) * step + epilogue > limit:
         stages -= 1

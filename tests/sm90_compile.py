@@ -173,6 +173,9 @@ def run_engine_kernels() -> None:
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="mistral", sliding_window=24), 40)
     run_decoder(QWEN3_0_6B, 100, kv_cache_dtype="int8")  # the INT8 KV cache's write and attention
     run_decoder(QWEN3_0_6B, 100, quantization="int8")  # INT8 weights in every linear kernel
+    # fp32 activations on INT8 weights in the skinny GEMM at 64 rows (SmolLM2's gate/up: shared memory)
+    x = torch.empty(40, 576, dtype=torch.float32)
+    linear.gate_up_silu_triton(x, quantize_int8(torch.zeros(3072, 576)), out=torch.empty(40, 1536))
     # a Q8_0 GGUF's group-32 scales in the GEMV, the skinny GEMM (16 and 64 rows) and the GEMM, at
     # Qwen3-4B's widths (64 gate/up rows in 4 stages passed the H200's shared memory); then a prefill
     # long enough to dequantize the weight first, with group and per-row scales
