@@ -170,11 +170,12 @@ class BlockManager:
         source, length = self._best_partial_match(parent_hash, tokens[num_reused : num_reused + limit])
         if source is not None:
             self._reference(source)  # protect it from eviction while the fresh block is taken
-            block = self._take_block()
+            if self.num_free_blocks > 0:  # else the source was the last free block: compute its tokens
+                block = self._take_block()
+                copies.append(BlockCopy(source.block_id, block.block_id, length))
+                seq.block_table.append(block.block_id)
+                num_reused += length
             self._release(source.block_id)
-            copies.append(BlockCopy(source.block_id, block.block_id, length))
-            seq.block_table.append(block.block_id)
-            num_reused += length
         while len(seq.block_table) < self.blocks_needed(len(tokens)):
             seq.block_table.append(self._take_block().block_id)
         seq.num_computed_tokens = num_reused

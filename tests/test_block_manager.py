@@ -109,3 +109,22 @@ def test_identical_concurrent_blocks_are_registered_once() -> None:
     c = _seq([5, 6, 9], "c")
     manager.allocate(c)
     assert c.num_computed_tokens == 2
+
+
+def test_a_partial_match_from_the_last_free_block_is_computed_instead_of_copied() -> None:
+    """A waiting sequence that needs one more block, when the only free block is the unreferenced cached
+    block it partly matches: a copy would need that block and a fresh one at once, so those tokens are
+    computed in it instead. Found by preemption in a small cache (a resumed sequence matching its own
+    evicted tail)."""
+    manager = BlockManager(num_blocks=2, block_size=4)
+    first = _seq([1, 2, 3, 4, 5, 6], "a")
+    manager.allocate(first)
+    _compute_all(manager, first)
+    manager.free(first)  # [1..4] and [5, 6] cached, unreferenced: no block never used
+    second = _seq([1, 2, 3, 4, 5, 6, 7], "b")  # [1..4] shared; [5, 6] matches the last free block
+    assert manager.can_allocate(second)
+    assert manager.allocate(second) == []
+    assert second.num_computed_tokens == 4 and len(set(second.block_table)) == 2
+    assert manager.num_free_blocks == 0
+    manager.free(second)
+    assert manager.num_free_blocks == 2

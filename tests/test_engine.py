@@ -128,17 +128,17 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_consistent(engine: Eng
 
 def test_many_requests_in_a_small_cache_wait_or_are_preempted_and_lose_nothing(smollm2_gguf: Path) -> None:
     model = load_model(str(smollm2_gguf))
-    # room for about two of the eight sequences at a time: requests wait, some are preempted
-    small = Engine(model, EngineConfig(block_size=16, kv_cache_tokens=160, max_num_seqs=8))
+    # room for about two of the eight full sequences at a time: requests wait, some are preempted
+    small = Engine(model, EngineConfig(block_size=16, kv_cache_tokens=112, max_num_seqs=8))
     prompts = [small.tokenizer.encode(f"Count from {n} to {n + 9}:") for n in range(8)]
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = [small.generate(prompt, params)[0] for prompt in prompts[:2]]
     ids = [small.add_request(prompt, params) for prompt in prompts]
     collected: dict[str, list[int]] = {request_id: [] for request_id in ids}
     while small.has_unfinished():
         for output in small.step():
             collected[output.request_id] += output.new_token_ids
-    assert all(len(tokens) == 40 for tokens in collected.values())
+    assert all(len(tokens) == 24 for tokens in collected.values())
     assert [collected[ids[0]], collected[ids[1]]] == alone
     assert small.scheduler.num_preemptions > 0
     assert small.block_manager.num_free_blocks == small.block_manager.num_blocks
