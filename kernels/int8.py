@@ -3,8 +3,9 @@ or one per group of `group_size` consecutive inputs of a row (GGUF Q8_0: groups 
 
 weight[n, k] ~ values[n, k] * scale[n] (per row) or values[n, k] * scale[n, k // group_size]; symmetric,
 values in [-127, 127]. The linear kernels (kernels/linear.py, kernels/norm_linear.py) read the int8
-values and convert them in registers; a per-row scale multiplies each output column once, after the sum
-over K, and group scales multiply the weight tile before its products. Activations keep their dtype
+values and convert them in registers (a long prefill dequantizes the weight into a workspace first); a
+per-row scale multiplies each output column once, after the sum over K, and group scales multiply the
+weight tile before its products. Activations keep their dtype
 (bf16 on a GPU). Fused weights (q/k/v, gate/up) are rows stacked like any other, so gate/up's scales
 hold the gate rows' scales, then the up rows'.
 """

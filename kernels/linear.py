@@ -17,7 +17,8 @@ Three Triton kernels serve every call, picked by the number of rows of x:
   tile to finish (an atomic counter) adds them up in split order: deterministic, one launch.
 - prefill (M > SKINNY_MAX_M): a tiled GEMM on the tensor cores (tl.dot, bf16 in, fp32 accumulation),
   tiles chosen per shape by a small cost model (tile efficiency x waves over the SMs), grouped tile
-  order for L2 reuse.
+  order for L2 reuse. An INT8 weight at M >= INT8_DEQUANT_MIN_M is first dequantized into a workspace
+  (DequantWorkspace; the next weight ahead on a side stream), and the GEMM runs on that.
 Tiles measured fastest per shape on a GPU (kernels/tuned/<device>.json) override the heuristics.
 
 The gate/up kernels compute the matching gate and up columns in the same program and write
