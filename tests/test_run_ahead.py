@@ -101,15 +101,15 @@ def test_run_ahead_equals_step_by_step(device: str, request: pytest.FixtureReque
 
 
 def test_run_ahead_in_a_small_cache_waits_and_preempts_without_losing_tokens(model: LoadedModel) -> None:
-    config = EngineConfig(block_size=16, kv_cache_tokens=160, max_num_seqs=8, run_ahead=True)
+    config = EngineConfig(block_size=16, kv_cache_tokens=112, max_num_seqs=8, run_ahead=True)
     engine = Engine(model, config)
     prompts = [model.tokenizer.encode(f"Count from {n} to {n + 9}:") for n in range(6)]
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = Engine(model, EngineConfig(run_ahead=False)).generate(prompts[0], params)[0]
     arrivals = {0: [(f"r{n}", prompt, params) for n, prompt in enumerate(prompts)]}
     outputs, in_flight = _run(engine, arrivals, {})
     assert in_flight > 0 and engine.scheduler.num_preemptions > 0
-    assert all(len(_summary(outputs[f"r{n}"])[0]) == 40 for n in range(6))
+    assert all(len(_summary(outputs[f"r{n}"])[0]) == 24 for n in range(6))
     assert _summary(outputs["r0"])[0] == alone
     assert all(PENDING_TOKEN not in seq_tokens for seq_tokens in (_summary(o)[0] for o in outputs.values()))
 
