@@ -80,11 +80,32 @@ _XIELU_KEYS = {
 _MISSING = object()
 
 
+class _PlainArrayReader(gguf.GGUFReader):
+    """gguf's reader, slicing a plain array over its memory map: numpy's memmap subclass costs Python calls
+    on each of the ~250,000 slices a tokenizer's metadata takes (SmolLM2's file: 2.1 s -> 0.6 s on a CPU)."""
+
+    def _get(
+        self, offset: int, dtype: Any, count: int = 1, override_order: str | None = None
+    ) -> np.ndarray:  # as GGUFReader._get, on self.data's plain view
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        array = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        return array.view(
+            array.dtype.newbyteorder(self.byte_order if override_order is None else override_order)
+        )
+
+
 def read_gguf(path: Path) -> gguf.GGUFReader:
     """Open a GGUF file (memory-mapped); anything that is not a whole GGUF file raises ModelLoadError."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
+    try:
+        return _PlainArrayReader(path)
+    except Exception:  # noqa: BLE001 - a gguf release whose reader differs: its own reader says what is wrong
+        pass
     try:
         return gguf.GGUFReader(path)
     except Exception as error:  # the reader raises assorted errors (ValueError, IndexError, ...) on bad bytes

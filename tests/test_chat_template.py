@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
 from assets import llama3_tokenizer_dir, llama_cpp_models_dir, qwen3_tokenizer_dir
 from transformers import AutoTokenizer
@@ -13,6 +12,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from engine.chat_template import render_chat_template
 from engine.errors import InvalidRequestError
+from engine.gguf_loader import read_gguf
 from engine.tokenizer import Tokenizer
 
 SYSTEM_AND_USER = [
@@ -82,7 +82,7 @@ def test_llama3_template() -> None:
 @pytest.fixture(scope="module")
 def sentencepiece_pair() -> tuple[Tokenizer, Any]:
     models_dir = llama_cpp_models_dir()
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(models_dir / "ggml-vocab-llama-spm.gguf"))
+    ours = Tokenizer.from_gguf(read_gguf(models_dir / "ggml-vocab-llama-spm.gguf"))
     return ours, AutoTokenizer.from_pretrained(models_dir, gguf_file="ggml-vocab-llama-spm.gguf")
 
 
@@ -107,7 +107,7 @@ def test_llama_cpp_templates_with_sentencepiece_specials(sentencepiece_pair, tem
 
 
 def test_smollm2_gguf_template(smollm2_gguf: Path) -> None:
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(smollm2_gguf))
+    ours = Tokenizer.from_gguf(read_gguf(smollm2_gguf))
     # what transformers' GGUF tokenizer hands this template (test_tokenizer compares the tokenizers)
     special_tokens = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>"}
     for messages in CONVERSATIONS.values():

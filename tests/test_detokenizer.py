@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import gguf
 import pytest
 from assets import llama_cpp_models_dir, qwen3_tokenizer_dir
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.gguf_loader import read_gguf
 from engine.tokenizer import Tokenizer
 
 TEXTS = [
@@ -23,7 +23,7 @@ TEXTS = [
 def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
     if request.param == "byte-level":
         return Tokenizer.from_folder(qwen3_tokenizer_dir())
-    return Tokenizer.from_gguf(gguf.GGUFReader(llama_cpp_models_dir() / "ggml-vocab-llama-spm.gguf"))
+    return Tokenizer.from_gguf(read_gguf(llama_cpp_models_dir() / "ggml-vocab-llama-spm.gguf"))
 
 
 def stream(tokenizer: Tokenizer, token_ids: list[int], skip_special_tokens: bool) -> tuple[list[str], str]:
@@ -65,7 +65,7 @@ def test_split_character_is_held_back_then_emitted_whole(tokenizer: Tokenizer) -
 
 
 def test_sentencepiece_byte_fallback_character() -> None:
-    tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(llama_cpp_models_dir() / "ggml-vocab-llama-spm.gguf"))
+    tokenizer = Tokenizer.from_gguf(read_gguf(llama_cpp_models_dir() / "ggml-vocab-llama-spm.gguf"))
     # "🦙" is not in the vocabulary: "▁" then <0xF0><0x9F><0xA6><0x99>
     token_ids = tokenizer.encode("🦙", add_special_tokens=False)
     assert [tokenizer.token_bytes(token_id) for token_id in token_ids] == [

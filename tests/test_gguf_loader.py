@@ -37,6 +37,24 @@ def smollm2_weights(smollm2_reader: gguf.GGUFReader) -> dict[str, torch.Tensor]:
     return load_gguf_weights(smollm2_reader, spec_from_gguf(smollm2_reader), torch.float32)
 
 
+def test_the_reader_reads_what_ggufs_own_reader_reads(
+    smollm2_gguf: Path, smollm2_reader: gguf.GGUFReader
+) -> None:
+    """read_gguf's faster reader gives the same metadata and tensors as gguf.GGUFReader itself."""
+    stock = gguf.GGUFReader(smollm2_gguf)
+    assert type(smollm2_reader) is not gguf.GGUFReader and list(smollm2_reader.fields) == list(stock.fields)
+    for name, field in stock.fields.items():
+        ours = smollm2_reader.fields[name]
+        assert (ours.offset, ours.types, ours.data) == (field.offset, field.types, field.data), name
+        assert all(np.array_equal(a, b) for a, b in zip(ours.parts, field.parts, strict=True)), name
+    assert [(t.name, t.tensor_type, t.data_offset) for t in smollm2_reader.tensors] == [
+        (t.name, t.tensor_type, t.data_offset) for t in stock.tensors
+    ]
+    assert all(
+        np.array_equal(a.data, b.data) for a, b in zip(smollm2_reader.tensors, stock.tensors, strict=True)
+    )
+
+
 def test_smollm2_spec(smollm2_reader: gguf.GGUFReader) -> None:
     spec = spec_from_gguf(smollm2_reader)
     assert "output.weight" not in {tensor.name for tensor in smollm2_reader.tensors}

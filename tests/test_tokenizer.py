@@ -13,6 +13,7 @@ from assets import llama3_tokenizer_dir, llama_cpp_models_dir, qwen3_tokenizer_d
 from transformers import AutoTokenizer
 
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.gguf_loader import read_gguf
 from engine.tokenizer import Tokenizer
 
 # Texts that exercise the pre-tokenizers: unicode, code, whitespace runs, special tokens, numbers.
@@ -39,7 +40,7 @@ TEXTS = [
 
 # ---- llama.cpp golden vectors ----------------------------------------------------------------------
 
-# The vocabularies the issue asks for, plus the cheap ones; each costs seconds in gguf.GGUFReader.
+# The vocabularies the issue asks for, plus the cheap ones; each costs a second or more to read.
 SUPPORTED_VOCABS = [
     "llama-bpe",
     "qwen2",
@@ -79,7 +80,7 @@ def read_golden_vectors(vocab: str) -> list[tuple[str, list[int]]]:
 
 @functools.cache
 def load_vocab(vocab: str) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(llama_cpp_models_dir() / f"ggml-vocab-{vocab}.gguf"))
+    return Tokenizer.from_gguf(read_gguf(llama_cpp_models_dir() / f"ggml-vocab-{vocab}.gguf"))
 
 
 @pytest.mark.parametrize(
@@ -200,7 +201,7 @@ def test_generation_config_eos_ids_and_config_add_bos(tmp_path: Path) -> None:
 
 
 def test_smollm2_gguf_tokenizer_matches_transformers(smollm2_gguf: Path) -> None:
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(smollm2_gguf))
+    ours = Tokenizer.from_gguf(read_gguf(smollm2_gguf))
     reference = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
     assert ours.vocab_size == 49152 and not ours.add_bos_token
     assert ours.eos_token == "<|im_end|>" and ours.eos_token_ids == {2}
@@ -248,7 +249,7 @@ def write_tiny_gguf(path: Path, pre_type: str, merges: list[str]) -> gguf.GGUFRe
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return gguf.GGUFReader(path)
+    return read_gguf(path)
 
 
 def test_bad_gguf_tokenizer_metadata(tmp_path: Path) -> None:
