@@ -896,16 +896,20 @@ class DequantWorkspace:
 
 
 _dequant_workspaces: dict[torch.device, DequantWorkspace] = {}
+_replaced_workspaces: list[DequantWorkspace] = []  # kept: graphs captured before may still read them
 
 
 def reserve_dequant_workspace(device: torch.device, num_bytes: int, num_buffers: int = 1) -> None:
     """Room for the largest INT8 weight in x's dtype (its numel x element size) on device, in num_buffers
-    buffers (two let the next weight be dequantized ahead: prefetch_order). Call it before any CUDA graph
-    is captured: a workspace is replaced only by a larger one, and a captured graph keeps pointing at the
-    one it saw. Without one (or too small) a prefill runs the INT8 GEMM."""
+    buffers (two let the next weight be dequantized ahead: prefetch_order). Call it before the graphs that
+    use it are captured. A workspace is replaced only by a larger one, and the one replaced is kept
+    allocated: a graph captured before (another engine's) keeps reading it. Without one (or too small) a
+    prefill runs the INT8 GEMM."""
     device = torch.empty(0, device=device).device  # with its index ("cuda:0"), as tensors name it
     current = _dequant_workspaces.get(device)
     if current is None or current.buffers[0].numel() < num_bytes or len(current.buffers) < num_buffers:
+        if current is not None:
+            _replaced_workspaces.append(current)
         _dequant_workspaces[device] = DequantWorkspace(device, num_bytes, num_buffers)
 
 
