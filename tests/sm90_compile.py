@@ -182,8 +182,7 @@ def run_engine_kernels() -> None:
     for rows, gate_up, group_size in ((6144, False, 32), (19456, True, 32), (6144, False, None)):
         weight = quantize_int8(torch.zeros(rows, 2560), group_size=group_size)
         for m in (1, 5, 40, 100, linear.INT8_DEQUANT_MIN_M) if group_size else (linear.INT8_DEQUANT_MIN_M,):
-            dequantized = m >= linear.INT8_DEQUANT_MIN_M
-            if dequantized:
+            if m >= linear.INT8_DEQUANT_MIN_M:
                 linear.reserve_dequant_workspace(torch.device("cpu"), rows * 2560 * 2)
             x = torch.empty(m, 2560, dtype=torch.bfloat16)
             out = torch.empty(m, rows // 2 if gate_up else rows, dtype=torch.bfloat16)
@@ -198,7 +197,7 @@ def run_engine_kernels() -> None:
             torch.empty(1, 2048 if gate_up else 4096, dtype=torch.bfloat16), torch.empty_like(hidden),
             linear.GemvConfig(block_n=2, block_k=1024, num_warps=4),
         )  # fmt: skip
-    # INT8 GEMVs that sum each K step, as the tuned tiles of the Qwen3-4B shapes pick them
+    # INT8 GEMVs that sum each K step (a tile option the sweeps try), at Qwen3-4B's widths
     hidden = torch.empty(1, 2560, dtype=torch.bfloat16)
     values, scale = torch.empty(19456, 2560, dtype=torch.int8), torch.empty(19456)
     for gate_up in (False, True):

@@ -5,6 +5,9 @@ weight. On the CPU the kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -133,13 +136,26 @@ def test_int8_forced_tiles(case: tuple, gate_up: bool, group_size: int | None) -
     torch.testing.assert_close(out.double(), _expected(x, weight, None, gate_up), **tolerance(dtype))
 
 
-@pytest.fixture
-def dequant_workspace():
-    """A dequantization workspace on DEVICE for the test, none after it (the others run the INT8 GEMM)."""
+@contextlib.contextmanager
+def own_dequant_workspace(num_bytes: int, num_buffers: int = 1) -> Iterator[linear.DequantWorkspace]:
+    """A dequantization workspace of this size on DEVICE for the block; then the one before it, or none
+    (an engine's, whose captured graphs may read it, comes back as it was)."""
     device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device(DEVICE)
-    linear.reserve_dequant_workspace(device, 1 << 16)
-    yield linear._dequant_workspaces[device].buffers[0]
-    del linear._dequant_workspaces[device]
+    previous = linear._dequant_workspaces.pop(device, None)
+    linear.reserve_dequant_workspace(device, num_bytes, num_buffers)
+    try:
+        yield linear._dequant_workspaces[device]
+    finally:
+        del linear._dequant_workspaces[device]
+        if previous is not None:
+            linear._dequant_workspaces[device] = previous
+
+
+@pytest.fixture
+def dequant_workspace() -> Iterator[torch.Tensor]:
+    """A 64 KiB workspace's one buffer, for the test only (the other tests run the INT8 GEMM)."""
+    with own_dequant_workspace(1 << 16) as workspace:
+        yield workspace.buffers[0]
 
 
 @pytest.mark.parametrize("group_size", [None, 32], ids=["per-row", "group32"])
@@ -171,16 +187,13 @@ def test_int8_prefill_dequantizes_the_next_weight_ahead_into_the_other_buffer() 
     """Three weights in a forward's order (prefetch_order): each prefill dequantizes the next into the
     other buffer before its own GEMM reads its buffer (on a GPU, on a side stream), and the next prefill
     finds it there; out of order, a weight is dequantized where it is needed. Every product is right."""
-    device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device(DEVICE)
     k, dtype, m = 64, torch.bfloat16, linear.INT8_DEQUANT_MIN_M
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     weights = [
         _inputs(1, rows, k, dtype, seed=rows, group_size=group)[1]
         for rows, group in ((40, None), (24, 32), (32, 16))
     ]
-    linear.reserve_dequant_workspace(device, 40 * k * 2, num_buffers=2)
-    workspace = linear._dequant_workspaces[device]
-    try:
+    with own_dequant_workspace(40 * k * 2, num_buffers=2) as workspace:
         linear.prefetch_order(weights)
         for order in ((0, 1, 2), (0, 2, 1), (1, 2, 0)):
             for position, index in enumerate(order):
@@ -191,8 +204,6 @@ def test_int8_prefill_dequantizes_the_next_weight_ahead_into_the_other_buffer() 
                 torch.testing.assert_close(result.double(), expected, **tolerance(dtype))
                 following = weights[index + 1].values.data_ptr() if index < 2 else None
                 assert (workspace.pending and workspace.pending.values_ptr) == following, (order, position)
-    finally:
-        del linear._dequant_workspaces[device]
 
 
 @pytest.mark.parametrize("group_size", [None, 16], ids=["per-row", "group16"])
