@@ -32,6 +32,7 @@
 #   bash bench/device_run.sh lineartests  # the linear kernels' GPU tests: bf16, INT8, norm-fused
 #   bash bench/device_run.sh int8prefill  # (carry an earlier tree in .prev) INT8 and step-graph GPU tests,
 #       # bench_int8 in every mode, .prev's INT8 beside it
+#   bash bench/device_run.sh gemvstages  # GEMV tests; GEMV tiles swept with 1-4 pipeline stages (tuned table)
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
@@ -322,6 +323,18 @@ int8prefill)  # (carrying an earlier tree in .prev) the INT8 linears' and step g
         (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
             --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes base,int8)
     fi
+    ;;
+gemvstages)  # the GEMV tests, compiled; the GEMV tiles at M = 1 swept with their K loop in 1 to 4 stages
+    # (INT8 on both shapes, then bf16 on Qwen3-4B), merged into the tuned table, which is copied to $OUT
+    sharded 8 "${TEST_LIMIT:-120}" -k "forced or gemv" tests/test_kernels_linear.py \
+        tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
+    run "${LIMIT:-260}" python3 bench/bench_linear.py "$OUT/int8" --int8 --sweep --near --m 1 \
+        --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --layers qkv,o,gate_up,down --replays 30 \
+        --write-tuned kernels/tuned/NVIDIA_H200.json
+    run "${LIMIT_BF16:-150}" python3 bench/bench_linear.py "$OUT/bf16" --sweep --near --m 1 \
+        --models "${MODELS_BF16:-qwen3-4b}" --layers qkv,o,gate_up,down --replays 30 \
+        --write-tuned kernels/tuned/NVIDIA_H200.json
+    cp kernels/tuned/NVIDIA_H200.json "$OUT/"
     ;;
 lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py

@@ -206,6 +206,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SUM_EACH_STEP: tl.constexpr = False,  # reduce each K tile's products to [BLOCK_N] at once
+    NUM_STAGES: tl.constexpr = 1,  # > 1: the K loop's loads pipelined through shared memory (cp.async)
 ):
     # The products are formed in fp32 (weights are upcast on load), so there is no bf16 arithmetic for
     # the interpreter to get wrong and no UPCAST flag is needed here.
@@ -224,7 +225,7 @@ def _gemv_kernel(
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     row_sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_sums_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
         xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
@@ -263,6 +264,7 @@ class GemvConfig(NamedTuple):
     block_k: int
     num_warps: int
     sum_each_step: bool = False  # each K tile's products summed at once (no tile-sized accumulator)
+    num_stages: int = 1  # K tiles in flight: > 1 pipelines the weight loads through shared memory
 
 
 def gemv_config(m: int, n: int, k: int, gate_up: bool, weights: str = "float") -> GemvConfig:
@@ -303,7 +305,9 @@ def _launch_gemv(
     m, k = x.shape
     n = out.shape[1]
     assert m == 1, "the GEMV takes one row of x; more take the skinny GEMM"
-    block_n, block_k, num_warps, sum_each_step = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
+    block_n, block_k, num_warps, sum_each_step, num_stages = config or gemv_config(
+        m, n, k, gate_up, weights_kind(weight)
+    )
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -320,6 +324,7 @@ def _launch_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SUM_EACH_STEP=sum_each_step,
+        NUM_STAGES=num_stages,
         num_warps=num_warps,
     )
 

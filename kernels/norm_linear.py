@@ -238,6 +238,7 @@ def _add_rms_norm_gemv_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_K_NORM: tl.constexpr,  # columns per statistics tile (pass 1): >= BLOCK_K
     SUM_EACH_STEP: tl.constexpr = False,  # reduce each K tile's products at once (as linear.py's GEMV)
+    NUM_STAGES: tl.constexpr = 1,  # > 1: pass 2's loads pipelined through shared memory (cp.async)
 ):
     # Products and statistics are fp32 and every bf16 rounding is an explicit cast, so there is no bf16
     # arithmetic for the interpreter to get wrong (no UPCAST flag needed, as in linear.py's GEMV).
@@ -297,7 +298,7 @@ def _add_rms_norm_gemv_kernel(
     if SUM_EACH_STEP:  # [BLOCK_N] sums from here on (kept [BLOCK_N, BLOCK_K]-free)
         row_sums = tl.sum(acc, axis=1)
         row_sums_up = tl.sum(acc_up, axis=1)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
         w, w_up = _weight_tile(
@@ -359,7 +360,7 @@ def _launch_gemv(
     n = out.shape[1]
     assert m == 1, "the fused GEMV takes one row; more take the norm, then the skinny GEMM"
     config = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
-    block_n, block_k, num_warps, sum_each_step = config
+    block_n, block_k, num_warps, sum_each_step, num_stages = config
     if block_k_norm is None:
         # The statistics pass takes whole rows in one tile where registers allow (up to 32 fp32 per
         # thread per tensor, before the accumulators are live), else loops.
@@ -399,6 +400,7 @@ def _launch_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SUM_EACH_STEP=sum_each_step,
+        NUM_STAGES=num_stages,
         BLOCK_K_NORM=block_k_norm,
         num_warps=num_warps,
     )

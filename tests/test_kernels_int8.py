@@ -115,6 +115,7 @@ FORCED = [
     ("gemv", 1, GemvConfig(block_n=4, block_k=32, num_warps=4)),
     ("gemv", 1, GemvConfig(block_n=4, block_k=16, num_warps=4, sum_each_step=True)),
     ("gemv", 1, GemvConfig(block_n=4, block_k=32, num_warps=4, sum_each_step=True)),
+    ("gemv", 1, GemvConfig(block_n=4, block_k=16, num_warps=4, num_stages=3)),  # loads pipelined
     ("skinny", 3, SkinnyConfig(block_n=16, block_k=16, split_k=3, num_warps=4, num_stages=2)),
     ("gemm", 50, GemmConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)),
 ]
