@@ -198,14 +198,15 @@ class Case:
 
     def candidates(self, near: bool = False) -> list[TileConfig]:
         """Every tile configuration the sweep tries for this shape; near (GEMV only): the picked tile with
-        half, the same and twice its K step, either warp count, and its K loop in 1 to 4 stages."""
+        half, the same and twice its rows and its K step, either warp count, its K loop in 1 to 6 stages."""
         if near and self.m <= linear.GEMV_MAX_M:
             picked = self.heuristic()
             return [
-                linear.GemvConfig(picked.block_n, block_k, num_warps, num_stages=num_stages)
+                linear.GemvConfig(block_n, block_k, num_warps, num_stages=num_stages)
+                for block_n in {max(1, picked.block_n // 2), picked.block_n, picked.block_n * 2}
                 for block_k in (picked.block_k // 2, picked.block_k, picked.block_k * 2)
                 for num_warps in (4, 8)
-                for num_stages in (1, 2, 3, 4)
+                for num_stages in (1, 2, 3, 4, 6)
                 if block_k >= 16
             ]
         if linear.GEMV_MAX_M < self.m <= linear.SKINNY_MAX_M:

@@ -33,6 +33,7 @@
 #   bash bench/device_run.sh int8prefill  # (carry an earlier tree in .prev) INT8 and step-graph GPU tests,
 #       # bench_int8 in every mode, .prev's INT8 beside it
 #   bash bench/device_run.sh gemvstages  # GEMV tests; GEMV tiles swept with 1-4 pipeline stages (tuned table)
+#   bash bench/device_run.sh gemvengine  # (carry .prev) INT8 GEMV tiles swept near the tuned ones; bench_int8 A/B
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
@@ -335,6 +336,20 @@ gemvstages)  # the GEMV tests, compiled; the GEMV tiles at M = 1 swept with thei
         --models "${MODELS_BF16:-qwen3-4b}" --layers qkv,o,gate_up,down --replays 30 \
         --write-tuned kernels/tuned/NVIDIA_H200.json
     cp kernels/tuned/NVIDIA_H200.json "$OUT/"
+    ;;
+gemvengine)  # (carrying an earlier tree in .prev) INT8 GEMV tiles swept near the tuned ones (rows, K step,
+    # warps, 1-6 stages), as the tuned table (copied to $OUT); bench_int8 bf16 and INT8, .prev's beside it
+    run "${LIMIT:-240}" python3 bench/bench_linear.py "$OUT/int8" --int8 --sweep --near --m 1 \
+        --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --layers qkv,o,gate_up,down --replays 30 \
+        --write-tuned kernels/tuned/NVIDIA_H200.json
+    cp kernels/tuned/NVIDIA_H200.json "$OUT/"
+    run "${LIMIT_ENGINE:-170}" python3 bench/bench_int8.py --out "$OUT" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" \
+        --modes base,int8
+    if [ -d .prev ]; then
+        mkdir -p "$OUT/prev"
+        (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
+            --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes base,int8)
+    fi
     ;;
 lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
