@@ -34,6 +34,7 @@
 #       # bench_int8 in every mode, .prev's INT8 beside it
 #   bash bench/device_run.sh gemvstages  # GEMV tests; GEMV tiles swept with 1-4 pipeline stages (tuned table)
 #   bash bench/device_run.sh gemvengine  # (carry .prev) INT8 GEMV tiles swept near the tuned ones; bench_int8 A/B
+#   bash bench/device_run.sh profileint8  # a Qwen3-4B decode step's kernels, bf16 and INT8 weights
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
@@ -350,6 +351,10 @@ gemvengine)  # (carrying an earlier tree in .prev) INT8 GEMV tiles swept near th
         (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
             --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes base,int8)
     fi
+    ;;
+profileint8)  # a Qwen3-4B decode step's kernels, bf16 then INT8 weights (profile_decode at batch 1)
+    run "${LIMIT:-200}" python3 bench/profile_decode.py "$OUT/bf16" --models "${MODELS:-qwen3-4b}"
+    run "${LIMIT:-200}" python3 bench/profile_decode.py "$OUT/int8" --models "${MODELS:-qwen3-4b}" --quantization int8
     ;;
 lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py

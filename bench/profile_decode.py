@@ -35,13 +35,14 @@ PROMPT_LEN = 1024
 STEPS = 200
 
 
-def profile(name: str) -> dict:
+def profile(name: str, quantization: str | None = None) -> dict:
     spec = MODELS[name]
     device = torch.device("cuda")
     weights = random_weights(spec, torch.bfloat16, device)
     model = LoadedModel(name=name, source=Path("random"), spec=spec, weights=weights, tokenizer=None)
     engine = Engine(model, EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096,
-                                        kv_cache_tokens=8192, max_num_seqs=8))  # fmt: skip
+                                        kv_cache_tokens=8192, max_num_seqs=8,
+                                        quantization=quantization))  # fmt: skip
     prompt = torch.randint(0, spec.vocab_size, (PROMPT_LEN,)).tolist()
     request_id = engine.add_request(
         prompt, SamplingParams(max_tokens=2 * STEPS + 100, ignore_eos=True, temperature=0.0)
@@ -76,6 +77,7 @@ def profile(name: str) -> dict:
     launches = sum(row["calls_per_step"] for row in table)
     result = {
         "model": name,
+        "quantization": quantization,
         "engine_step_ms": statistics.median(wall) * 1e3,
         "graph_replay_ms": statistics.median(replay) * 1e3,
         "back_to_back_replay_ms": back_to_back * 1e3,
@@ -84,12 +86,13 @@ def profile(name: str) -> dict:
         "kernels": table,
     }
     print(
-        f"\n{name}: Engine.step {result['engine_step_ms']:.3f} ms,"
+        f"\n{name}{' ' + quantization if quantization else ''}:"
+        f" Engine.step {result['engine_step_ms']:.3f} ms,"
         f" graph replay {result['graph_replay_ms']:.3f} ms,"
         f" back-to-back {result['back_to_back_replay_ms']:.3f} ms,"
         f" kernel time sum {kernel_sum / 1e3:.3f} ms over {launches:.0f} launches"
     )
-    print_kernels(table[:14], "  ")
+    print_kernels(table[:20], "  ")
     engine.abort(request_id)
     result["prefill"] = profile_prefill(engine, spec.vocab_size)
     result["verify"] = profile_verify(engine, spec.vocab_size)
@@ -266,6 +269,7 @@ def main() -> None:
     parser.add_argument("out", nargs="?", default=os.environ.get("OUT", "bench_out"))
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-4b,smollm2-135m")
     parser.add_argument("--batches", help="comma-separated batch sizes: profile batched decode instead")
+    parser.add_argument("--quantization", choices=["int8"], help="INT8 weights (batch 1 only)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -273,7 +277,7 @@ def main() -> None:
         batches = [int(b) for b in args.batches.split(",")]
         results = [profile_batches(name, batches) for name in args.models.split(",")]
     else:
-        results = [profile(name) for name in args.models.split(",")]
+        results = [profile(name, args.quantization) for name in args.models.split(",")]
     (out / "profile_decode.json").write_text(json.dumps(results, indent=2))
 
 
