@@ -232,8 +232,8 @@ class Case:
                         )
                         if block_k > k_cap or not 8 <= registers <= 128:
                             continue
-                        for sum_each_step in (False, True):
-                            configs.append(linear.GemvConfig(block_n, block_k, num_warps, sum_each_step))
+                        for num_stages in (1, 3):
+                            configs.append(linear.GemvConfig(block_n, block_k, num_warps, num_stages))
             return configs
         cap = max(16, triton.next_power_of_2(self.m))
         table = linear.GATE_UP_CANDIDATES if self.gate_up else linear.GEMM_CANDIDATES
@@ -260,8 +260,7 @@ TileConfig = linear.GemvConfig | linear.SkinnyConfig | linear.GemmConfig
 
 
 def gemv_elements_per_thread(config: linear.GemvConfig, gate_up: bool) -> int:
-    """Weight tile elements a thread holds each K step (gate/up: both tiles): its fp32 accumulators, or
-    (sum_each_step) the products it sums at once."""
+    """Weight tile elements a thread holds each K step (gate/up: both tiles): its fp32 accumulators."""
     tiles = 2 if gate_up else 1
     return config.block_n * tiles * config.block_k // (32 * config.num_warps)
 

@@ -1,6 +1,7 @@
 """Residual add + RMSNorm fused into the following GEMV against the unfused pair, replayed in CUDA graphs.
 
-    python bench/bench_norm_linear.py [OUT_DIR] [--models qwen3-0.6b,...] [--m 1,4,8] [--sweep] [--replays N]
+    python bench/bench_norm_linear.py [OUT_DIR] [--models qwen3-0.6b,...] [--layers qkv,gate_up,lm_head]
+        [--int8] [--sweep [--near]] [--replays N]
 
 For Qwen3-0.6B, Qwen3-4B and SmolLM2-135M decode shapes, times the three places a norm feeds a matrix:
 input_layernorm -> fused qkv, post_attention_layernorm -> fused gate_up (+ SwiGLU), and the final norm ->
@@ -40,6 +41,7 @@ from bench.bench_linear import (  # noqa: E402
     time_in_graph,
 )
 from kernels import norm_linear  # noqa: E402
+from kernels.int8 import split  # noqa: E402
 from kernels.linear import GEMV_MAX_M, GemvConfig, gate_up_silu_triton, linear_triton  # noqa: E402
 from kernels.rmsnorm import add_rms_norm_triton  # noqa: E402
 
@@ -50,8 +52,8 @@ EPS = 1e-6
 class NormCase(Case):
     """A bench_linear Case (weight copies, x as the hidden input, out) plus the norm's tensors."""
 
-    def __init__(self, model: str, layer: str, n_rows: int, k: int, m: int) -> None:
-        super().__init__(model, layer, n_rows, k, m)
+    def __init__(self, model: str, layer: str, n_rows: int, k: int, m: int, int8: bool = False) -> None:
+        super().__init__(model, layer, n_rows, k, m, int8)
         gen = torch.Generator(device=DEVICE).manual_seed(m * 7 + k)
         self.residual = torch.randn(m, k, device=DEVICE, generator=gen).to(DTYPE)
         self.norm_weight = (1 + 0.1 * torch.randn(k, device=DEVICE, generator=gen)).to(DTYPE)
@@ -67,13 +69,18 @@ class NormCase(Case):
     def fused_call(self, config: GemvConfig | None = None) -> Callable[[int], object]:
         if config is None:
             return lambda i: norm_linear.add_rms_norm_linear_triton(
-                self.x, self.residual, self.norm_weight, EPS, self.weights[i],
+                self.x, self.residual, self.norm_weight, EPS, self.ours[i],
                 gate_up=self.gate_up, out=self.out, residual_out=self.residual_out,
             )  # fmt: skip
-        return lambda i: norm_linear._launch_gemv(
-            self.x, self.residual, self.norm_weight, EPS, self.weights[i], None, self.gate_up,
-            self.out, self.residual_out, config,
-        )  # fmt: skip
+
+        def call(i: int) -> None:
+            values, scale, scale_group = split(self.ours[i])
+            norm_linear._launch_gemv(
+                self.x, self.residual, self.norm_weight, EPS, values, None, self.gate_up,
+                self.out, self.residual_out, config, scale=scale, scale_group=scale_group,
+            )  # fmt: skip
+
+        return call
 
     def unfused_call(self) -> Callable[[int], object]:
         # add_rms_norm_triton updates its residual in place: it gets residual_out, so that the fused
@@ -81,11 +88,11 @@ class NormCase(Case):
         def call(i: int) -> None:
             add_rms_norm_triton(self.x, self.residual_out, self.norm_weight, EPS, out=self.normed)
             if self.gate_up:
-                gate_up_silu_triton(self.normed, self.weights[i], out=self.out)
+                gate_up_silu_triton(self.normed, self.ours[i], out=self.out)
             elif self.layer == "lm_head":
-                self.out.copy_(linear_triton(self.normed, self.weights[i], out=self.bf16_out))
+                self.out.copy_(linear_triton(self.normed, self.ours[i], out=self.bf16_out))
             else:
-                linear_triton(self.normed, self.weights[i], out=self.out)
+                linear_triton(self.normed, self.ours[i], out=self.out)
 
         return call
 
@@ -93,7 +100,7 @@ class NormCase(Case):
         """|fused - reference chain| / |reference chain| (Frobenius norms) on the first weight copy."""
         self.fused_call()(0)
         expected, _ = norm_linear.add_rms_norm_linear_reference(
-            self.x, self.residual, self.norm_weight, EPS, self.weights[0], gate_up=self.gate_up
+            self.x, self.residual, self.norm_weight, EPS, self.ours[0], gate_up=self.gate_up
         )
         expected = expected.float()
         return ((self.out.float() - expected).norm() / expected.norm()).item()
@@ -110,6 +117,13 @@ def main() -> None:
     parser.add_argument("--m", default="1", help="comma-separated M values (<= 8: the fused GEMV)")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also time every fused GEMV tile candidate")
+    parser.add_argument(
+        "--near", action="store_true", help="with --sweep: only the tiles next to the one picked"
+    )
+    parser.add_argument("--int8", action="store_true", help="INT8 weights (a scale per row; the LM head too)")
+    parser.add_argument(
+        "--layers", default=",".join(LAYERS), help="comma-separated subset of " + ",".join(LAYERS)
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the norm + linear benchmark needs a GPU"
     m_values = [int(m) for m in args.m.split(",")]
@@ -119,11 +133,11 @@ def main() -> None:
     print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (2 GiB device-to-device, read + write)", flush=True)
     rows = []
     for model in args.models.split(","):
-        for layer in LAYERS:
+        for layer in args.layers.split(","):
             n_rows, k = MODELS[model][layer]
             for m in m_values:
                 started = time.perf_counter()
-                case = NormCase(model, layer, n_rows, k, m)
+                case = NormCase(model, layer, n_rows, k, m, args.int8)
                 error = case.relative_error()
                 fused = time_in_graph(case.fused_call(), case.copies, args.replays)
                 unfused = time_in_graph(case.unfused_call(), case.copies, args.replays)
@@ -143,7 +157,7 @@ def main() -> None:
                 }
                 if args.sweep:
                     row["sweep"] = sweep_configs(
-                        case.candidates(), case.fused_call, case.copies, max(10, args.replays // 3)
+                        case.candidates(args.near), case.fused_call, case.copies, max(10, args.replays // 3)
                     )
                 rows.append(row)
                 print(
@@ -164,7 +178,8 @@ def main() -> None:
     (out_dir / "bench_norm_linear.json").write_text(json.dumps(result, indent=2))
 
     print(
-        f"\nadd + RMSNorm + linear, fused vs unfused, CUDA graphs, bf16, {torch.cuda.get_device_name()}, "
+        f"\nadd + RMSNorm + linear, fused vs unfused, CUDA graphs, bf16{' (INT8 weights)' * args.int8}, "
+        f"{torch.cuda.get_device_name()}, "
         f"copy bw {bandwidth / 1e12:.2f} TB/s; results in {out_dir / 'bench_norm_linear.json'}"
     )
     columns = (

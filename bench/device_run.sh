@@ -35,6 +35,7 @@
 #   bash bench/device_run.sh gemvstages  # GEMV tests; GEMV tiles swept with 1-4 pipeline stages (tuned table)
 #   bash bench/device_run.sh gemvengine  # (carry .prev) INT8 GEMV tiles swept near the tuned ones; bench_int8 A/B
 #   bash bench/device_run.sh profileint8  # a Qwen3-4B decode step's kernels, bf16 and INT8 weights
+#   bash bench/device_run.sh normgemv  # (carry .prev) norm-fused GEMV tests; fused vs unfused; bench_int8 A/B
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
@@ -355,6 +356,26 @@ gemvengine)  # (carrying an earlier tree in .prev) INT8 GEMV tiles swept near th
 profileint8)  # a Qwen3-4B decode step's kernels, bf16 then INT8 weights (profile_decode at batch 1)
     run "${LIMIT:-200}" python3 bench/profile_decode.py "$OUT/bf16" --models "${MODELS:-qwen3-4b}"
     run "${LIMIT:-200}" python3 bench/profile_decode.py "$OUT/int8" --models "${MODELS:-qwen3-4b}" --quantization int8
+    ;;
+normgemv)  # (carrying an earlier tree in .prev) the norm-fused GEMV's GPU tests; bench_norm_linear (fused
+    # against a norm launch and the GEMV), bf16 and INT8, in this tree and .prev's (with this tree's bench);
+    # bench_int8 bf16 and INT8 in both trees
+    sharded 8 "${TEST_LIMIT:-120}" tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
+    [ -d .prev ] && cp bench/bench_norm_linear.py .prev/bench/
+    for tree in . .prev; do
+        [ -d "$tree" ] || continue
+        for int8 in "" --int8; do
+            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_NORM:-100}" python3 bench/bench_norm_linear.py \
+                "$OUT/norm$tree$int8" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" $int8 --replays 30) | tail -12
+        done
+    done
+    run "${LIMIT_ENGINE:-170}" python3 bench/bench_int8.py --out "$OUT" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" \
+        --modes base,int8
+    if [ -d .prev ]; then
+        mkdir -p "$OUT/prev"
+        (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
+            --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes base,int8)
+    fi
     ;;
 lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py

@@ -1,11 +1,11 @@
 """The decode GEMV at given tiles, timed as bench_linear times it, or launched once each for a profiler.
 
-    python bench/gemv_probe.py --model qwen3-4b --layers qkv,gate_up [--int8] --configs "8,512,8,0,0;..."
+    python bench/gemv_probe.py --model qwen3-4b --layers qkv,gate_up [--int8] --configs "8,512,8,1;..."
         [--write-tuned kernels/tuned/NVIDIA_H200.json]
     ncu --clock-control none ... python bench/gemv_probe.py ... --launch-only
 
-A config is block_n,block_k,num_warps,sum_each_step (linear.GemvConfig); "tuned" is what the
-engine picks for the shape; a range "4-32,512-2048,4-8,0-1" takes every power of two (each flag) in it.
+A config is block_n,block_k,num_warps[,num_stages] (linear.GemvConfig); "tuned" is what the
+engine picks for the shape; a range "4-32,512-2048,4-8,1-4" takes every power of two in it.
 --write-tuned merges the fastest config of each layer into that table (bench_linear's format).
 --launch-only runs each config twice outside graphs (the first compiles): a profiler sees two launches
 per config, in the order given, the second warm.
@@ -56,7 +56,7 @@ def parse_configs(text: str) -> list[linear.GemvConfig | None]:
             for grid in grids:
                 combos = [combo + [value] for combo in combos for value in grid]
             for fields in combos:
-                configs.append(linear.GemvConfig(*fields[:3], *(bool(flag) for flag in fields[3:])))
+                configs.append(linear.GemvConfig(*fields))
     return configs
 
 

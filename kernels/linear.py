@@ -205,7 +205,6 @@ def _gemv_kernel(
     GATE_UP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SUM_EACH_STEP: tl.constexpr = False,  # reduce each K tile's products to [BLOCK_N] at once
     NUM_STAGES: tl.constexpr = 1,  # > 1: the K loop's loads pipelined through shared memory (cp.async)
 ):
     # The products are formed in fp32 (weights are upcast on load), so there is no bf16 arithmetic for
@@ -219,12 +218,9 @@ def _gemv_kernel(
     up_rows = w_ptr + (rows + N)[:, None] * stride_wn  # [BLOCK_N, 1] (GATE_UP only)
     offs_k0 = tl.arange(0, BLOCK_K)
 
-    # [BLOCK_N, BLOCK_K] partial sums, reduced across K once after the loop; or (SUM_EACH_STEP) [BLOCK_N]
-    # sums, each tile's products reduced at once, so that no accumulator holds a register per tile element.
+    # [BLOCK_N, BLOCK_K] partial sums, reduced across K once after the loop.
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    row_sums = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_sums_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
@@ -232,22 +228,13 @@ def _gemv_kernel(
         w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
         if SCALE_GROUP > 0:
             w *= group_scales(scale_ptr, rows, k0, K, SCALE_GROUP, BLOCK_K)
-        if SUM_EACH_STEP:
-            row_sums += tl.sum(w * xk, axis=1)
-        else:
-            acc += w * xk
+        acc += w * xk
         if GATE_UP:
             w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
             if SCALE_GROUP > 0:
                 w_up *= group_scales(scale_ptr, rows + N, k0, K, SCALE_GROUP, BLOCK_K)
-            if SUM_EACH_STEP:
-                row_sums_up += tl.sum(w_up * xk, axis=1)
-            else:
-                acc_up += w_up * xk
-    if SUM_EACH_STEP:
-        result, result_up = row_sums, row_sums_up
-    else:
-        result, result_up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)  # [BLOCK_N]
+            acc_up += w_up * xk
+    result, result_up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)  # [BLOCK_N]
     if HAS_SCALE and SCALE_GROUP == 0:
         result *= tl.load(scale_ptr + rows)
         if GATE_UP:
@@ -263,7 +250,6 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
-    sum_each_step: bool = False  # each K tile's products summed at once (no tile-sized accumulator)
     num_stages: int = 1  # K tiles in flight: > 1 pipelines the weight loads through shared memory
 
 
@@ -305,9 +291,7 @@ def _launch_gemv(
     m, k = x.shape
     n = out.shape[1]
     assert m == 1, "the GEMV takes one row of x; more take the skinny GEMM"
-    block_n, block_k, num_warps, sum_each_step, num_stages = config or gemv_config(
-        m, n, k, gate_up, weights_kind(weight)
-    )
+    block_n, block_k, num_warps, num_stages = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -323,7 +307,6 @@ def _launch_gemv(
         GATE_UP=gate_up,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        SUM_EACH_STEP=sum_each_step,
         NUM_STAGES=num_stages,
         num_warps=num_warps,
     )

@@ -4,19 +4,19 @@
     normed       = rms_norm(residual_out) * norm_weight
     out          = normed @ weight.T (+ bias)     or, gate_up: silu(gate) * up, weight [2N, K] = [gate; up]
 
-with the rounding points of the unfused chain (kernels/rmsnorm.py, then kernels/linear.py): the sum is
-rounded to the activation dtype, the statistics are fp32, and the normed row is rounded to the activation
-dtype (before and after the norm weight, as HF does) before it meets the weight. The same op with the LM
-head's weight is the final norm + LM head.
+The sum is rounded to the activation dtype (it is the residual stream) and the statistics are fp32.
+Several rows take the unfused chain's rounding points (kernels/rmsnorm.py, then kernels/linear.py): the
+normed row is rounded to the activation dtype, before and after the norm weight, as HF does. The same op
+with the LM head's weight is the final norm + LM head.
 
-Batch-1 decode (M <= GEMV_MAX_M rows): one GEMV launch, tiles from kernels/linear.py's gemv_config.
-Every program needs the whole normed row, so each first reads the M rows of hidden (+ residual) to get
-the sum of squares (M * K elements from L2, cheap next to its BLOCK_N * K weight elements; usually in one wide
-tile, one round trip, while its first weight tile is already in flight), then streams its weight rows
-with 16-byte loads, rebuilding the normed row tile by tile from hidden (+ residual). When one K tile
-spans the whole row the normed row is simply kept in registers. Each program also stores its own disjoint
-slice of residual_out, so residual_out is written exactly once and must not alias hidden or residual
-(other programs still read them).
+Batch-1 decode (M <= GEMV_MAX_M rows): one GEMV launch, tiles from kernels/linear.py's gemv_config, one
+pass over K. rstd is one scalar for the row, so each program sums w[n, k] * summed[k] * norm_weight[k]
+and the squares of summed in the same loop and multiplies the sums by rstd at the end: the normed row is
+never rounded (fp32 throughout, within bf16 noise of the chain), and no statistics pass goes before the
+weight loads (a two-pass kernel that did that measured slower than the plain GEMV after a norm launch).
+Every program reads the whole row of hidden (+ residual) from L2 beside its BLOCK_N weight rows, and
+stores its own disjoint slice of residual_out, so residual_out is written exactly once and must not alias
+hidden or residual (other programs still read them).
 
 Several rows (batched decode, verify, prefill): two launches, the add and the norm in one pass
 (add_rms_norm_into_triton, into a scratch row block), then kernels/linear.py's skinny GEMM (M <=
@@ -115,36 +115,8 @@ def add_rms_norm_linear_reference(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Decode: the GEMV with the residual add and RMSNorm in front
+# Decode: the GEMV with the residual add and RMSNorm in front, in one pass over K
 # ----------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _summed_tile(
-    hidden_ptr,
-    residual_ptr,
-    offs_m,  # [BLOCK_M]
-    offs_k,  # [BLOCK_K]
-    mask,  # [BLOCK_M, BLOCK_K]
-    stride_hm,
-    stride_rm,
-    HAS_RESIDUAL: tl.constexpr,
-):
-    """hidden (+ residual), rounded to the activation dtype as the reference does; fp32 [BLOCK_M, BLOCK_K]."""
-    rows = offs_m.to(tl.int64)[:, None]
-    summed = tl.load(hidden_ptr + rows * stride_hm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + rows * stride_rm + offs_k[None, :], mask=mask, other=0.0)
-        summed = (summed + residual.to(tl.float32)).to(hidden_ptr.dtype.element_ty).to(tl.float32)
-    return summed
-
-
-@triton.jit
-def _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype: tl.constexpr):
-    """round(round(summed * rstd) * norm_weight): the reference's two roundings; fp32 [BLOCK_M, BLOCK_K]."""
-    norm_weight = tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-    normed = (summed * rstd[:, None]).to(act_dtype).to(tl.float32)
-    return (normed * norm_weight).to(act_dtype).to(tl.float32)
 
 
 @triton.jit
@@ -176,76 +148,34 @@ def _weight_tile(
 
 
 @triton.jit
-def _statistics_tile(
-    hidden_ptr,
-    residual_ptr,
-    residual_out_rows,  # [BLOCK_M, 1] row pointers
-    offs_m,
-    m_mask,
-    offs_k,
-    K,
-    stride_hm,
-    stride_rm,
-    own_start,
-    residual_chunk,
-    HAS_RESIDUAL: tl.constexpr,
-    WRITE_RESIDUAL: tl.constexpr,
-    act_dtype: tl.constexpr,
-):
-    """One tile of the summed rows (fp32 [BLOCK_M, BLOCK_K_NORM]); stores the part of it that this program
-    owns, columns [own_start, own_start + residual_chunk) of residual_out, so each is written once."""
-    k_mask = offs_k < K
-    mask = m_mask[:, None] & k_mask[None, :]
-    summed = _summed_tile(hidden_ptr, residual_ptr, offs_m, offs_k, mask, stride_hm, stride_rm, HAS_RESIDUAL)
-    if WRITE_RESIDUAL:
-        own = k_mask & (offs_k >= own_start) & (offs_k < own_start + residual_chunk)
-        tl.store(
-            residual_out_rows + offs_k[None, :], summed.to(act_dtype), mask=m_mask[:, None] & own[None, :]
-        )
-    return summed
-
-
-@triton.jit
 def _add_rms_norm_gemv_kernel(
-    hidden_ptr,  # [M, K], K contiguous
-    residual_ptr,  # [M, K] (HAS_RESIDUAL)
+    hidden_ptr,  # [K], the row
+    residual_ptr,  # [K] (HAS_RESIDUAL)
     norm_weight_ptr,  # [K]
     w_ptr,  # [N, K] or [2N, K] (GATE_UP: gate rows, then up rows), K contiguous; float or int8
     bias_ptr,  # [N] or [2N] (HAS_BIAS)
     scale_ptr,  # fp32 (HAS_SCALE: int8 weights) [N] or [2N], or [rows, K / SCALE_GROUP]
-    out_ptr,  # [M, N], N contiguous
-    residual_out_ptr,  # [M, K] (WRITE_RESIDUAL)
-    M,
+    out_ptr,  # [N]
+    residual_out_ptr,  # [K] (WRITE_RESIDUAL)
     N,  # output columns: weight rows, or intermediate size for GATE_UP
     K,
     eps,
-    residual_chunk,  # program p stores residual_out[:, p * residual_chunk : (p + 1) * residual_chunk]
-    stride_hm,
-    stride_rm,
+    residual_chunk,  # program p stores residual_out[p * residual_chunk : (p + 1) * residual_chunk]
     stride_wn,
-    stride_om,
-    stride_rom,
     HAS_RESIDUAL: tl.constexpr,
     WRITE_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     SCALE_GROUP: tl.constexpr,  # 0: a scale per row (after the sum); else inputs per scale (per tile)
     GATE_UP: tl.constexpr,
-    SINGLE_K: tl.constexpr,  # BLOCK_K >= K (then BLOCK_K_NORM == BLOCK_K): one tile holds the whole row
-    ONE_NORM_TILE: tl.constexpr,  # BLOCK_K_NORM >= K: the statistics pass is one tile, no loop
-    BLOCK_M: tl.constexpr,  # 1: the row of x (more rows take the skinny GEMM); the statistics keep the dim
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_K_NORM: tl.constexpr,  # columns per statistics tile (pass 1): >= BLOCK_K
-    SUM_EACH_STEP: tl.constexpr = False,  # reduce each K tile's products at once (as linear.py's GEMV)
-    NUM_STAGES: tl.constexpr = 1,  # > 1: pass 2's loads pipelined through shared memory (cp.async)
+    NUM_STAGES: tl.constexpr = 1,  # > 1: the K loop's loads pipelined through shared memory (cp.async)
 ):
-    # Products and statistics are fp32 and every bf16 rounding is an explicit cast, so there is no bf16
-    # arithmetic for the interpreter to get wrong (no UPCAST flag needed, as in linear.py's GEMV).
+    # sum_k w[n, k] * normed[k] = rstd * sum_k w[n, k] * (summed[k] * norm_weight[k]): rstd, a scalar,
+    # multiplies the sums at the end, so the sum of squares accumulates in the same pass as the products.
     act_dtype: tl.constexpr = hidden_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # The last program's surplus rows re-read row N - 1 (in bounds) and are not stored: no row mask on loads.
@@ -254,89 +184,44 @@ def _add_rms_norm_gemv_kernel(
     up_rows = w_ptr + (rows + N)[:, None] * stride_wn  # [BLOCK_N, 1] (GATE_UP only)
     offs_k0 = tl.arange(0, BLOCK_K)
     own_start = pid * residual_chunk
-    residual_out_rows = residual_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom  # [BLOCK_M, 1]
 
-    # The first weight tile does not depend on the norm: its loads go out first, so their latency hides
-    # behind the statistics pass.
-    k_mask = offs_k0 < K
-    w, w_up = _weight_tile(
-        gate_rows, up_rows, 0, offs_k0, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP, BLOCK_K
-    )
-
-    # Pass 1: the sum of squares of each row (and this program's slice of residual_out), in tiles of
-    # BLOCK_K_NORM >= BLOCK_K columns: usually one tile (ONE_NORM_TILE), i.e. one round trip to L2.
-    offs_kn0 = tl.arange(0, BLOCK_K_NORM)
-    if ONE_NORM_TILE:
-        summed = _statistics_tile(
-            hidden_ptr, residual_ptr, residual_out_rows, offs_m, m_mask, offs_kn0, K, stride_hm, stride_rm,
-            own_start, residual_chunk, HAS_RESIDUAL, WRITE_RESIDUAL, act_dtype,
-        )  # fmt: skip
-        squares = summed * summed
-    else:
-        squares = tl.zeros((BLOCK_M, BLOCK_K_NORM), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K_NORM):
-            part = _statistics_tile(
-                hidden_ptr, residual_ptr, residual_out_rows, offs_m, m_mask, k0 + offs_kn0, K, stride_hm,
-                stride_rm, own_start, residual_chunk, HAS_RESIDUAL, WRITE_RESIDUAL, act_dtype,
-            )  # fmt: skip
-            squares += part * part
-    rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)  # [BLOCK_M]
-
-    # Pass 2: the weight rows against the normed row, tile by tile. With SINGLE_K (one tile, the same
-    # width as the statistics tile) the row is still in registers; otherwise it is rebuilt per tile from
-    # hidden (+ residual), which this program has just read (L1/L2 hits).
-    if not SINGLE_K:
-        mask = m_mask[:, None] & k_mask[None, :]
-        summed = _summed_tile(
-            hidden_ptr, residual_ptr, offs_m, offs_k0, mask, stride_hm, stride_rm, HAS_RESIDUAL
-        )
-    x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k0, k_mask, act_dtype)
-    acc = w * x  # [BLOCK_N, BLOCK_K]: x [1, BLOCK_K] broadcasts over the weight rows
-    acc_up = acc
-    if GATE_UP:
-        acc_up = w_up * x
-    if SUM_EACH_STEP:  # [BLOCK_N] sums from here on (kept [BLOCK_N, BLOCK_K]-free)
-        row_sums = tl.sum(acc, axis=1)
-        row_sums_up = tl.sum(acc_up, axis=1)
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
         w, w_up = _weight_tile(
             gate_rows, up_rows, k0, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP, BLOCK_K
         )
-        mask = m_mask[:, None] & k_mask[None, :]
-        summed = _summed_tile(
-            hidden_ptr, residual_ptr, offs_m, offs_k, mask, stride_hm, stride_rm, HAS_RESIDUAL
-        )
-        x = _normed_tile(summed, rstd, norm_weight_ptr, offs_k, k_mask, act_dtype)
-        if SUM_EACH_STEP:
-            row_sums += tl.sum(w * x, axis=1)
-            if GATE_UP:
-                row_sums_up += tl.sum(w_up * x, axis=1)
-        else:
-            acc += w * x
-            if GATE_UP:
-                acc_up += w_up * x
+        summed = tl.load(hidden_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:  # rounded to the activation dtype, as the residual stream is
+            residual = tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            summed = (summed + residual).to(act_dtype).to(tl.float32)
+        if WRITE_RESIDUAL:
+            own = k_mask & (offs_k >= own_start) & (offs_k < own_start + residual_chunk)
+            tl.store(residual_out_ptr + offs_k, summed.to(act_dtype), mask=own)
+        squares += summed * summed
+        x = (summed * tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32))[None, :]
+        acc += w * x
+        if GATE_UP:
+            acc_up += w_up * x
 
-    # [1, BLOCK_N] results
-    if SUM_EACH_STEP:
-        result, result_up = row_sums[None, :], row_sums_up[None, :]
-    else:
-        result, result_up = tl.sum(acc, axis=1)[None, :], tl.sum(acc_up, axis=1)[None, :]
+    rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    result = tl.sum(acc, axis=1) * rstd  # [BLOCK_N]
+    result_up = tl.sum(acc_up, axis=1) * rstd
     if HAS_SCALE and SCALE_GROUP == 0:
-        result *= tl.load(scale_ptr + rows)[None, :]
+        result *= tl.load(scale_ptr + rows)
         if GATE_UP:
-            result_up *= tl.load(scale_ptr + rows + N)[None, :]
+            result_up *= tl.load(scale_ptr + rows + N)
     if HAS_BIAS:
-        result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if GATE_UP:
-            result_up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            result_up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if GATE_UP:
         result = result / (1.0 + tl.exp(-result)) * result_up
     # Rounded to the activation dtype first, as the reference's result is, whatever out's dtype.
-    result = result.to(act_dtype).to(out_ptr.dtype.element_ty)
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, result, mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptr + offs_n, result.to(act_dtype).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def _launch_gemv(
@@ -350,25 +235,16 @@ def _launch_gemv(
     out: torch.Tensor,
     residual_out: torch.Tensor | None,
     config: GemvConfig | None = None,
-    block_k_norm: int | None = None,
     scale: torch.Tensor | None = None,
     scale_group: int = 0,
 ) -> None:
-    """One launch; residual_out None: not written. config and block_k_norm override the tile heuristics
-    (tests, sweeps); scale: int8 weight's per-row scales."""
+    """One launch; residual_out None: not written. config overrides the tile heuristics (tests, sweeps);
+    scale: int8 weight's per-row scales."""
     m, k = hidden.shape
     n = out.shape[1]
     assert m == 1, "the fused GEMV takes one row; more take the norm, then the skinny GEMM"
     config = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
-    block_n, block_k, num_warps, sum_each_step, num_stages = config
-    if block_k_norm is None:
-        # The statistics pass takes whole rows in one tile where registers allow (up to 32 fp32 per
-        # thread per tensor, before the accumulators are live), else loops.
-        block_k_norm = max(block_k, min(triton.next_power_of_2(k), 32 * 32 * num_warps))
-    single_k = block_k >= k
-    if single_k:
-        block_k_norm = block_k  # the statistics tile is the product tile, kept in registers
-    num_programs = triton.cdiv(n, block_n)
+    num_programs = triton.cdiv(n, config.block_n)
     _add_rms_norm_gemv_kernel[(num_programs,)](
         hidden,
         residual if residual is not None else hidden,  # never read without HAS_RESIDUAL
@@ -378,31 +254,21 @@ def _launch_gemv(
         scale if scale is not None else out,  # never read without HAS_SCALE
         out,
         residual_out if residual_out is not None else hidden,  # never written without WRITE_RESIDUAL
-        m,
         n,
         k,
         eps,
         triton.cdiv(k, num_programs),
-        hidden.stride(0),
-        residual.stride(0) if residual is not None else 0,
         weight.stride(0),
-        out.stride(0),
-        residual_out.stride(0) if residual_out is not None else 0,
         HAS_RESIDUAL=residual is not None,
         WRITE_RESIDUAL=residual_out is not None,
         HAS_BIAS=bias is not None,
         HAS_SCALE=scale is not None,
         SCALE_GROUP=scale_group,
         GATE_UP=gate_up,
-        SINGLE_K=single_k,
-        ONE_NORM_TILE=block_k_norm >= k,
-        BLOCK_M=1,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        SUM_EACH_STEP=sum_each_step,
-        NUM_STAGES=num_stages,
-        BLOCK_K_NORM=block_k_norm,
-        num_warps=num_warps,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
     )
 
 

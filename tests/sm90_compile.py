@@ -188,7 +188,7 @@ def run_engine_kernels() -> None:
             out = torch.empty(m, rows // 2 if gate_up else rows, dtype=torch.bfloat16)
             (linear.gate_up_silu_triton if gate_up else linear.linear_triton)(x, weight, out=out)
             linear._dequant_workspaces.clear()
-    # the norm-fused GEMV with the whole row in one K tile (SINGLE_K), as tuned tiles on the GPU pick it
+    # the norm-fused GEMV with one K tile wider than the row, as tuned tiles on the GPU pick it
     hidden = torch.empty(1, 1024, dtype=torch.bfloat16)
     for gate_up in (False, True):
         norm_linear._launch_gemv(
@@ -197,7 +197,7 @@ def run_engine_kernels() -> None:
             torch.empty(1, 2048 if gate_up else 4096, dtype=torch.bfloat16), torch.empty_like(hidden),
             linear.GemvConfig(block_n=2, block_k=1024, num_warps=4),
         )  # fmt: skip
-    # INT8 GEMVs that sum each K step (a tile option the sweeps try), at Qwen3-4B's widths
+    # INT8 GEMVs with pipelined K loops (as tuned tiles on the GPU pick them), at Qwen3-4B's widths
     hidden = torch.empty(1, 2560, dtype=torch.bfloat16)
     values, scale = torch.empty(19456, 2560, dtype=torch.int8), torch.empty(19456)
     for gate_up in (False, True):
@@ -205,12 +205,12 @@ def run_engine_kernels() -> None:
             hidden, torch.empty_like(hidden), torch.empty(2560, dtype=torch.bfloat16), 1e-6, values, None,
             gate_up, torch.empty(1, 9728 if gate_up else 19456, dtype=torch.bfloat16),
             torch.empty_like(hidden),
-            linear.GemvConfig(block_n=4, block_k=512, num_warps=4, sum_each_step=True), scale=scale,
+            linear.GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=4), scale=scale,
         )  # fmt: skip
     linear._launch_gemv(
         torch.empty(1, 9728, dtype=torch.bfloat16), torch.empty(2560, 9728, dtype=torch.int8), None,
         torch.empty(1, 2560, dtype=torch.bfloat16), False,
-        linear.GemvConfig(block_n=4, block_k=2048, num_warps=8, sum_each_step=True), scale=torch.empty(2560),
+        linear.GemvConfig(block_n=4, block_k=2048, num_warps=8, num_stages=4), scale=torch.empty(2560),
     )  # fmt: skip
     # split decode attention, as a CUDA graph sized for a 32k block table runs it
     query = torch.empty(2, 32, 128, dtype=torch.bfloat16)

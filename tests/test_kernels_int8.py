@@ -113,8 +113,6 @@ def test_int8_linear_matches_dequantized_product(
 # several programs and K steps with a ragged last one; K split 3 ways (the partials carry unscaled sums)
 FORCED = [
     ("gemv", 1, GemvConfig(block_n=4, block_k=32, num_warps=4)),
-    ("gemv", 1, GemvConfig(block_n=4, block_k=16, num_warps=4, sum_each_step=True)),
-    ("gemv", 1, GemvConfig(block_n=4, block_k=32, num_warps=4, sum_each_step=True)),
     ("gemv", 1, GemvConfig(block_n=4, block_k=16, num_warps=4, num_stages=3)),  # loads pipelined
     ("skinny", 3, SkinnyConfig(block_n=16, block_k=16, split_k=3, num_warps=4, num_stages=2)),
     ("gemm", 50, GemmConfig(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=2)),
