@@ -360,7 +360,7 @@ profileint8)  # a Qwen3-4B decode step's kernels, bf16 then INT8 weights (profil
 normgemv)  # (carrying an earlier tree in .prev) the norm-fused GEMV's GPU tests; bench_norm_linear (fused
     # against a norm launch and the GEMV), bf16 and INT8, in this tree and .prev's (with this tree's bench);
     # bench_int8 bf16 and INT8 in both trees
-    sharded 8 "${TEST_LIMIT:-120}" tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
+    sharded 8 "${TEST_LIMIT:-120}" ${TESTS:-tests/test_kernels_norm_linear.py tests/test_kernels_int8.py}
     [ -d .prev ] && cp bench/bench_norm_linear.py .prev/bench/
     for tree in . .prev; do
         [ -d "$tree" ] || continue

@@ -243,7 +243,8 @@ def _gemv_kernel(
         result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if GATE_UP:
         result = result / (1.0 + tl.exp(-result)) * result_up
-    tl.store(out_ptr + offs_n, result.to(out_ptr.dtype.element_ty), mask=n_mask)
+    # rounded to x's dtype first, as the reference's result is, whatever out's dtype (fp32 logits)
+    tl.store(out_ptr + offs_n, result.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 class GemvConfig(NamedTuple):

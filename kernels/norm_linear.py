@@ -9,11 +9,12 @@ Several rows take the unfused chain's rounding points (kernels/rmsnorm.py, then 
 normed row is rounded to the activation dtype, before and after the norm weight, as HF does. The same op
 with the LM head's weight is the final norm + LM head.
 
-Batch-1 decode (M <= GEMV_MAX_M rows): one GEMV launch, tiles from kernels/linear.py's gemv_config, one
-pass over K. rstd is one scalar for the row, so each program sums w[n, k] * summed[k] * norm_weight[k]
-and the squares of summed in the same loop and multiplies the sums by rstd at the end: the normed row is
-never rounded (fp32 throughout, within bf16 noise of the chain), and no statistics pass goes before the
-weight loads (a two-pass kernel that did that measured slower than the plain GEMV after a norm launch).
+Batch-1 decode (M <= GEMV_MAX_M rows) on a weight of up to FUSED_GEMV_MAX_WEIGHTS elements: one GEMV
+launch, tiles from kernels/linear.py's gemv_config, one pass over K (larger weights: as several rows).
+rstd is one scalar for the row, so each program sums w[n, k] * summed[k] * norm_weight[k] and the
+squares of summed in the same loop and multiplies the sums by rstd at the end: the normed row is never
+rounded (fp32 throughout, within bf16 noise of the chain), and no statistics pass goes before the weight
+loads (the two-pass kernel before it took 39.9 us on Qwen3-4B's bf16 gate/up, this one 32.1).
 Every program reads the whole row of hidden (+ residual) from L2 beside its BLOCK_N weight rows, and
 stores its own disjoint slice of residual_out, so residual_out is written exactly once and must not alias
 hidden or residual (other programs still read them).
@@ -51,6 +52,13 @@ from kernels.linear import (
     widen,
 )
 from kernels.rmsnorm import add_rms_norm_into_triton, rms_norm_reference, rms_norm_triton
+
+# One row takes the fused GEMV up to this many weight elements (rows x K), and a norm launch, then the
+# plain GEMV, past it: every fused program loads three [BLOCK_K] vectors a K step beside its weight tile
+# (hidden, residual, the norm weight), which cost more than the saved launch on larger weights (H200,
+# bench_norm_linear: Qwen3-0.6B's qkv, 4M, 0.4-0.7 us faster fused; Qwen3-4B's gate/up, 50M, 2.2-3.3 us
+# slower; the LM heads 0-43 us slower).
+FUSED_GEMV_MAX_WEIGHTS = 8 * 2**20
 
 # ----------------------------------------------------------------------------------------------------------
 # The unfused chain: the reference, and the Triton prefill path
@@ -318,8 +326,9 @@ def add_rms_norm_linear_triton(
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As add_rms_norm_linear_reference. One row (M <= GEMV_MAX_M): one launch, no host sync, no
-    allocation when out (and residual_out, unless residual is None) are given; residual_out must not
+    """As add_rms_norm_linear_reference. One row on a weight of up to FUSED_GEMV_MAX_WEIGHTS elements
+    (M <= GEMV_MAX_M): one launch, no host sync, no allocation when out (and residual_out, unless
+    residual is None) are given (past that size: two launches and a scratch row); residual_out must not
     overlap hidden or residual. More rows: the add and norm in one launch into a scratch buffer, then the
     skinny or tiled GEMM (see the module docstring)."""
     values, scale, scale_group = split(weight)
@@ -355,6 +364,8 @@ def add_rms_norm_linear_triton(
         )  # fmt: skip
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(hidden)
+    if m > 0 and n > 0 and values.shape[0] * k > FUSED_GEMV_MAX_WEIGHTS:
+        return _norm_then_linear(hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out)
     if m > 0 and n > 0:
         _launch_gemv(
             hidden, residual, norm_weight, eps, values, bias, gate_up, out, residual_out, scale=scale,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import norm_linear
 from kernels.linear import GemvConfig
 from kernels.norm_linear import (
     _launch_gemv,
@@ -20,7 +21,8 @@ from kernels.rmsnorm import add_rms_norm_reference
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
 
-# (M, N, K, with residual, with bias, gate_up): M <= 8 takes the fused GEMV, M > 8 the unfused chain.
+# (M, N, K, with residual, with bias, gate_up): M = 1 takes the fused GEMV, more rows a norm launch and
+# the skinny GEMM (past SKINNY_MAX_M the tiled GEMM).
 CASES = [
     (1, 37, 100, True, True, False),
     (1, 16, 33, True, False, True),
@@ -140,6 +142,18 @@ def test_matches_unfused_chain(case: tuple[int, int, int, bool, bool, bool], dty
     assert torch.equal(hidden, hidden_before), "hidden was modified"
     if residual is not None:
         assert torch.equal(residual, residual_before), "residual was modified (the sum is not in place)"
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=["res-bias", "res-gu", "no-res"])
+def test_one_row_past_the_fused_weight_cap(
+    case: tuple[int, int, int, bool, bool, bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight past FUSED_GEMV_MAX_WEIGHTS: one row takes a norm launch, then the plain GEMV; the
+    same checks as the fused GEMV passes."""
+    monkeypatch.setattr(norm_linear, "FUSED_GEMV_MAX_WEIGHTS", 0)
+    test_matches_unfused_chain(case, torch.bfloat16)
+    if case == CASES[0]:
+        test_fp32_logits_from_bf16(1)  # the LM head's fp32 logits
 
 
 # Tiles the heuristic would not pick for these small sizes: BLOCK_N > 1 with a ragged last program,
