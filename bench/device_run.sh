@@ -36,6 +36,7 @@
 #   bash bench/device_run.sh gemvengine  # (carry .prev) INT8 GEMV tiles swept near the tuned ones; bench_int8 A/B
 #   bash bench/device_run.sh profileint8  # a Qwen3-4B decode step's kernels, bf16 and INT8 weights
 #   bash bench/device_run.sh normgemv  # (carry .prev) norm-fused GEMV tests; fused vs unfused; bench_int8 A/B
+#   bash bench/device_run.sh engineab  # (carry .prev) GPU tests (TESTS); bench_int8 bf16 and INT8, A/B
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
@@ -209,7 +210,7 @@ serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under se
     # .assets/triton_cache.txz (a cache from an earlier call): the first start is then not a cold one
     [ -e .assets/triton_cache.txz ] && tar -xJf .assets/triton_cache.txz -C /tmp/tc && echo "Triton cache carried in"
     RAY_USAGE_STATS_ENABLED=0 timeout "${LIMIT:-420}" python3 bench/serve_load.py --serve-config serve_config.yaml \
-        --model qwen3-0.6b --dtype bfloat16 --restart --client-processes 4 --ingress-replicas 4 --out "$OUT" \
+        --model qwen3-0.6b --dtype bfloat16 ${RESTART---restart} --client-processes 4 --ingress-replicas 4 --out "$OUT" \
         > "$OUT/serve_load.log" 2>&1
     grep -v -i warn "$OUT/serve_load.log" | grep -v "^(" | tail -32
     grep -rh -o "model loaded in.*" /tmp/ray/session_*/logs/serve/ 2>/dev/null | head -4
@@ -369,6 +370,17 @@ normgemv)  # (carrying an earlier tree in .prev) the norm-fused GEMV's GPU tests
                 "$OUT/norm$tree$int8" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" $int8 --replays 30) | tail -12
         done
     done
+    run "${LIMIT_ENGINE:-170}" python3 bench/bench_int8.py --out "$OUT" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" \
+        --modes base,int8
+    if [ -d .prev ]; then
+        mkdir -p "$OUT/prev"
+        (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
+            --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes base,int8)
+    fi
+    ;;
+engineab)  # (carrying an earlier tree in .prev) GPU tests (TESTS, in parallel shards); bench_int8 bf16 and
+    # INT8 weights in this tree, then in .prev's
+    sharded 8 "${TEST_LIMIT:-150}" ${TESTS:-tests/test_kernels_norm_linear.py tests/test_graphs_cuda.py tests/test_engine_cuda.py}
     run "${LIMIT_ENGINE:-170}" python3 bench/bench_int8.py --out "$OUT" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" \
         --modes base,int8
     if [ -d .prev ]; then
