@@ -1,7 +1,7 @@
 """Paged attention kernels on Qwen3 heads (4B: 32 query / 8 KV heads of 128; 0.6B: 16 / 8), bf16, pages of
 16 tokens.
 
-    python3 bench/bench_attention.py [OUT_DIR] [--sweep-decode]
+    python3 bench/bench_attention.py [OUT_DIR] [--sweep-decode [--contexts 1024,4096] [--shapes short]]
 
 prefill: paged_prefill_attention_triton on a causal prompt of 4k and 16k tokens read through a
          shuffled block table, against torch SDPA's flash backend (is_causal) on contiguous K/V; the
@@ -232,13 +232,18 @@ def bench_verify(query_len: int, context: int, bandwidth: float, generator: torc
     }
 
 
-def sweep_decode(bandwidth: float, generator: torch.Generator, out_dir: Path) -> None:
-    """Every decode launch shape and split count at 1k, 4k and 32k positions (Qwen3-4B heads), fastest
-    first per context."""
-    shapes = itertools.product((32, 64, 128), (1, 2), (4, 8), (2, 3, 4))  # block_n, min tiles, warps, stages
-    tiles = [DecodeTile(*shape) for shape in shapes]
+def sweep_decode(
+    bandwidth: float, generator: torch.Generator, out_dir: Path, contexts: list[int], shapes: str
+) -> None:
+    """Every decode launch shape and split count at the given contexts (Qwen3-4B heads), fastest first
+    per context. shapes: "all", or "short" (the shapes a short context may want: min tiles 1 and 2)."""
+    if shapes == "short":  # block_n, min tiles, warps, stages
+        grid = itertools.product((32, 64, 128), (1, 2), (4, 8), (2, 3))
+    else:
+        grid = itertools.product((32, 64, 128), (1, 2), (4, 8), (2, 3, 4))
+    tiles = [DecodeTile(*shape) for shape in grid]
     results = {}
-    for context in (1024, 4096, 32768):
+    for context in contexts:
         caches = cache_copies(context + 1, generator)
         rows = []
         for tile, num_splits in itertools.product(tiles, (None, 64, MAX_DECODE_SPLITS)):
@@ -270,13 +275,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", nargs="?", default=os.environ.get("OUT", "bench_out"))
     parser.add_argument("--sweep-decode", action="store_true", help="sweep the decode kernel's launch shape")
+    parser.add_argument("--contexts", default="1024,4096,32768", help="with --sweep-decode: cached positions")
+    parser.add_argument("--shapes", choices=["all", "short"], default="all", help="with --sweep-decode")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     bandwidth = copy_bandwidth(DEVICE)
     if args.sweep_decode:
-        sweep_decode(bandwidth, generator, out_dir)
+        sweep_decode(bandwidth, generator, out_dir, [int(c) for c in args.contexts.split(",")], args.shapes)
         return
     rows = [bench_prefill(4096, generator), bench_prefill(16384, generator)]
     for model in DECODE_HEADS:

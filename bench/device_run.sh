@@ -114,7 +114,7 @@ spec)  # right after part0, carrying part 1: joins the GGUF first
     ;;
 linear) run 560 python3 bench/bench_linear.py "$OUT" --m 1,16,512 --sweep --replays 20 \
     --write-tuned "$OUT/NVIDIA_H200.json" ;;
-sweep) run 500 python3 bench/bench_attention.py "$OUT" --sweep-decode ;;
+sweep) run "${LIMIT:-500}" python3 bench/bench_attention.py "$OUT" --sweep-decode --contexts "${CONTEXTS:-1024,4096,32768}" --shapes "${SHAPES:-all}" ;;
 profile) run 400 python3 bench/profile_decode.py "$OUT" --models smollm2-135m,qwen3-0.6b,qwen3-4b ;;
 extra)
     run 150 python3 bench/bench_long_context.py "$OUT"
