@@ -93,6 +93,16 @@ q8_0_file() {  # q8_0_file NAME SHAPE: the peer kit's random BF16 GGUF /tmp/NAME
     nice -n 10 python3 bench/q8_0_gguf.py "/tmp/$1.gguf" "/tmp/q8/$1.gguf"
 }
 
+int8_ab() {  # bench_int8, bf16 and INT8 weights on MODELS, in this tree, then in .prev's when it is carried
+    run "${LIMIT_ENGINE:-170}" python3 bench/bench_int8.py --out "$OUT" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" \
+        --modes base,int8
+    if [ -d .prev ]; then
+        mkdir -p "$OUT/prev"
+        (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
+            --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes base,int8)
+    fi
+}
+
 case "${1:-}" in
 part0) cp ".assets/$GGUF.part00" /tmp/part00 && echo "part 0 kept" ;;
 part1)
@@ -346,13 +356,7 @@ gemvengine)  # (carrying an earlier tree in .prev) INT8 GEMV tiles swept near th
         --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --layers qkv,o,gate_up,down --replays 30 \
         --write-tuned kernels/tuned/NVIDIA_H200.json
     cp kernels/tuned/NVIDIA_H200.json "$OUT/"
-    run "${LIMIT_ENGINE:-170}" python3 bench/bench_int8.py --out "$OUT" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" \
-        --modes base,int8
-    if [ -d .prev ]; then
-        mkdir -p "$OUT/prev"
-        (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
-            --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes base,int8)
-    fi
+    int8_ab
     ;;
 profileint8)  # a Qwen3-4B decode step's kernels, bf16 then INT8 weights (profile_decode at batch 1)
     run "${LIMIT:-200}" python3 bench/profile_decode.py "$OUT/bf16" --models "${MODELS:-qwen3-4b}"
@@ -370,24 +374,12 @@ normgemv)  # (carrying an earlier tree in .prev) the norm-fused GEMV's GPU tests
                 "$OUT/norm$tree$int8" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" $int8 --replays 30) | tail -12
         done
     done
-    run "${LIMIT_ENGINE:-170}" python3 bench/bench_int8.py --out "$OUT" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" \
-        --modes base,int8
-    if [ -d .prev ]; then
-        mkdir -p "$OUT/prev"
-        (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
-            --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes base,int8)
-    fi
+    int8_ab
     ;;
 engineab)  # (carrying an earlier tree in .prev) GPU tests (TESTS, in parallel shards); bench_int8 bf16 and
     # INT8 weights in this tree, then in .prev's
     sharded 8 "${TEST_LIMIT:-150}" ${TESTS:-tests/test_kernels_norm_linear.py tests/test_graphs_cuda.py tests/test_engine_cuda.py}
-    run "${LIMIT_ENGINE:-170}" python3 bench/bench_int8.py --out "$OUT" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" \
-        --modes base,int8
-    if [ -d .prev ]; then
-        mkdir -p "$OUT/prev"
-        (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
-            --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes base,int8)
-    fi
+    int8_ab
     ;;
 lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
