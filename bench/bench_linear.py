@@ -346,7 +346,7 @@ def main() -> None:
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the linear benchmark needs a GPU"
 
-    if args.int8:  # as the engine reserves it: prefill rows dequantize the largest weight into it
+    if args.int8:  # prefill rows dequantize each weight into it (one buffer: a case times one weight)
         largest = max(rows * k for model in args.models.split(",") for rows, k in MODELS[model].values())
         linear.reserve_dequant_workspace(torch.device("cuda", torch.cuda.current_device()), 2 * largest)
     bandwidth = copy_bandwidth()

@@ -35,11 +35,14 @@ def autotune_configs(configs: list) -> list:
     return configs[:1] if INTERPRET else configs
 
 
+H200_SHARED_MEMORY_PER_BLOCK = 232448  # the most shared memory a block may take on sm_90 (227 KiB, opt-in)
+
+
 @functools.cache
 def shared_memory_per_block(device_index: int = 0) -> int:
-    """The most shared memory one program may take (opt-in); without a GPU the H200's 227 KiB."""
+    """The most shared memory one program may take (opt-in); without a GPU the H200's."""
     if not torch.cuda.is_available():
-        return 232448
+        return H200_SHARED_MEMORY_PER_BLOCK
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 

@@ -48,9 +48,9 @@ from kernels.attention import AttentionMetadata, DecodeWorkspace, paged_decode_a
 from kernels.int8 import quantize_int8  # noqa: E402
 from kernels.prefill_attention import allocate_prefill_workspace, paged_prefill_attention_triton  # noqa: E402
 from kernels.sampling import SamplingTensors, sample_triton  # noqa: E402
+from kernels.triton_common import H200_SHARED_MEMORY_PER_BLOCK  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
-H200_SHARED_BYTES = 232448  # the most shared memory a block may take on sm_90 (227 KiB)
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl")
 TYPES = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
@@ -115,9 +115,9 @@ def compile_launch(launch: Launch) -> None:
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(source, target=TARGET, options=launch.options)
-    if kernel.metadata.shared > H200_SHARED_BYTES:  # the launch would fail with OutOfResources
+    if kernel.metadata.shared > H200_SHARED_MEMORY_PER_BLOCK:  # the launch would fail with OutOfResources
         raise RuntimeError(
-            f"{kernel.metadata.shared} bytes of shared memory, the H200 has {H200_SHARED_BYTES}"
+            f"{kernel.metadata.shared} bytes of shared memory, the H200 has {H200_SHARED_MEMORY_PER_BLOCK}"
         )
 
 
