@@ -164,8 +164,9 @@ class Case:
         launch = LAUNCHES[type(config)]
 
         def call(i: int) -> None:
-            values, scale, scale_group = split(self.ours[i])
-            launch(self.x, values, None, self.out, self.gate_up, config, scale=scale, scale_group=scale_group)
+            values, scale, scale_group, mma_order = split(self.ours[i])
+            launch(self.x, values, None, self.out, self.gate_up, config, scale=scale, scale_group=scale_group,
+                   mma_order=mma_order)  # fmt: skip
 
         return call
 
@@ -339,6 +340,11 @@ def main() -> None:
         "--near", action="store_true", help="with --sweep: only the GEMV tiles next to the one picked"
     )
     parser.add_argument(
+        "--no-dequant",
+        action="store_true",
+        help="with --int8: no dequantization workspace, so prefill rows take the swapped-operand GEMM",
+    )
+    parser.add_argument(
         "--write-tuned",
         metavar="PATH",
         help="with --sweep: merge the fastest config per shape into a kernels/tuned/<device>.json table",
@@ -346,7 +352,7 @@ def main() -> None:
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the linear benchmark needs a GPU"
 
-    if args.int8:  # prefill rows dequantize each weight into it (one buffer: a case times one weight)
+    if args.int8 and not args.no_dequant:  # prefill rows dequantize each weight into it (one buffer)
         largest = max(rows * k for model in args.models.split(",") for rows, k in MODELS[model].values())
         linear.reserve_dequant_workspace(torch.device("cuda", torch.cuda.current_device()), 2 * largest)
     bandwidth = copy_bandwidth()

@@ -74,10 +74,11 @@ class NormCase(Case):
             )  # fmt: skip
 
         def call(i: int) -> None:
-            values, scale, scale_group = split(self.ours[i])
+            values, scale, scale_group, mma_order = split(self.ours[i])
             norm_linear._launch_gemv(
                 self.x, self.residual, self.norm_weight, EPS, values, None, self.gate_up,
                 self.out, self.residual_out, config, scale=scale, scale_group=scale_group,
+                mma_order=mma_order,
             )  # fmt: skip
 
         return call

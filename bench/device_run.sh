@@ -37,6 +37,8 @@
 #   bash bench/device_run.sh profileint8  # a Qwen3-4B decode step's kernels, bf16 and INT8 weights
 #   bash bench/device_run.sh normgemv  # (carry .prev) norm-fused GEMV tests; fused vs unfused; bench_int8 A/B
 #   bash bench/device_run.sh engineab  # (carry .prev) GPU tests (TESTS); bench_int8 bf16 and INT8, A/B
+#   bash bench/device_run.sh mmaorder  # (carry .prev) linear GPU tests; INT8 linears, .prev / this / swapped
+#   bash bench/device_run.sh mmaengine  # (carry .prev) bench_int8 A/B, the swapped prefill; 64 sequences
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
@@ -383,6 +385,30 @@ engineab)  # (carrying an earlier tree in .prev) GPU tests (TESTS, in parallel s
     ;;
 lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
+    ;;
+mmaorder)  # (carry .prev) the linear kernels' GPU tests; INT8 linears at M = 1-512 in .prev's tree, this one,
+    # and this one without the dequantized prefill (the swapped-operand GEMM at every M > 64)
+    sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
+    for variant in prev new swapped; do
+        tree=.; flags=; [ "$variant" = prev ] && tree=.prev; [ "$variant" = swapped ] && flags=--no-dequant
+        [ -d "$tree" ] || continue
+        mkdir -p "$OUT/linear-$variant"
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD run "${LIMIT:-110}" python3 bench/bench_linear.py "$OUT/linear-$variant" \
+            --int8 $flags --m "${M:-1,16,64,512}" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --replays 20)
+    done
+    ;;
+mmaengine)  # (carry .prev) bench_int8 bf16 and INT8 here and in .prev; INT8 here with prefill through the
+    # swapped-operand GEMM (no dequantized weights); the batch workload at 64 sequences, INT8 and bf16
+    int8_ab
+    rm -rf /tmp/swapped && cp -r . /tmp/swapped && rm -rf /tmp/swapped/.prev /tmp/swapped/.old
+    sed -i 's/^INT8_DEQUANT_MIN_M = 256 /INT8_DEQUANT_MIN_M = 1 << 30 /' /tmp/swapped/kernels/linear.py
+    mkdir -p "$OUT/swapped"
+    (cd /tmp/swapped && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_SWAPPED:-110}" python3 bench/bench_int8.py \
+        --out "$OUT/swapped" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes int8)
+    for q in "" "--quantization int8"; do
+        run "${BATCH_LIMIT:-100}" python3 bench/bench_batch.py --out "$OUT" --models qwen3-4b --batches 64 \
+            --peer-batches none $q
+    done
     ;;
 int8ab)  # (carrying an earlier tree in .prev) the INT8 linears at M = 1 and 16, that tree against this one
     for tree in .prev .; do

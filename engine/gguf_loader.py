@@ -21,7 +21,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.model import FUSED_LINEARS, is_layer_linear, weight_shapes
 from engine.spec import ModelSpec, supported_architectures_text
-from kernels.int8 import Int8Weight, LinearWeight, dequantize, quantize_int8
+from kernels.int8 import Int8Weight, LinearWeight, dequantize, in_mma_order, quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +387,7 @@ def load_gguf_weights(
             values, scale = _q8_0_blocks(tensor, shape)
             if heads is not None:  # the scales' rows move with their values' rows
                 values, scale = _unpermute_rows(values, heads), _unpermute_rows(scale, heads)
-            weights[name] = Int8Weight(values.to(device), scale.to(device))
+            weights[name] = in_mma_order(Int8Weight(values.to(device), scale.to(device)))
             continue
         quantized_type = tensor.tensor_type not in (_QUANT.F32, _QUANT.F16, _QUANT.BF16)
         if int8 and is_layer_linear(name) and quantized_type:

@@ -8,23 +8,35 @@ per-row scale multiplies each output column once, after the sum over K, and grou
 weight tile before its products. Activations keep their dtype
 (bf16 on a GPU). Fused weights (q/k/v, gate/up) are rows stacked like any other, so gate/up's scales
 hold the gate rows' scales, then the up rows'.
+
+The MMA order (prepared at load, `in_mma_order`): within each 64 inputs of a row, the values are stored
+in the order a tensor-core thread consumes them. The bf16 A operand of an m64n*k16 wgmma gives thread
+t = lane % 4 of a quad the inputs 2t, 2t+1, 2t+8 and 2t+9 of every 16, so a row-major tile hands each
+thread two bytes at a time (LDS.U16). Stored as (t, k16 step, half, pair), a thread's inputs for four
+k16 steps are 16 consecutive bytes: one 128-bit load from shared memory. Only the order within a row
+changes (rows, scales and groups stay), so stacking rows keeps it, and the kernels undo it in registers
+(`mma_order_to_k`), a no-op for the compiler where the tile's layout already matches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
 INT8_MAX = 127
+MMA_CHUNK = 64  # inputs a row's MMA order permutes within (four k16 steps)
 
 
 @dataclasses.dataclass(frozen=True)
 class Int8Weight:
-    """values [N, K] int8 (rows contiguous) and scale fp32, [N] (per row) or [N, K // group_size]."""
+    """values [N, K] int8 (rows contiguous) and scale fp32, [N] (per row) or [N, K // group_size];
+    mma_order: each row's values in the MMA order (K a multiple of MMA_CHUNK), else in input order."""
 
     values: torch.Tensor
     scale: torch.Tensor
+    mma_order: bool = False
 
     def __post_init__(self) -> None:
         values, scale = self.values, self.scale
@@ -40,6 +52,7 @@ class Int8Weight:
         group = self.group_size
         # a power of two: the kernels' K tiles (powers of two) then hold whole groups, or lie in one
         assert scale.dim() == 1 or group & (group - 1) == 0, f"scale groups of {group} inputs"
+        assert not self.mma_order or k % MMA_CHUNK == 0, (k, MMA_CHUNK)
 
     @property
     def group_size(self) -> int:
@@ -61,9 +74,10 @@ class Int8Weight:
 LinearWeight = torch.Tensor | Int8Weight
 
 
-def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8Weight:
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None, mma_order: bool = True) -> Int8Weight:
     """Symmetric INT8 of a [N, K] float weight, a scale per row (or per group_size inputs of a row);
-    rounded to nearest; an all-zero row (or group) gets scale 1 and zeros."""
+    rounded to nearest; an all-zero row (or group) gets scale 1 and zeros. mma_order: the values in the
+    MMA order where K allows (in_mma_order), as the engine keeps them."""
     assert weight.dim() == 2 and weight.is_floating_point(), (weight.shape, weight.dtype)
     n, k = weight.shape
     group = k if group_size is None else group_size
@@ -72,7 +86,29 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8We
     amax = wide.abs().amax(dim=2)
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     values = torch.round(wide / scale[:, :, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8).reshape(n, k)
-    return Int8Weight(values.contiguous(), (scale[:, 0] if group_size is None else scale).contiguous())
+    quantized = Int8Weight(values.contiguous(), (scale[:, 0] if group_size is None else scale).contiguous())
+    return in_mma_order(quantized) if mma_order else quantized
+
+
+def in_mma_order(weight: Int8Weight) -> Int8Weight:
+    """weight with each row's values in the MMA order (module docstring); unchanged where K is not a
+    multiple of MMA_CHUNK or it is in that order already. One copy of the values, on their device."""
+    n, k = weight.shape
+    if weight.mma_order or k % MMA_CHUNK:
+        return weight
+    # input k = 64c + 16s + 8h + 2t + p is stored at 64c + 16t + 4s + 2h + p
+    chunks = weight.values.reshape(n, k // MMA_CHUNK, 4, 2, 4, 2)  # (c, s, h, t, p)
+    values = chunks.permute(0, 1, 4, 2, 3, 5).reshape(n, k).contiguous()
+    return Int8Weight(values, weight.scale, mma_order=True)
+
+
+def values_in_input_order(weight: Int8Weight) -> torch.Tensor:
+    """[N, K] int8: the values with input k at column k, whatever the stored order."""
+    if not weight.mma_order:
+        return weight.values
+    n, k = weight.shape
+    stored = weight.values.reshape(n, k // MMA_CHUNK, 4, 4, 2, 2)  # (c, t, s, h, p)
+    return stored.permute(0, 1, 3, 4, 2, 5).reshape(n, k)
 
 
 def expanded_scale(weight: Int8Weight) -> torch.Tensor:
@@ -86,16 +122,33 @@ def dequantize(weight: LinearWeight, dtype: torch.dtype) -> torch.Tensor:
     """The dense weight in dtype: values * scale rounded once (the torch reference path's weight)."""
     if isinstance(weight, torch.Tensor):
         return weight
-    return (weight.values.float() * expanded_scale(weight)).to(dtype)
+    return (values_in_input_order(weight).float() * expanded_scale(weight)).to(dtype)
 
 
 def stack_rows(weights: list[Int8Weight]) -> Int8Weight:
-    """One weight of the given ones' rows in order (fused q/k/v, gate/up); their scales must match in kind."""
-    return Int8Weight(torch.cat([w.values for w in weights]), torch.cat([w.scale for w in weights]))
+    """One weight of the given ones' rows in order (fused q/k/v, gate/up); their scales must match in
+    kind, and their values in order."""
+    orders = {w.mma_order for w in weights}
+    if len(orders) != 1:
+        raise ValueError("stacked weights must hold their values in one order")
+    (mma_order,) = orders
+    return Int8Weight(
+        torch.cat([w.values for w in weights]), torch.cat([w.scale for w in weights]), mma_order
+    )
 
 
-def split(weight: LinearWeight) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """(the tensor a kernel reads, its scales or None, the scale group: 0 for none or one per row)."""
+class KernelWeight(NamedTuple):
+    """What a linear kernel reads of a weight."""
+
+    values: torch.Tensor  # the float weight, or the int8 values
+    scale: torch.Tensor | None  # INT8: the scales
+    scale_group: int  # inputs a scale covers; 0 for none or one per row
+    mma_order: bool  # the values in the MMA order
+
+
+def split(weight: LinearWeight) -> KernelWeight:
+    """A weight as the kernels take it."""
     if isinstance(weight, Int8Weight):
-        return weight.values, weight.scale, 0 if weight.scale.dim() == 1 else weight.group_size
-    return weight, None, 0
+        group = 0 if weight.scale.dim() == 1 else weight.group_size
+        return KernelWeight(weight.values, weight.scale, group, weight.mma_order)
+    return KernelWeight(weight, None, 0, False)

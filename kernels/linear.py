@@ -39,12 +39,14 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul_reference
-from kernels.int8 import Int8Weight, LinearWeight, dequantize, split
+from kernels.int8 import MMA_CHUNK, Int8Weight, KernelWeight, LinearWeight, dequantize, split
 from kernels.triton_common import INTERPRET, num_sms, shared_memory_per_block
 
 # Up to this many rows of x take the GEMV; up to SKINNY_MAX_M the skinny GEMM; more the tiled GEMM.
 GEMV_MAX_M = 1
 SKINNY_MAX_M = 64
+# INT8 weights in the MMA order take the skinny kernel past SKINNY_MAX_M too, x in tiles of this many rows.
+SWAPPED_BLOCK_M = 128
 
 # Tiles measured fastest per shape on a given GPU (`bench/bench_linear.py --sweep --write-tuned`), one
 # JSON file per device name; shapes not in the file, and other GPUs, use the heuristics below.
@@ -190,6 +192,32 @@ def widen(w, dtype: tl.constexpr):
 
 
 @triton.jit
+def input_order(w, MMA_ORDER: tl.constexpr):
+    """A weight tile [rows, BLOCK_K] loaded as stored, with its columns in input order: int8 values in
+    the MMA order (kernels/int8.py; BLOCK_K a multiple of 64) are put back in registers, others are
+    returned as they are. Where the tile feeds a tensor-core product as its register operand, the
+    compiler gives the load the MMA operand's layout through this permutation, so each thread loads 16
+    consecutive bytes and nothing moves between threads."""
+    if MMA_ORDER:
+        ROWS: tl.constexpr = w.shape[0]
+        BLOCK_K: tl.constexpr = w.shape[1]
+        w = tl.reshape(w, (ROWS, BLOCK_K // 64, 4, 4, 2, 2))  # stored (row, c, t, s, h, p)
+        w = tl.reshape(tl.permute(w, (0, 1, 3, 4, 2, 5)), (ROWS, BLOCK_K))  # k = 64c + 16s + 8h + 2t + p
+    return w
+
+
+@triton.jit
+def chunks_in_input_order(w):
+    """An MMA-order int8 tile loaded chunks first, [BLOCK_K // 64, rows, 64] (so shared memory holds
+    each 64-byte chunk of the rows in a row: a warp's 128-bit loads of eight rows hit every bank once),
+    as [rows, BLOCK_K] in input order."""
+    CHUNKS: tl.constexpr = w.shape[0]
+    ROWS: tl.constexpr = w.shape[1]
+    w = tl.reshape(w, (CHUNKS, ROWS, 4, 4, 2, 2))  # (c, row, t, s, h, p)
+    return tl.reshape(tl.permute(w, (1, 0, 3, 4, 2, 5)), (ROWS, CHUNKS * 64))
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [1, K], K contiguous
     w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous; float or int8
@@ -203,6 +231,7 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr,
     SCALE_GROUP: tl.constexpr,  # 0: a scale per row (after the sum); else inputs per scale (in the loop)
     GATE_UP: tl.constexpr,
+    MMA_ORDER: tl.constexpr,  # int8 values in the MMA order (BLOCK_K a multiple of 64)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr = 1,  # > 1: the K loop's loads pipelined through shared memory (cp.async)
@@ -225,12 +254,14 @@ def _gemv_kernel(
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
         xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
+        w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        w = widen(input_order(w, MMA_ORDER), tl.float32)
         if SCALE_GROUP > 0:
             w *= group_scales(scale_ptr, rows, k0, K, SCALE_GROUP, BLOCK_K)
         acc += w * xk
         if GATE_UP:
-            w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
+            w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+            w_up = widen(input_order(w_up, MMA_ORDER), tl.float32)
             if SCALE_GROUP > 0:
                 w_up *= group_scales(scale_ptr, rows + N, k0, K, SCALE_GROUP, BLOCK_K)
             acc_up += w_up * xk
@@ -288,11 +319,14 @@ def _launch_gemv(
     config: GemvConfig | None = None,
     scale: torch.Tensor | None = None,
     scale_group: int = 0,
+    mma_order: bool = False,
 ) -> None:
     m, k = x.shape
     n = out.shape[1]
     assert m == 1, "the GEMV takes one row of x; more take the skinny GEMM"
     block_n, block_k, num_warps, num_stages = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
+    if mma_order:
+        block_k = max(block_k, MMA_CHUNK)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -306,6 +340,7 @@ def _launch_gemv(
         HAS_SCALE=scale is not None,
         SCALE_GROUP=scale_group,
         GATE_UP=gate_up,
+        MMA_ORDER=mma_order,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         NUM_STAGES=num_stages,
@@ -363,7 +398,7 @@ def _skinny_kernel(
     out_ptr,  # [M, N], N contiguous
     partials_ptr,  # fp32 [SPLIT_K, N (x2 with GATE_UP), BLOCK_M] (SPLIT_K > 1)
     counters_ptr,  # int32 [cdiv(N, BLOCK_N)]: splits done per column tile, zero between launches
-    M,
+    M,  # rows of x: in tiles of BLOCK_M (one tile when SPLIT_K > 1)
     N,  # output columns: weight rows, or intermediate size for GATE_UP
     K,
     stride_xm,
@@ -376,16 +411,20 @@ def _skinny_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the K loop
     UPCAST: tl.constexpr,  # the interpreter: multiply in fp32 (it computes bf16 wrongly)
-    BLOCK_M: tl.constexpr,  # rows of x, padded to a power of two >= 16 (the N of the MMA)
+    MMA_ORDER: tl.constexpr,  # int8 values in the MMA order (BLOCK_K a multiple of 64)
+    BLOCK_M: tl.constexpr,  # rows of x a program takes, a power of two >= 16 (the N of the MMA)
     BLOCK_N: tl.constexpr,  # weight rows per program (the M of the MMA)
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr = "tf32",  # "ieee" for fp32 inputs: exact fp32, not TF32
 ):
     act_dtype: tl.constexpr = x_ptr.dtype.element_ty
-    pid_n = tl.program_id(0)
+    # The row tiles of one weight tile are neighbours in launch order: the weight is read from DRAM once.
+    num_m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = tl.program_id(0) % num_m_tiles
+    pid_n = tl.program_id(0) // num_m_tiles
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     # Rows past the edge re-read the last valid row (in bounds, no load masks); their results are not stored.
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -396,8 +435,14 @@ def _skinny_kernel(
     tile_begin = pid_k * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_k_tiles)
     k_begin = tile_begin * BLOCK_K
-    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_begin + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
-    w_up_ptrs = w_ptr + (w_rows + N)[:, None] * stride_wn + (k_begin + offs_k)[None, :]  # GATE_UP only
+    if MMA_ORDER:  # chunks first, [BLOCK_K // 64, BLOCK_N, 64] (chunks_in_input_order)
+        chunk_starts = tl.arange(0, BLOCK_K // 64) * 64
+        w_cols = k_begin + chunk_starts[:, None, None] + tl.arange(0, 64)[None, None, :]
+        w_ptrs = w_ptr + w_rows[None, :, None] * stride_wn + w_cols
+        w_up_ptrs = w_ptr + (w_rows + N)[None, :, None] * stride_wn + w_cols  # GATE_UP only
+    else:  # [BLOCK_N, BLOCK_K]
+        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + (k_begin + offs_k)[None, :]
+        w_up_ptrs = w_ptr + (w_rows + N)[:, None] * stride_wn + (k_begin + offs_k)[None, :]  # GATE_UP only
     x_ptrs = x_ptr + x_rows[:, None] * stride_xm + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -408,8 +453,12 @@ def _skinny_kernel(
             w = tl.load(w_ptrs)
         else:
             k_mask = offs_k < K - k_tile * BLOCK_K
+            # the MMA order's K is a multiple of 64: whole chunks are in or out
+            w_mask = (chunk_starts < K - k_tile * BLOCK_K)[:, None, None] if MMA_ORDER else k_mask[None, :]
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if MMA_ORDER:
+            w = chunks_in_input_order(w)
         # The weight-dtype hook: weights of another dtype than x (int8) are converted in registers here
         # (straight to fp32 in the interpreter, whose bf16 conversions are wrong; exact either way).
         if SCALE_GROUP > 0:
@@ -427,7 +476,9 @@ def _skinny_kernel(
             if EVEN_K:  # noqa: SIM108 (a constexpr branch)
                 w_up = tl.load(w_up_ptrs)
             else:
-                w_up = tl.load(w_up_ptrs, mask=k_mask[None, :], other=0.0)
+                w_up = tl.load(w_up_ptrs, mask=w_mask, other=0.0)
+            if MMA_ORDER:
+                w_up = chunks_in_input_order(w_up)
             if SCALE_GROUP > 0:
                 w_up = widen(w_up, tl.float32) * group_scales(
                     scale_ptr, w_rows + N, k_tile * BLOCK_K, K, SCALE_GROUP, BLOCK_K
@@ -509,10 +560,14 @@ def skinny_config(m: int, n: int, k: int, gate_up: bool, weights: str = "float")
     split 4 ways only for narrow outputs (n < 3072: o_proj, down_proj), whose column tiles alone would
     leave SMs idle; BLOCK_N is the widest of 64, 32, 16 weight rows that still makes about 96 programs.
     INT8 weights take 256-column K steps: the same bytes a stage. A tile measured fastest for this shape
-    and weights on this GPU (tuned_config) takes precedence."""
+    and weights on this GPU (tuned_config) takes precedence. Past SKINNY_MAX_M rows (INT8 weights in the
+    MMA order: a prefill GEMM with swapped operands), 128 weight rows by 128 rows of x in two warpgroups,
+    64 gate and 64 up rows in one."""
     tuned = tuned_config("skinny", m, n, k, gate_up, weights)
     if tuned is not None:
         return SkinnyConfig(**tuned)
+    if m > SKINNY_MAX_M:
+        return SkinnyConfig(64, 128, 1, 4, 3) if gate_up else SkinnyConfig(128, 128, 1, 8, 3)
     block_k = min(256 if weights == "int8" else 128, max(16, triton.next_power_of_2(k)))
     split_k = 1 if n >= 3072 else max(1, min(4, triton.cdiv(k, block_k) // 2))
     block_n = 64
@@ -557,13 +612,18 @@ def _launch_skinny(
     config: SkinnyConfig | None = None,
     scale: torch.Tensor | None = None,
     scale_group: int = 0,
+    mma_order: bool = False,
 ) -> None:
-    """out may be float32 with bf16/fp16 x (logits): it then holds the x-dtype result, widened."""
+    """out may be float32 with bf16/fp16 x (logits): it then holds the x-dtype result, widened. Past
+    SKINNY_MAX_M rows (INT8 weights in the MMA order only), x in tiles of SWAPPED_BLOCK_M rows, K unsplit."""
     m, k = x.shape
     n = out.shape[1]
-    assert m <= SKINNY_MAX_M, m
+    assert m <= SKINNY_MAX_M or mma_order, m
     config = config or skinny_config(m, n, k, gate_up, weights_kind(weight))
-    block_m = max(16, triton.next_power_of_2(m))
+    if mma_order:
+        config = config._replace(block_k=max(config.block_k, MMA_CHUNK))
+    block_m = min(max(16, triton.next_power_of_2(m)), SWAPPED_BLOCK_M)
+    num_m_tiles = triton.cdiv(m, block_m)
     limit = shared_memory_per_block(x.device.index or 0)
     num_stages = skinny_stages_that_fit(
         config, block_m, gate_up, x.element_size(), weight.element_size(), scale_group, limit
@@ -571,6 +631,8 @@ def _launch_skinny(
     block_n, block_k, split_k, num_warps, _ = config
     num_tiles = triton.cdiv(n, block_n)
     partials = counters = out  # never touched without a split
+    if num_m_tiles > 1:
+        split_k = 1  # the partials hold one tile of rows
     if split_k > 1:
         workspace = _skinny_workspace(x.device)
         columns = 2 * n if gate_up else n
@@ -580,7 +642,7 @@ def _launch_skinny(
             split_k = min(split_k, workspace[0].numel() // (columns * block_m))
             partials, counters = workspace
         split_k = max(split_k, 1)
-    _skinny_kernel[(num_tiles, split_k)](
+    _skinny_kernel[(num_m_tiles * num_tiles, split_k)](
         x,
         weight,
         bias if bias is not None else out,  # never read without HAS_BIAS
@@ -601,6 +663,7 @@ def _launch_skinny(
         SPLIT_K=split_k,
         EVEN_K=k % block_k == 0,
         UPCAST=INTERPRET,
+        MMA_ORDER=mma_order,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -634,6 +697,7 @@ def _gemm_kernel(
     GATE_UP: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks in the K loop
     UPCAST: tl.constexpr,  # the interpreter: multiply in fp32 (it computes bf16 wrongly)
+    MMA_ORDER: tl.constexpr,  # int8 values in the MMA order (BLOCK_K a multiple of 64)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -657,8 +721,13 @@ def _gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_rows = (offs_n % N).to(tl.int64)
-    w_ptrs = w_ptr + w_rows[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    w_up_ptrs = w_ptr + (w_rows + N)[None, :] * stride_wn + offs_k[:, None]  # GATE_UP only
+    if MMA_ORDER:  # [BLOCK_N, BLOCK_K], put in input order, then transposed
+        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]
+        w_up_ptrs = w_ptr + (w_rows + N)[:, None] * stride_wn + offs_k[None, :]  # GATE_UP only
+    else:  # [BLOCK_K, BLOCK_N]
+        w_ptrs = w_ptr + w_rows[None, :] * stride_wn + offs_k[:, None]
+        w_up_ptrs = w_ptr + (w_rows + N)[None, :] * stride_wn + offs_k[:, None]  # GATE_UP only
+    w_mask = offs_k[None, :] if MMA_ORDER else offs_k[:, None]  # < k_left: in bounds
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -669,7 +738,9 @@ def _gemm_kernel(
             b = tl.load(w_ptrs)
         else:
             a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            b = tl.load(w_ptrs, mask=w_mask < k_left, other=0.0)
+        if MMA_ORDER:
+            b = tl.trans(input_order(b, MMA_ORDER))
         # int8 weights: converted in registers (exact up to 127; straight to fp32 in the interpreter)
         if SCALE_GROUP > 0:  # b is [BLOCK_K, BLOCK_N]: the scales' tile transposed
             b = widen(b, tl.float32) * tl.trans(
@@ -682,10 +753,12 @@ def _gemm_kernel(
             b = widen(b, x_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if GATE_UP:
-            if EVEN_K:
+            if EVEN_K:  # noqa: SIM108 (a constexpr branch)
                 b_up = tl.load(w_up_ptrs)
             else:
-                b_up = tl.load(w_up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                b_up = tl.load(w_up_ptrs, mask=w_mask < k_left, other=0.0)
+            if MMA_ORDER:
+                b_up = tl.trans(input_order(b_up, MMA_ORDER))
             if SCALE_GROUP > 0:
                 b_up = widen(b_up, tl.float32) * tl.trans(
                     group_scales(scale_ptr, w_rows + N, k_tile * BLOCK_K, K, SCALE_GROUP, BLOCK_K)
@@ -777,6 +850,7 @@ def _launch_gemm(
     config: GemmConfig | None = None,
     scale: torch.Tensor | None = None,
     scale_group: int = 0,
+    mma_order: bool = False,
 ) -> None:
     """out may be float32 with bf16/fp16 x (logits): it then holds the x-dtype result, widened."""
     m, k = x.shape
@@ -784,6 +858,8 @@ def _launch_gemm(
     block_m, block_n, block_k, num_warps, num_stages = config or gemm_config(
         m, n, k, gate_up, x.element_size(), weights_kind(weight)
     )
+    if mma_order:
+        block_k = max(block_k, MMA_CHUNK)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _gemm_kernel[grid](
         x,
@@ -804,6 +880,7 @@ def _launch_gemm(
         EVEN_K=k % block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=INTERPRET,
+        MMA_ORDER=mma_order,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -835,17 +912,16 @@ class DequantWorkspace:
 
     def __init__(self, device: torch.device, num_bytes: int, num_buffers: int) -> None:
         self.buffers = [torch.empty(num_bytes, dtype=torch.uint8, device=device) for _ in range(num_buffers)]
-        self.successor: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # values_ptr -> split()
+        self.successor: dict[int, KernelWeight] = {}  # values_ptr -> the next weight
         self.pending: _Prefetch | None = None
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def holds(self, weight: torch.Tensor, dtype: torch.dtype) -> bool:
         return weight.numel() * dtype.itemsize <= self.buffers[0].numel()
 
-    def dense(
-        self, values: torch.Tensor, scale: torch.Tensor, scale_group: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """values dequantized in dtype (ahead, or now on this stream); the weight that follows started."""
+    def dense(self, weight: KernelWeight, dtype: torch.dtype) -> torch.Tensor:
+        """weight dequantized in dtype (ahead, or now on this stream); the weight that follows started."""
+        values = weight.values
         pending, self.pending = self.pending, None
         capturing = self.side is not None and torch.cuda.is_current_stream_capturing()
         index = 0
@@ -858,27 +934,25 @@ class DequantWorkspace:
             index = pending.buffer
         else:
             index %= len(self.buffers)
-            _dequantize(values, scale, scale_group, self._view(index, values.shape, dtype))
+            _dequantize(weight, self._view(index, values.shape, dtype))
         following = self.successor.get(values.data_ptr())
         if following is not None and len(self.buffers) > 1 and self.holds(following[0], dtype):
             self.pending = self._prefetch(following, 1 - index, dtype, capturing)
         return self._view(index, values.shape, dtype)
 
-    def _prefetch(
-        self, weight: tuple[torch.Tensor, torch.Tensor, int], index: int, dtype: torch.dtype, capturing: bool
-    ) -> _Prefetch:
+    def _prefetch(self, weight: KernelWeight, index: int, dtype: torch.dtype, capturing: bool) -> _Prefetch:
         """weight dequantized into buffer index on the side stream, after all work issued so far on this
         stream (the GEMM that last read that buffer is among it)."""
-        dense = self._view(index, weight[0].shape, dtype)
+        dense = self._view(index, weight.values.shape, dtype)
         if self.side is None:
-            _dequantize(*weight, dense)
-            return _Prefetch(weight[0].data_ptr(), index, None, capturing)
+            _dequantize(weight, dense)
+            return _Prefetch(weight.values.data_ptr(), index, None, capturing)
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
-            _dequantize(*weight, dense)
+            _dequantize(weight, dense)
             done = torch.cuda.Event()
             done.record(self.side)
-        return _Prefetch(weight[0].data_ptr(), index, done, capturing)
+        return _Prefetch(weight.values.data_ptr(), index, done, capturing)
 
     def _view(self, index: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return self.buffers[index][: shape.numel() * dtype.itemsize].view(dtype).view(shape)
@@ -907,11 +981,11 @@ def prefetch_order(weights: list[LinearWeight]) -> None:
     INT8 one ahead, on a side stream (once reserve_dequant_workspace gave their device two buffers). It
     replaces the order given before for that device (another decoder's)."""
     int8 = [split(weight) for weight in weights if isinstance(weight, Int8Weight)]
-    for device in {values.device for values, _, _ in int8} & _dequant_workspaces.keys():
+    for device in {weight.values.device for weight in int8} & _dequant_workspaces.keys():
         _dequant_workspaces[device].successor = {
-            values.data_ptr(): following
-            for (values, _, _), following in zip(int8, int8[1:], strict=False)
-            if values.device == device
+            weight.values.data_ptr(): following
+            for weight, following in zip(int8, int8[1:], strict=False)
+            if weight.values.device == device
         }
 
 
@@ -923,6 +997,7 @@ def _dequantize_kernel(
     rows,
     K,
     SCALE_GROUP: tl.constexpr,  # 0: no scale (a per-row scale multiplies the GEMM's output columns)
+    MMA_ORDER: tl.constexpr,  # values in the MMA order (BLOCK_K a multiple of 64)
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -931,20 +1006,21 @@ def _dequantize_kernel(
     offs_k = k_start + tl.arange(0, BLOCK_K)
     mask = (offs_r < rows)[:, None] & (offs_k < K)[None, :]
     slots = offs_r.to(tl.int64)[:, None] * K + offs_k[None, :]
-    w = widen(tl.load(values_ptr + slots, mask=mask, other=0), tl.float32)
+    w = widen(input_order(tl.load(values_ptr + slots, mask=mask, other=0), MMA_ORDER), tl.float32)
     if SCALE_GROUP > 0:
         w *= group_scales(scale_ptr, tl.minimum(offs_r, rows - 1), k_start, K, SCALE_GROUP, BLOCK_K)
     tl.store(out_ptr + slots, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _dequantize(values: torch.Tensor, scale: torch.Tensor, scale_group: int, dense: torch.Tensor) -> None:
-    """dense (x's dtype, values' shape) = values x their group scales; a per-row scale is left to the
-    GEMM's output columns, and dense then holds the int8 values exactly."""
-    rows, k = values.shape
+def _dequantize(weight: KernelWeight, dense: torch.Tensor) -> None:
+    """dense (x's dtype, the weight's shape, in input order) = values x their group scales; a per-row
+    scale is left to the GEMM's output columns, and dense then holds the int8 values exactly."""
+    rows, k = weight.values.shape
     block_k = min(256, triton.next_power_of_2(k))
     _dequantize_kernel[(triton.cdiv(rows, 16), triton.cdiv(k, block_k))](
-        values, scale, dense, rows, k, SCALE_GROUP=scale_group, BLOCK_R=16, BLOCK_K=block_k, num_warps=4
-    )
+        weight.values, weight.scale, dense, rows, k, SCALE_GROUP=weight.scale_group,
+        MMA_ORDER=weight.mma_order, BLOCK_R=16, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -955,7 +1031,7 @@ def _dequantize(values: torch.Tensor, scale: torch.Tensor, scale_group: int, den
 def _check_and_make_out(
     x: torch.Tensor, weight: LinearWeight, n_out: int, out: torch.Tensor | None
 ) -> torch.Tensor:
-    weight, scale, _ = split(weight)
+    weight, scale, _, _ = split(weight)
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert x.dtype == weight.dtype or scale is not None, (x.dtype, weight.dtype)
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight rows must be contiguous"
@@ -969,28 +1045,31 @@ def _check_and_make_out(
 def _launch(
     x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None, out: torch.Tensor, gate_up: bool
 ) -> torch.Tensor:
-    weight, scale, scale_group = split(weight)
+    kernel_weight = split(weight)
+    weight, scale, scale_group, mma_order = kernel_weight
     m, k = x.shape
     if m == 0 or out.shape[1] == 0:
         return out
     if k == 0:
         # An empty sum: only the bias (or silu(0) * 0 = 0) remains.
         return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
-    if m <= GEMV_MAX_M:
-        _launch_gemv(x, weight, bias, out, gate_up, scale=scale, scale_group=scale_group)
-    elif m <= SKINNY_MAX_M:
-        _launch_skinny(x, weight, bias, out, gate_up, scale=scale, scale_group=scale_group)
-    elif (
+    int8 = {"scale": scale, "scale_group": scale_group, "mma_order": mma_order}
+    workspace = _dequant_workspaces.get(x.device)
+    through_workspace = (
         scale is not None
         and m >= INT8_DEQUANT_MIN_M
-        and (
-            (workspace := _dequant_workspaces.get(x.device)) is not None and workspace.holds(weight, x.dtype)
-        )
-    ):
-        dense = workspace.dense(weight, scale, scale_group, x.dtype)  # group scales applied, per-row not
+        and workspace is not None
+        and workspace.holds(weight, x.dtype)
+    )
+    if m <= GEMV_MAX_M:
+        _launch_gemv(x, weight, bias, out, gate_up, **int8)
+    elif m <= SKINNY_MAX_M or (mma_order and not through_workspace):
+        _launch_skinny(x, weight, bias, out, gate_up, **int8)
+    elif through_workspace:
+        dense = workspace.dense(kernel_weight, x.dtype)  # group scales applied, per-row not
         _launch_gemm(x, dense, bias, out, gate_up, scale=None if scale_group else scale)
     else:
-        _launch_gemm(x, weight, bias, out, gate_up, scale=scale, scale_group=scale_group)
+        _launch_gemm(x, weight, bias, out, gate_up, **int8)
     return out
 
 

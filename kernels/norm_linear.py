@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul_reference
-from kernels.int8 import LinearWeight, split
+from kernels.int8 import MMA_CHUNK, LinearWeight, split
 from kernels.linear import (
     GEMV_MAX_M,
     SKINNY_MAX_M,
@@ -46,6 +46,7 @@ from kernels.linear import (
     gate_up_silu_triton,
     gemv_config,
     group_scales,
+    input_order,
     linear_reference,
     linear_triton,
     weights_kind,
@@ -140,16 +141,19 @@ def _weight_tile(
     K,
     GATE_UP: tl.constexpr,
     SCALE_GROUP: tl.constexpr,
+    MMA_ORDER: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The [BLOCK_N, BLOCK_K] gate (or only) and up weight tiles in fp32, group scales applied
-    (SCALE_GROUP > 0); without GATE_UP, up is gate."""
-    w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
+    """The [BLOCK_N, BLOCK_K] gate (or only) and up weight tiles in fp32 and input order, group scales
+    applied (SCALE_GROUP > 0); without GATE_UP, up is gate."""
+    w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+    w = widen(input_order(w, MMA_ORDER), tl.float32)
     if SCALE_GROUP > 0:
         w *= group_scales(scale_ptr, rows, k_start, K, SCALE_GROUP, BLOCK_K)
     w_up = w
     if GATE_UP:
-        w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
+        w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        w_up = widen(input_order(w_up, MMA_ORDER), tl.float32)
         if SCALE_GROUP > 0:
             w_up *= group_scales(scale_ptr, rows + N, k_start, K, SCALE_GROUP, BLOCK_K)
     return w, w_up
@@ -176,6 +180,7 @@ def _add_rms_norm_gemv_kernel(
     HAS_SCALE: tl.constexpr,
     SCALE_GROUP: tl.constexpr,  # 0: a scale per row (after the sum); else inputs per scale (per tile)
     GATE_UP: tl.constexpr,
+    MMA_ORDER: tl.constexpr,  # int8 values in the MMA order (BLOCK_K a multiple of 64)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr = 1,  # > 1: the K loop's loads pipelined through shared memory (cp.async)
@@ -200,8 +205,9 @@ def _add_rms_norm_gemv_kernel(
         offs_k = k0 + offs_k0
         k_mask = offs_k < K
         w, w_up = _weight_tile(
-            gate_rows, up_rows, k0, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP, BLOCK_K
-        )
+            gate_rows, up_rows, k0, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP, MMA_ORDER,
+            BLOCK_K,
+        )  # fmt: skip
         summed = tl.load(hidden_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:  # rounded to the activation dtype, as the residual stream is
             residual = tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
@@ -245,6 +251,7 @@ def _launch_gemv(
     config: GemvConfig | None = None,
     scale: torch.Tensor | None = None,
     scale_group: int = 0,
+    mma_order: bool = False,
 ) -> None:
     """One launch; residual_out None: not written. config overrides the tile heuristics (tests, sweeps);
     scale: int8 weight's per-row scales."""
@@ -252,6 +259,8 @@ def _launch_gemv(
     n = out.shape[1]
     assert m == 1, "the fused GEMV takes one row; more take the norm, then the skinny GEMM"
     config = config or gemv_config(m, n, k, gate_up, weights_kind(weight))
+    if mma_order:
+        config = config._replace(block_k=max(config.block_k, MMA_CHUNK))
     num_programs = triton.cdiv(n, config.block_n)
     _add_rms_norm_gemv_kernel[(num_programs,)](
         hidden,
@@ -273,6 +282,7 @@ def _launch_gemv(
         HAS_SCALE=scale is not None,
         SCALE_GROUP=scale_group,
         GATE_UP=gate_up,
+        MMA_ORDER=mma_order,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages,
@@ -331,7 +341,7 @@ def add_rms_norm_linear_triton(
     residual is None) are given (past that size: two launches and a scratch row); residual_out must not
     overlap hidden or residual. More rows: the add and norm in one launch into a scratch buffer, then the
     skinny or tiled GEMM (see the module docstring)."""
-    values, scale, scale_group = split(weight)
+    values, scale, scale_group, mma_order = split(weight)
     assert hidden.dim() == 2 and values.dim() == 2, (hidden.shape, values.shape)
     m, k = hidden.shape
     dtype = hidden.dtype
@@ -369,7 +379,7 @@ def add_rms_norm_linear_triton(
     if m > 0 and n > 0:
         _launch_gemv(
             hidden, residual, norm_weight, eps, values, bias, gate_up, out, residual_out, scale=scale,
-            scale_group=scale_group,
+            scale_group=scale_group, mma_order=mma_order,
         )  # fmt: skip
     elif residual_out is not None:
         # No GEMV programs to write it (N == 0): the sum alone.

@@ -15,7 +15,15 @@ import triton
 import triton.language as tl
 
 from kernels import linear
-from kernels.int8 import Int8Weight, dequantize, quantize_int8, split, stack_rows
+from kernels.int8 import (
+    Int8Weight,
+    dequantize,
+    in_mma_order,
+    quantize_int8,
+    split,
+    stack_rows,
+    values_in_input_order,
+)
 from kernels.linear import (
     GemmConfig,
     GemvConfig,
@@ -32,7 +40,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _inputs(
-    m: int, n_rows: int, k: int, dtype: torch.dtype, seed: int, group_size: int | None = None
+    m: int,
+    n_rows: int,
+    k: int,
+    dtype: torch.dtype,
+    seed: int,
+    group_size: int | None = None,
+    mma_order: bool = True,
 ) -> tuple[torch.Tensor, Int8Weight]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
@@ -40,7 +54,7 @@ def _inputs(
     magnitudes = torch.logspace(-2, 0, n_rows)[torch.randperm(n_rows, generator=gen)]
     columns = torch.logspace(-1, 0, k)[torch.randperm(k, generator=gen)] if group_size else torch.ones(k)
     weight = torch.randn(n_rows, k, generator=gen) * magnitudes[:, None] * columns[None, :] / k**0.5
-    return x, quantize_int8(weight.to(DEVICE), group_size)
+    return x, quantize_int8(weight.to(DEVICE), group_size, mma_order)
 
 
 def _dense64(weight: Int8Weight) -> torch.Tensor:
@@ -130,8 +144,54 @@ def test_int8_forced_tiles(case: tuple, gate_up: bool, group_size: int | None) -
     x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=len(kind) + gate_up, group_size=group_size)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     launch = {"gemv": linear._launch_gemv, "skinny": linear._launch_skinny, "gemm": linear._launch_gemm}[kind]
-    values, scale, scale_group = split(weight)
+    values, scale, scale_group, mma_order = split(weight)
+    assert not mma_order  # K = 96 or 100: not a multiple of 64
     launch(x, values, None, out, gate_up, config, scale=scale, scale_group=scale_group)
+    torch.testing.assert_close(out.double(), _expected(x, weight, None, gate_up), **tolerance(dtype))
+
+
+def test_mma_order_stores_each_threads_inputs_together() -> None:
+    """Within 64 inputs, input 16s + 8h + 2t + p sits at 16t + 4s + 2h + p: the 16 bytes of quad thread t
+    for four k16 steps in a row. Stacking keeps the order; K not a multiple of 64 keeps input order."""
+    gen = torch.Generator().manual_seed(4)
+    plain = quantize_int8(torch.randn(3, 128, generator=gen), mma_order=False)
+    ordered = in_mma_order(plain)
+    assert ordered.mma_order and not plain.mma_order and quantize_int8(torch.randn(3, 128)).mma_order
+    k = torch.arange(64)
+    stored_at = 16 * (k % 8 // 2) + 4 * (k // 16) + 2 * (k % 16 // 8) + k % 2
+    for chunk in (0, 64):
+        assert torch.equal(ordered.values[:, chunk + stored_at], plain.values[:, chunk : chunk + 64])
+    assert torch.equal(values_in_input_order(ordered), plain.values)
+    assert torch.equal(dequantize(ordered, torch.float32), dequantize(plain, torch.float32))
+    assert stack_rows([ordered, ordered]).mma_order and split(ordered).mma_order
+    assert not in_mma_order(quantize_int8(torch.randn(3, 96), mma_order=False)).mma_order
+    with pytest.raises(ValueError):
+        stack_rows([ordered, plain])
+
+
+# K = 192 in the MMA order: 64-input chunks, tiles of 64 or 128 (a ragged last one), group scales of 32
+# within a chunk; the skinny kernel past SKINNY_MAX_M rows takes x in two tiles of 128.
+FORCED_MMA = [
+    ("gemv", 1, GemvConfig(block_n=4, block_k=128, num_warps=4)),
+    ("gemv", 1, GemvConfig(block_n=4, block_k=64, num_warps=4, num_stages=3)),
+    ("skinny", 3, SkinnyConfig(block_n=16, block_k=128, split_k=2, num_warps=4, num_stages=2)),
+    ("skinny", 150, SkinnyConfig(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)),
+    ("gemm", 50, GemmConfig(block_m=16, block_n=16, block_k=128, num_warps=4, num_stages=2)),
+]
+
+
+@pytest.mark.parametrize("group_size", [None, 32], ids=["per-row", "group32"])
+@pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
+@pytest.mark.parametrize("case", FORCED_MMA, ids=[f"{c[0]}-m{c[1]}-k{c[2].block_k}" for c in FORCED_MMA])
+def test_int8_mma_order_forced_tiles(case: tuple, gate_up: bool, group_size: int | None) -> None:
+    kind, m, config = case
+    n, k, dtype = 37, 192, torch.bfloat16
+    x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=m + gate_up, group_size=group_size)
+    assert weight.mma_order
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    launch = {"gemv": linear._launch_gemv, "skinny": linear._launch_skinny, "gemm": linear._launch_gemm}[kind]
+    values, scale, scale_group, mma_order = split(weight)
+    launch(x, values, None, out, gate_up, config, scale=scale, scale_group=scale_group, mma_order=mma_order)
     torch.testing.assert_close(out.double(), _expected(x, weight, None, gate_up), **tolerance(dtype))
 
 
