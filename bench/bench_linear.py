@@ -140,7 +140,9 @@ def sweep_configs(
 class Case:
     """One layer shape at one M: its weight copies, input and output buffers, and the calls to time."""
 
-    def __init__(self, model: str, layer: str, n_rows: int, k: int, m: int, int8: bool = False) -> None:
+    def __init__(
+        self, model: str, layer: str, n_rows: int, k: int, m: int, int8: bool = False, swapped: bool = False
+    ) -> None:
         self.model, self.layer, self.n_rows, self.k, self.m = model, layer, n_rows, k, m
         self.gate_up = layer == "gate_up"
         self.n_out = n_rows // 2 if self.gate_up else n_rows
@@ -150,6 +152,7 @@ class Case:
         first = (torch.randn(n_rows, k, device=DEVICE, generator=gen) / k**0.5).to(DTYPE)
         self.weights = [first] + [first.clone() for _ in range(self.copies - 1)]  # cuBLAS's
         self.int8 = int8
+        self.swapped = swapped  # INT8 prefill rows through the swapped-operand GEMM (no dequantized weight)
         self.ours = [quantize_int8(weight) for weight in self.weights] if int8 else self.weights
         if int8:
             weight_bytes = self.ours[0].nbytes()  # values and fp32 scales
@@ -210,6 +213,13 @@ class Case:
                 for num_stages in (1, 2, 3, 4, 6)
                 if block_k >= 16
             ]
+        if self.swapped and self.m > linear.SKINNY_MAX_M:  # weight rows x warps, K step, stages
+            return [
+                linear.SkinnyConfig(block_n, block_k, 1, num_warps, num_stages)
+                for block_n, num_warps in ((64, 4), (128, 4), (128, 8), (256, 8))
+                for block_k in (64, 128)
+                for num_stages in (3, 4)
+            ]
         if linear.GEMV_MAX_M < self.m <= linear.SKINNY_MAX_M:
             # INT8 weights: as many bytes a K step in 256 or 512 columns
             block_ks = (256, 512) if self.int8 else (128, 256)
@@ -254,6 +264,8 @@ class Case:
         return configs
 
     def heuristic(self) -> TileConfig:
+        if self.swapped and self.m > linear.SKINNY_MAX_M:
+            return linear.skinny_config(self.m, self.n_out, self.k, self.gate_up, "int8")
         return heuristic_config(self.m, self.n_out, self.k, self.gate_up, "int8" if self.int8 else "float")
 
 
@@ -364,7 +376,7 @@ def main() -> None:
                 continue
             for m in map(int, args.m.split(",")):
                 started = time.perf_counter()
-                case = Case(model, layer, n_rows, k, m, args.int8)
+                case = Case(model, layer, n_rows, k, m, args.int8, swapped=args.int8 and args.no_dequant)
                 error = case.relative_error()
                 ours = time_in_graph(case.triton_call(), case.copies, args.replays)
                 theirs = time_in_graph(case.cublas_call(), case.copies, args.replays)

@@ -37,7 +37,7 @@
 #   bash bench/device_run.sh profileint8  # a Qwen3-4B decode step's kernels, bf16 and INT8 weights
 #   bash bench/device_run.sh normgemv  # (carry .prev) norm-fused GEMV tests; fused vs unfused; bench_int8 A/B
 #   bash bench/device_run.sh engineab  # (carry .prev) GPU tests (TESTS); bench_int8 bf16 and INT8, A/B
-#   bash bench/device_run.sh mmaorder  # (carry .prev) linear GPU tests; INT8 linears, .prev / this / swapped
+#   bash bench/device_run.sh mmaorder  # (carry .prev) linear GPU tests; INT8 linears, .prev / this; swapped sweep
 #   bash bench/device_run.sh mmaengine  # (carry .prev) bench_int8 A/B, the swapped prefill; 64 sequences
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
@@ -386,16 +386,18 @@ engineab)  # (carrying an earlier tree in .prev) GPU tests (TESTS, in parallel s
 lineartests)  # the linear kernels' GPU tests (bf16, INT8, norm-fused), compiled, in parallel shards
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
     ;;
-mmaorder)  # (carry .prev) the linear kernels' GPU tests; INT8 linears at M = 1-512 in .prev's tree, this one,
-    # and this one without the dequantized prefill (the swapped-operand GEMM at every M > 64)
+mmaorder)  # (carry .prev) the linear kernels' GPU tests; INT8 linears at M = 1-512 in .prev's tree and this
+    # one; the swapped-operand GEMM's tiles swept at 512 rows (no dequantized weight), a tuned table to $OUT
     sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
-    for variant in prev new swapped; do
-        tree=.; flags=; [ "$variant" = prev ] && tree=.prev; [ "$variant" = swapped ] && flags=--no-dequant
+    for tree in .prev .; do
         [ -d "$tree" ] || continue
-        mkdir -p "$OUT/linear-$variant"
-        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD run "${LIMIT:-110}" python3 bench/bench_linear.py "$OUT/linear-$variant" \
-            --int8 $flags --m "${M:-1,16,64,512}" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --replays 20)
+        mkdir -p "$OUT/linear$tree"
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD run "${LIMIT:-110}" python3 bench/bench_linear.py "$OUT/linear$tree" \
+            --int8 --m "${M:-1,16,64,512}" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --replays 20)
     done
+    cp kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+    run "${SWEEP_LIMIT:-200}" python3 bench/bench_linear.py "$OUT/swapped" --int8 --no-dequant --m 512 --sweep \
+        --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --replays 10 --write-tuned "$OUT/NVIDIA_H200.json"
     ;;
 mmaengine)  # (carry .prev) bench_int8 bf16 and INT8 here and in .prev; INT8 here with prefill through the
     # swapped-operand GEMM (no dequantized weights); the batch workload at 64 sequences, INT8 and bf16

@@ -47,6 +47,7 @@ GEMV_MAX_M = 1
 SKINNY_MAX_M = 64
 # INT8 weights in the MMA order take the skinny kernel past SKINNY_MAX_M too, x in tiles of this many rows.
 SWAPPED_BLOCK_M = 128
+WGMMA_MIN_ROWS = 64  # a skinny tile's weight rows from which Hopper's wgmma multiplies them
 
 # Tiles measured fastest per shape on a given GPU (`bench/bench_linear.py --sweep --write-tuned`), one
 # JSON file per device name; shapes not in the file, and other GPUs, use the heuristics below.
@@ -207,6 +208,56 @@ def input_order(w, MMA_ORDER: tl.constexpr):
 
 
 @triton.jit
+def stored_inputs(columns, MMA_ORDER: tl.constexpr):
+    """The input each stored column of a row holds: itself, or in the MMA order (kernels/int8.py) column
+    64c + 16t + 4s + 2h + p holds input 64c + 16s + 8h + 2t + p."""
+    if MMA_ORDER:
+        chunk = columns // 64 * 64
+        t, s, h, p = columns % 64 // 16, columns % 16 // 4, columns % 4 // 2, columns % 2
+        columns = chunk + 16 * s + 8 * h + 2 * t + p
+    return columns
+
+
+@triton.jit
+def load_stored_order(ptr, k_start, K, BLOCK_K: tl.constexpr, MMA_ORDER: tl.constexpr):
+    """fp32 [BLOCK_K]: a row vector's inputs k_start + [0, BLOCK_K) (0 past K) in the order a weight tile
+    stores its columns. The GEMVs multiply the tile as stored by x (and by the group scales) in that
+    order rather than move the weight between threads; in the MMA order the inputs come in pairs, loaded
+    as such (4 bytes of bf16), so the K loop's pipeline copies them ahead like the weight tile."""
+    if MMA_ORDER:
+        pairs = k_start + stored_inputs(tl.arange(0, BLOCK_K // 2) * 2, MMA_ORDER)
+        inputs = pairs[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK_K / 2, 2]
+        vector = tl.load(ptr + inputs, mask=inputs < K, other=0.0)
+        vector = tl.reshape(vector, (BLOCK_K,))
+    else:
+        inputs = k_start + tl.arange(0, BLOCK_K)
+        vector = tl.load(ptr + inputs, mask=inputs < K, other=0.0)
+    return vector.to(tl.float32)
+
+
+@triton.jit
+def stored_group_scales(
+    scale_ptr, rows, k_start, K, SCALE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr, MMA_ORDER: tl.constexpr
+):
+    """group_scales for a tile of stored columns: in the MMA order a 64-column chunk holds inputs of
+    64 / SCALE_GROUP groups (16 or 32 inputs a group) in the pattern stored_inputs gives; one scale a
+    group is loaded and broadcast over its columns."""
+    if MMA_ORDER and SCALE_GROUP < 64:
+        tl.static_assert(SCALE_GROUP == 16 or SCALE_GROUP == 32)
+        CHUNKS: tl.constexpr = BLOCK_K // 64
+        PER_CHUNK: tl.constexpr = 64 // SCALE_GROUP  # groups: the s (16) or s // 2 (32) of a column
+        num_groups = K // SCALE_GROUP
+        groups = tl.minimum(k_start // SCALE_GROUP + tl.arange(0, CHUNKS * PER_CHUNK), num_groups - 1)
+        scales = tl.load(scale_ptr + rows[:, None] * num_groups + groups[None, :])
+        scales = tl.reshape(scales, (rows.shape[0], CHUNKS, 1, PER_CHUNK, 1))
+        wide = tl.broadcast_to(scales, (rows.shape[0], CHUNKS, 4, PER_CHUNK, 16 // PER_CHUNK))  # (c, t, g, .)
+        tile = tl.reshape(wide, (rows.shape[0], BLOCK_K))
+    else:  # input order, or a chunk within one group
+        tile = group_scales(scale_ptr, rows, k_start, K, SCALE_GROUP, BLOCK_K)
+    return tile
+
+
+@triton.jit
 def chunks_in_input_order(w):
     """An MMA-order int8 tile loaded chunks first, [BLOCK_K // 64, rows, 64] (so shared memory holds
     each 64-byte chunk of the rows in a row: a warp's 128-bit loads of eight rows hit every bank once),
@@ -252,18 +303,16 @@ def _gemv_kernel(
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + offs_k0
-        k_mask = offs_k < K
-        xk = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-        w = widen(input_order(w, MMA_ORDER), tl.float32)
+        k_mask = offs_k < K  # in the MMA order K is whole chunks: a chunk's columns and inputs alike
+        xk = load_stored_order(x_ptr, k0, K, BLOCK_K, MMA_ORDER)[None, :]
+        w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
         if SCALE_GROUP > 0:
-            w *= group_scales(scale_ptr, rows, k0, K, SCALE_GROUP, BLOCK_K)
+            w *= stored_group_scales(scale_ptr, rows, k0, K, SCALE_GROUP, BLOCK_K, MMA_ORDER)
         acc += w * xk
         if GATE_UP:
-            w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-            w_up = widen(input_order(w_up, MMA_ORDER), tl.float32)
+            w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
             if SCALE_GROUP > 0:
-                w_up *= group_scales(scale_ptr, rows + N, k0, K, SCALE_GROUP, BLOCK_K)
+                w_up *= stored_group_scales(scale_ptr, rows + N, k0, K, SCALE_GROUP, BLOCK_K, MMA_ORDER)
             acc_up += w_up * xk
     result, result_up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)  # [BLOCK_N]
     if HAS_SCALE and SCALE_GROUP == 0:
@@ -621,7 +670,12 @@ def _launch_skinny(
     assert m <= SKINNY_MAX_M or mma_order, m
     config = config or skinny_config(m, n, k, gate_up, weights_kind(weight))
     if mma_order:
-        config = config._replace(block_k=max(config.block_k, MMA_CHUNK))
+        # Under 64 weight rows a tile takes the older MMA (mma.sync), whose operand layout the compiler
+        # does not reach through the MMA order (2-byte loads): 64 rows, and K split as much more.
+        widen_by = max(1, WGMMA_MIN_ROWS // config.block_n)
+        block_k = max(config.block_k, MMA_CHUNK)
+        split_k = min(config.split_k * widen_by, triton.cdiv(k, block_k))
+        config = config._replace(block_n=config.block_n * widen_by, block_k=block_k, split_k=split_k)
     block_m = min(max(16, triton.next_power_of_2(m)), SWAPPED_BLOCK_M)
     num_m_tiles = triton.cdiv(m, block_m)
     limit = shared_memory_per_block(x.device.index or 0)
@@ -1005,11 +1059,14 @@ def _dequantize_kernel(
     k_start = tl.program_id(1) * BLOCK_K
     offs_k = k_start + tl.arange(0, BLOCK_K)
     mask = (offs_r < rows)[:, None] & (offs_k < K)[None, :]
-    slots = offs_r.to(tl.int64)[:, None] * K + offs_k[None, :]
-    w = widen(input_order(tl.load(values_ptr + slots, mask=mask, other=0), MMA_ORDER), tl.float32)
+    row_starts = offs_r.to(tl.int64)[:, None] * K
+    w = widen(tl.load(values_ptr + row_starts + offs_k[None, :], mask=mask, other=0), tl.float32)
     if SCALE_GROUP > 0:
-        w *= group_scales(scale_ptr, tl.minimum(offs_r, rows - 1), k_start, K, SCALE_GROUP, BLOCK_K)
-    tl.store(out_ptr + slots, w.to(out_ptr.dtype.element_ty), mask=mask)
+        w *= stored_group_scales(
+            scale_ptr, tl.minimum(offs_r, rows - 1), k_start, K, SCALE_GROUP, BLOCK_K, MMA_ORDER
+        )
+    inputs = k_start + stored_inputs(tl.arange(0, BLOCK_K), MMA_ORDER)
+    tl.store(out_ptr + row_starts + inputs[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _dequantize(weight: KernelWeight, dense: torch.Tensor) -> None:

@@ -45,10 +45,11 @@ from kernels.linear import (
     gate_up_silu_reference,
     gate_up_silu_triton,
     gemv_config,
-    group_scales,
-    input_order,
     linear_reference,
     linear_triton,
+    load_stored_order,
+    stored_group_scales,
+    stored_inputs,
     weights_kind,
     widen,
 )
@@ -144,18 +145,16 @@ def _weight_tile(
     MMA_ORDER: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """The [BLOCK_N, BLOCK_K] gate (or only) and up weight tiles in fp32 and input order, group scales
-    applied (SCALE_GROUP > 0); without GATE_UP, up is gate."""
-    w = tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-    w = widen(input_order(w, MMA_ORDER), tl.float32)
+    """The [BLOCK_N, BLOCK_K] gate (or only) and up weight tiles in fp32 as stored, group scales applied
+    (SCALE_GROUP > 0); without GATE_UP, up is gate."""
+    w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
     if SCALE_GROUP > 0:
-        w *= group_scales(scale_ptr, rows, k_start, K, SCALE_GROUP, BLOCK_K)
+        w *= stored_group_scales(scale_ptr, rows, k_start, K, SCALE_GROUP, BLOCK_K, MMA_ORDER)
     w_up = w
     if GATE_UP:
-        w_up = tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-        w_up = widen(input_order(w_up, MMA_ORDER), tl.float32)
+        w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
         if SCALE_GROUP > 0:
-            w_up *= group_scales(scale_ptr, rows + N, k_start, K, SCALE_GROUP, BLOCK_K)
+            w_up *= stored_group_scales(scale_ptr, rows + N, k_start, K, SCALE_GROUP, BLOCK_K, MMA_ORDER)
     return w, w_up
 
 
@@ -196,6 +195,7 @@ def _add_rms_norm_gemv_kernel(
     gate_rows = w_ptr + rows[:, None] * stride_wn  # [BLOCK_N, 1]
     up_rows = w_ptr + (rows + N)[:, None] * stride_wn  # [BLOCK_N, 1] (GATE_UP only)
     offs_k0 = tl.arange(0, BLOCK_K)
+    stored = stored_inputs(offs_k0, MMA_ORDER)  # the input of each weight column (its vectors' order)
     own_start = pid * residual_chunk
 
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -203,20 +203,21 @@ def _add_rms_norm_gemv_kernel(
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k0 + offs_k0
-        k_mask = offs_k < K
+        k_mask = offs_k < K  # in the MMA order K is whole chunks: a chunk's columns and inputs alike
         w, w_up = _weight_tile(
             gate_rows, up_rows, k0, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP, MMA_ORDER,
             BLOCK_K,
         )  # fmt: skip
-        summed = tl.load(hidden_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        summed = load_stored_order(hidden_ptr, k0, K, BLOCK_K, MMA_ORDER)
         if HAS_RESIDUAL:  # rounded to the activation dtype, as the residual stream is
-            residual = tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            residual = load_stored_order(residual_ptr, k0, K, BLOCK_K, MMA_ORDER)
             summed = (summed + residual).to(act_dtype).to(tl.float32)
         if WRITE_RESIDUAL:
-            own = k_mask & (offs_k >= own_start) & (offs_k < own_start + residual_chunk)
-            tl.store(residual_out_ptr + offs_k, summed.to(act_dtype), mask=own)
+            inputs = k0 + stored
+            own = k_mask & (inputs >= own_start) & (inputs < own_start + residual_chunk)
+            tl.store(residual_out_ptr + inputs, summed.to(act_dtype), mask=own)
         squares += summed * summed
-        x = (summed * tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32))[None, :]
+        x = (summed * load_stored_order(norm_weight_ptr, k0, K, BLOCK_K, MMA_ORDER))[None, :]
         acc += w * x
         if GATE_UP:
             acc_up += w_up * x

@@ -180,7 +180,7 @@ FORCED_MMA = [
 ]
 
 
-@pytest.mark.parametrize("group_size", [None, 32], ids=["per-row", "group32"])
+@pytest.mark.parametrize("group_size", [None, 16, 32], ids=["per-row", "group16", "group32"])
 @pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
 @pytest.mark.parametrize("case", FORCED_MMA, ids=[f"{c[0]}-m{c[1]}-k{c[2].block_k}" for c in FORCED_MMA])
 def test_int8_mma_order_forced_tiles(case: tuple, gate_up: bool, group_size: int | None) -> None:
@@ -217,21 +217,24 @@ def dequant_workspace() -> Iterator[torch.Tensor]:
         yield workspace.buffers[0]
 
 
+@pytest.mark.parametrize("k", [96, 192], ids=["input-order", "mma-order"])
 @pytest.mark.parametrize("group_size", [None, 32], ids=["per-row", "group32"])
 @pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
 def test_int8_prefill_dequantizes_then_multiplies(
-    dequant_workspace: torch.Tensor, gate_up: bool, group_size: int | None
+    dequant_workspace: torch.Tensor, gate_up: bool, group_size: int | None, k: int
 ) -> None:
-    """From INT8_DEQUANT_MIN_M rows the weight is dequantized into the workspace (group scales applied,
-    rounded to x's dtype; per-row scales left to the GEMM's columns), then the float GEMM runs on it."""
-    n, k, dtype = 37, 96, torch.bfloat16
+    """From INT8_DEQUANT_MIN_M rows the weight is dequantized into the workspace (in input order, group
+    scales applied, rounded to x's dtype; per-row scales left to the GEMM's columns), then the float GEMM
+    runs on it."""
+    n, dtype = 37, torch.bfloat16
     m = linear.INT8_DEQUANT_MIN_M + 5
     x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=11 + gate_up, group_size=group_size)
     dequant_workspace.zero_()
     result = gate_up_silu_triton(x, weight) if gate_up else linear_triton(x, weight)
     torch.testing.assert_close(result.double(), _expected(x, weight, None, gate_up), **tolerance(dtype))
     dense = dequant_workspace[: weight.values.numel() * 2].view(dtype).view(weight.shape)
-    expected_dense = dequantize(weight, dtype) if group_size else weight.values.to(dtype)
+    assert weight.mma_order == (k % 64 == 0)
+    expected_dense = dequantize(weight, dtype) if group_size else values_in_input_order(weight).to(dtype)
     # exact on the GPU; the interpreter truncates fp32 to bf16 where the GPU rounds (one bf16 step)
     rounding = {"rtol": 0, "atol": 0} if DEVICE == "cuda" else {"rtol": 2**-7, "atol": 0}
     torch.testing.assert_close(dense, expected_dense, **rounding)
