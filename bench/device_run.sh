@@ -38,7 +38,8 @@
 #   bash bench/device_run.sh normgemv  # (carry .prev) norm-fused GEMV tests; fused vs unfused; bench_int8 A/B
 #   bash bench/device_run.sh engineab  # (carry .prev) GPU tests (TESTS); bench_int8 bf16 and INT8, A/B
 #   bash bench/device_run.sh mmaorder  # (carry .prev) linear GPU tests; INT8 linears, .prev / this; swapped sweep
-#   bash bench/device_run.sh mmaengine  # (carry .prev) bench_int8 A/B, the swapped prefill; 64 sequences
+#   bash bench/device_run.sh mmagemv  # INT8 GEMV tiles swept for MMA-order weights; INT8 linears at M = 1-512
+#   bash bench/device_run.sh mmaengine  # (carry .prev) bench_int8 A/B; 64 sequences with INT8 weights, A/B
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
@@ -399,17 +400,23 @@ mmaorder)  # (carry .prev) the linear kernels' GPU tests; INT8 linears at M = 1-
     run "${SWEEP_LIMIT:-200}" python3 bench/bench_linear.py "$OUT/swapped" --int8 --no-dequant --m 512 --sweep \
         --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --replays 10 --write-tuned "$OUT/NVIDIA_H200.json"
     ;;
-mmaengine)  # (carry .prev) bench_int8 bf16 and INT8 here and in .prev; INT8 here with prefill through the
-    # swapped-operand GEMM (no dequantized weights); the batch workload at 64 sequences, INT8 and bf16
+mmagemv)  # the INT8 GEMV tiles swept near the tuned ones for MMA-order weights (tuned table to $OUT), then
+    # the INT8 linears at M = 1-512 with that table
+    run "${SWEEP_LIMIT:-260}" python3 bench/bench_linear.py "$OUT/sweep" --int8 --sweep --near --m 1 \
+        --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --layers qkv,o,gate_up,down --replays 30 \
+        --write-tuned kernels/tuned/NVIDIA_H200.json
+    cp kernels/tuned/NVIDIA_H200.json "$OUT/"
+    run "${LIMIT:-110}" python3 bench/bench_linear.py "$OUT/linear" --int8 --m "${M:-1,16,64,512}" \
+        --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --replays 20
+    ;;
+mmaengine)  # (carry .prev) bench_int8 bf16 and INT8 here and in .prev; the batch workload at 64 sequences
+    # with INT8 weights, here and in .prev
     int8_ab
-    rm -rf /tmp/swapped && cp -r . /tmp/swapped && rm -rf /tmp/swapped/.prev /tmp/swapped/.old
-    sed -i 's/^INT8_DEQUANT_MIN_M = 256 /INT8_DEQUANT_MIN_M = 1 << 30 /' /tmp/swapped/kernels/linear.py
-    mkdir -p "$OUT/swapped"
-    (cd /tmp/swapped && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_SWAPPED:-110}" python3 bench/bench_int8.py \
-        --out "$OUT/swapped" --models "${MODELS:-qwen3-4b,qwen3-0.6b}" --modes int8)
-    for q in "" "--quantization int8"; do
-        run "${BATCH_LIMIT:-100}" python3 bench/bench_batch.py --out "$OUT" --models qwen3-4b --batches 64 \
-            --peer-batches none $q
+    for tree in . .prev; do
+        [ -d "$tree" ] || continue
+        mkdir -p "$OUT/batch$tree"
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD run "${BATCH_LIMIT:-100}" python3 bench/bench_batch.py \
+            --out "$OUT/batch$tree" --models qwen3-4b --batches 64 --peer-batches none --quantization int8)
     done
     ;;
 int8ab)  # (carrying an earlier tree in .prev) the INT8 linears at M = 1 and 16, that tree against this one

@@ -45,8 +45,12 @@ from kernels.triton_common import INTERPRET, num_sms, shared_memory_per_block
 # Up to this many rows of x take the GEMV; up to SKINNY_MAX_M the skinny GEMM; more the tiled GEMM.
 GEMV_MAX_M = 1
 SKINNY_MAX_M = 64
-# INT8 weights in the MMA order take the skinny kernel past SKINNY_MAX_M too, x in tiles of this many rows.
+# INT8 weights in the MMA order take the skinny kernel past SKINNY_MAX_M too (the swapped-operand GEMM), x
+# in tiles of this many rows; with a dequantization workspace only from SWAPPED_MIN_N output columns: a
+# narrower one makes too few tiles (H200, 512 rows, Qwen3-0.6B's o and down, 1024 columns: 14.8 and 20.2
+# us swapped, 13.4 and 16.0 dequantized; its qkv, 4096: 11.9 against 14.8).
 SWAPPED_BLOCK_M = 128
+SWAPPED_MIN_N = 2048
 WGMMA_MIN_ROWS = 64  # a skinny tile's weight rows from which Hopper's wgmma multiplies them
 
 # Tiles measured fastest per shape on a given GPU (`bench/bench_linear.py --sweep --write-tuned`), one
@@ -611,12 +615,12 @@ def skinny_config(m: int, n: int, k: int, gate_up: bool, weights: str = "float")
     INT8 weights take 256-column K steps: the same bytes a stage. A tile measured fastest for this shape
     and weights on this GPU (tuned_config) takes precedence. Past SKINNY_MAX_M rows (INT8 weights in the
     MMA order: a prefill GEMM with swapped operands), 128 weight rows by 128 rows of x in two warpgroups,
-    64 gate and 64 up rows in one."""
+    64 gate and 64 up rows in one, 64-column K steps in 4 stages (the 512-row sweep's picks on Qwen3-4B)."""
     tuned = tuned_config("skinny", m, n, k, gate_up, weights)
     if tuned is not None:
         return SkinnyConfig(**tuned)
     if m > SKINNY_MAX_M:
-        return SkinnyConfig(64, 128, 1, 4, 3) if gate_up else SkinnyConfig(128, 128, 1, 8, 3)
+        return SkinnyConfig(64, 64, 1, 4, 4) if gate_up else SkinnyConfig(128, 64, 1, 8, 4)
     block_k = min(256 if weights == "int8" else 128, max(16, triton.next_power_of_2(k)))
     split_k = 1 if n >= 3072 else max(1, min(4, triton.cdiv(k, block_k) // 2))
     block_n = 64
@@ -1059,14 +1063,12 @@ def _dequantize_kernel(
     k_start = tl.program_id(1) * BLOCK_K
     offs_k = k_start + tl.arange(0, BLOCK_K)
     mask = (offs_r < rows)[:, None] & (offs_k < K)[None, :]
-    row_starts = offs_r.to(tl.int64)[:, None] * K
-    w = widen(tl.load(values_ptr + row_starts + offs_k[None, :], mask=mask, other=0), tl.float32)
+    slots = offs_r.to(tl.int64)[:, None] * K + offs_k[None, :]
+    # put in input order in registers (scattered 2-byte stores of the stored order measured 3x slower)
+    w = widen(input_order(tl.load(values_ptr + slots, mask=mask, other=0), MMA_ORDER), tl.float32)
     if SCALE_GROUP > 0:
-        w *= stored_group_scales(
-            scale_ptr, tl.minimum(offs_r, rows - 1), k_start, K, SCALE_GROUP, BLOCK_K, MMA_ORDER
-        )
-    inputs = k_start + stored_inputs(tl.arange(0, BLOCK_K), MMA_ORDER)
-    tl.store(out_ptr + row_starts + inputs[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+        w *= group_scales(scale_ptr, tl.minimum(offs_r, rows - 1), k_start, K, SCALE_GROUP, BLOCK_K)
+    tl.store(out_ptr + slots, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _dequantize(weight: KernelWeight, dense: torch.Tensor) -> None:
@@ -1118,9 +1120,10 @@ def _launch(
         and workspace is not None
         and workspace.holds(weight, x.dtype)
     )
+    swapped = mma_order and (out.shape[1] >= SWAPPED_MIN_N or not through_workspace)
     if m <= GEMV_MAX_M:
         _launch_gemv(x, weight, bias, out, gate_up, **int8)
-    elif m <= SKINNY_MAX_M or (mma_order and not through_workspace):
+    elif m <= SKINNY_MAX_M or swapped:
         _launch_skinny(x, weight, bias, out, gate_up, **int8)
     elif through_workspace:
         dense = workspace.dense(kernel_weight, x.dtype)  # group scales applied, per-row not

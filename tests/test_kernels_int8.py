@@ -245,6 +245,20 @@ def test_int8_prefill_dequantizes_then_multiplies(
     )
 
 
+def test_int8_prefill_of_a_wide_mma_order_weight_takes_the_swapped_gemm() -> None:
+    """An MMA-order weight of SWAPPED_MIN_N output columns or more is multiplied as stored by the skinny
+    kernel in tiles of SWAPPED_BLOCK_M rows of x, though the workspace would hold it: none is dequantized."""
+    n, k, dtype = linear.SWAPPED_MIN_N, 64, torch.bfloat16
+    m = linear.INT8_DEQUANT_MIN_M + 3
+    x, weight = _inputs(m, n, k, dtype, seed=21)
+    assert weight.mma_order
+    with own_dequant_workspace(n * k * 2) as workspace:
+        workspace.buffers[0].zero_()
+        result = linear_triton(x, weight)
+        assert not workspace.buffers[0].any()
+    torch.testing.assert_close(result.double(), _expected(x, weight, None, False), **tolerance(dtype))
+
+
 def test_int8_prefill_dequantizes_the_next_weight_ahead_into_the_other_buffer() -> None:
     """Three weights in a forward's order (prefetch_order): each prefill dequantizes the next into the
     other buffer before its own GEMM reads its buffer (on a GPU, on a side stream), and the next prefill
