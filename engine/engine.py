@@ -21,7 +21,7 @@ from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.kv_budget import (
     kv_bytes_per_token,
     kv_cache_tokens_from_memory,
-    largest_layer_linear,
+    largest_dequantized_linear,
     step_reserve_bytes,
 )
 from engine.kv_calibration import calibration_ids
@@ -171,11 +171,11 @@ class Engine:
         # a verify step needs the logits of every draft position, plain steps one row a sequence
         max_logit_rows = config.max_num_seqs * (1 + config.num_draft if proposer is not None else 1)
         max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)
-        if self.quantization == "int8" and self.device.type == "cuda":
-            # prefill steps dequantize each INT8 layer weight into one of two buffers for the float GEMM
-            # (kernels/linear.py); taken before the KV cache is sized from what is left
-            dense_bytes = largest_layer_linear(model.spec) * config.torch_dtype().itemsize
-            reserve_dequant_workspace(self.device, dense_bytes, num_buffers=2)
+        dequantized = largest_dequantized_linear(model.spec)
+        if self.quantization == "int8" and self.device.type == "cuda" and dequantized:
+            # prefill steps dequantize the narrower INT8 layer weights into one of two buffers for the
+            # float GEMM (kernels/linear.py); taken before the KV cache is sized from what is left
+            reserve_dequant_workspace(self.device, dequantized * config.torch_dtype().itemsize, num_buffers=2)
         kv_cache_tokens = config.kv_cache_tokens
         if kv_cache_tokens is None and self.device.type == "cuda":
             # the weights (and an in-process proposer) are on the device already: the cache takes the rest

@@ -11,7 +11,9 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.spec import ModelSpec
+from kernels.int8 import MMA_CHUNK
 from kernels.kv_cache import kv_bytes_per_slot
+from kernels.linear import dequantized_at_prefill
 
 # cuBLAS and Triton workspaces, the CUDA graphs' own bookkeeping, the decode attention's split partials
 # and the allocator's fragmentation: beyond what the shapes below account for.
@@ -40,11 +42,29 @@ def step_reserve_bytes(
     return FIXED_RESERVE_BYTES + activations + logits
 
 
-def largest_layer_linear(spec: ModelSpec) -> int:
-    """Elements of the largest weight a decoder layer multiplies by (q/k/v and gate/up fused)."""
-    qkv_rows = spec.q_size + 2 * spec.kv_size
+def layer_linear_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
+    """(rows, in_features) of the weights a decoder layer multiplies by, q/k/v and gate/up fused."""
     up_rows = (2 if spec.mlp == "swiglu" else 1) * spec.intermediate_size
-    return spec.hidden_size * max(qkv_rows, spec.q_size, up_rows, spec.intermediate_size)
+    return [
+        (spec.q_size + 2 * spec.kv_size, spec.hidden_size),
+        (spec.hidden_size, spec.q_size),
+        (up_rows, spec.hidden_size),
+        (spec.hidden_size, spec.intermediate_size),
+    ]
+
+
+def largest_dequantized_linear(spec: ModelSpec) -> int:
+    """Elements of the largest INT8 layer weight that a prefill dequantizes (kernels/linear.py); 0 if
+    every one takes the swapped-operand GEMM. Weights whose K is whole MMA chunks are held in the MMA
+    order (kernels/int8.py)."""
+    return max(
+        (
+            rows * k
+            for rows, k in layer_linear_shapes(spec)
+            if dequantized_at_prefill(rows, mma_order=k % MMA_CHUNK == 0)
+        ),
+        default=0,
+    )
 
 
 def kv_cache_tokens_from_memory(

@@ -46,11 +46,11 @@ from kernels.triton_common import INTERPRET, num_sms, shared_memory_per_block
 GEMV_MAX_M = 1
 SKINNY_MAX_M = 64
 # INT8 weights in the MMA order take the skinny kernel past SKINNY_MAX_M too (the swapped-operand GEMM), x
-# in tiles of this many rows; with a dequantization workspace only from SWAPPED_MIN_N output columns: a
-# narrower one makes too few tiles (H200, 512 rows, Qwen3-0.6B's o and down, 1024 columns: 14.8 and 20.2
-# us swapped, 13.4 and 16.0 dequantized; its qkv, 4096: 11.9 against 14.8).
+# in tiles of this many rows; with a dequantization workspace only from SWAPPED_MIN_ROWS weight rows: fewer
+# make too few tiles (H200, 512 rows, Qwen3-0.6B's o and down, 1024 rows: 14.8 and 20.2 us swapped, 13.4
+# and 16.0 dequantized; its qkv, 4096: 11.9 against 14.8).
 SWAPPED_BLOCK_M = 128
-SWAPPED_MIN_N = 2048
+SWAPPED_MIN_ROWS = 2048
 WGMMA_MIN_ROWS = 64  # a skinny tile's weight rows from which Hopper's wgmma multiplies them
 
 # Tiles measured fastest per shape on a given GPU (`bench/bench_linear.py --sweep --write-tuned`), one
@@ -1034,11 +1034,22 @@ def reserve_dequant_workspace(device: torch.device, num_bytes: int, num_buffers:
         _dequant_workspaces[device] = DequantWorkspace(device, num_bytes, num_buffers)
 
 
+def dequantized_at_prefill(rows: int, mma_order: bool) -> bool:
+    """Whether an INT8 weight of this many rows is dequantized for prefill rows (from INT8_DEQUANT_MIN_M,
+    given a workspace that holds it), rather than multiplied by the swapped-operand GEMM."""
+    return not mma_order or rows < SWAPPED_MIN_ROWS
+
+
 def prefetch_order(weights: list[LinearWeight]) -> None:
-    """The weights in the order a forward multiplies by them: each INT8 one's prefill dequantizes the next
-    INT8 one ahead, on a side stream (once reserve_dequant_workspace gave their device two buffers). It
-    replaces the order given before for that device (another decoder's)."""
-    int8 = [split(weight) for weight in weights if isinstance(weight, Int8Weight)]
+    """The weights in the order a forward multiplies by them: each INT8 one that a prefill dequantizes
+    dequantizes the next such one ahead, on a side stream (once reserve_dequant_workspace gave their
+    device two buffers). It replaces the order given before for that device (another decoder's)."""
+    int8 = [
+        kernel_weight
+        for weight in weights
+        if isinstance(weight, Int8Weight)
+        and dequantized_at_prefill((kernel_weight := split(weight)).values.shape[0], kernel_weight.mma_order)
+    ]
     for device in {weight.values.device for weight in int8} & _dequant_workspaces.keys():
         _dequant_workspaces[device].successor = {
             weight.values.data_ptr(): following
@@ -1120,7 +1131,7 @@ def _launch(
         and workspace is not None
         and workspace.holds(weight, x.dtype)
     )
-    swapped = mma_order and (out.shape[1] >= SWAPPED_MIN_N or not through_workspace)
+    swapped = mma_order and (not through_workspace or not dequantized_at_prefill(weight.shape[0], mma_order))
     if m <= GEMV_MAX_M:
         _launch_gemv(x, weight, bias, out, gate_up, **int8)
     elif m <= SKINNY_MAX_M or swapped:

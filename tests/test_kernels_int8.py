@@ -246,9 +246,9 @@ def test_int8_prefill_dequantizes_then_multiplies(
 
 
 def test_int8_prefill_of_a_wide_mma_order_weight_takes_the_swapped_gemm() -> None:
-    """An MMA-order weight of SWAPPED_MIN_N output columns or more is multiplied as stored by the skinny
-    kernel in tiles of SWAPPED_BLOCK_M rows of x, though the workspace would hold it: none is dequantized."""
-    n, k, dtype = linear.SWAPPED_MIN_N, 64, torch.bfloat16
+    """An MMA-order weight of SWAPPED_MIN_ROWS rows or more is multiplied as stored by the skinny kernel
+    in tiles of SWAPPED_BLOCK_M rows of x, though the workspace would hold it: none is dequantized."""
+    n, k, dtype = linear.SWAPPED_MIN_ROWS, 64, torch.bfloat16
     m = linear.INT8_DEQUANT_MIN_M + 3
     x, weight = _inputs(m, n, k, dtype, seed=21)
     assert weight.mma_order

@@ -14,11 +14,12 @@ from engine.errors import InvalidRequestError
 from engine.kv_budget import (
     kv_bytes_per_token,
     kv_cache_tokens_from_memory,
-    largest_layer_linear,
+    largest_dequantized_linear,
     step_reserve_bytes,
 )
 from engine.model import Decoder, weight_shapes
 from kernels.int8 import Int8Weight
+from kernels.linear import dequantized_at_prefill
 
 GIB = 1 << 30
 
@@ -53,8 +54,9 @@ def test_the_reserve_grows_with_the_step_and_the_logits() -> None:
 
 @pytest.mark.parametrize("mlp", ["swiglu", "xielu"])
 def test_the_dequantization_workspace_holds_the_largest_int8_layer_weight(mlp: str) -> None:
-    """INT8 prefill dequantizes each layer weight into one workspace, sized from the spec before the
-    decoder is built: the largest INT8 weight (q/k/v and gate/up fused) the built decoder holds."""
+    """INT8 prefill dequantizes the layer weights that do not take the swapped-operand GEMM into one
+    workspace, sized from the spec before the decoder is built: the largest such INT8 weight (q/k/v and
+    gate/up fused) the built decoder holds. Qwen3-4B's are all wide enough: no workspace."""
     spec = dataclasses.replace(TINY, mlp=mlp)
     decoder = Decoder.from_weights(spec, random_weights(spec, torch.float32, "cpu"), 64, quantization="int8")
     int8_weights = [
@@ -64,7 +66,10 @@ def test_the_dequantization_workspace_holds_the_largest_int8_layer_weight(mlp: s
         if isinstance(value, Int8Weight)
     ]
     assert len(int8_weights) == 4 * spec.num_layers
-    assert largest_layer_linear(spec) == max(weight.values.numel() for weight in int8_weights)
+    assert all(weight.mma_order == (weight.shape[1] % 64 == 0) for weight in int8_weights)  # K 64 or 160
+    dequantized = [w.values.numel() for w in int8_weights if dequantized_at_prefill(w.shape[0], w.mma_order)]
+    assert largest_dequantized_linear(spec) == max(dequantized) > 0
+    assert largest_dequantized_linear(QWEN3_SIZES["Qwen3-4B"]) == 0
 
 
 def test_qwen3_sizes_have_their_model_cards_parameter_counts() -> None:
