@@ -171,7 +171,8 @@ class Engine:
         # a verify step needs the logits of every draft position, plain steps one row a sequence
         max_logit_rows = config.max_num_seqs * (1 + config.num_draft if proposer is not None else 1)
         max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)
-        dequantized = largest_dequantized_linear(model.spec)
+        grouped = any(isinstance(w, Int8Weight) and w.scale.dim() == 2 for w in model.weights.values())
+        dequantized = largest_dequantized_linear(model.spec, group_scales=grouped)
         if self.quantization == "int8" and self.device.type == "cuda" and dequantized:
             # prefill steps dequantize the narrower INT8 layer weights into one of two buffers for the
             # float GEMM (kernels/linear.py); taken before the KV cache is sized from what is left

@@ -53,15 +53,15 @@ def layer_linear_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
     ]
 
 
-def largest_dequantized_linear(spec: ModelSpec) -> int:
+def largest_dequantized_linear(spec: ModelSpec, group_scales: bool = False) -> int:
     """Elements of the largest INT8 layer weight that a prefill dequantizes (kernels/linear.py); 0 if
     every one takes the swapped-operand GEMM. Weights whose K is whole MMA chunks are held in the MMA
-    order (kernels/int8.py)."""
+    order (kernels/int8.py); group_scales: some hold a scale for each group of inputs (Q8_0)."""
     return max(
         (
             rows * k
             for rows, k in layer_linear_shapes(spec)
-            if dequantized_at_prefill(rows, mma_order=k % MMA_CHUNK == 0)
+            if group_scales or dequantized_at_prefill(rows, mma_order=k % MMA_CHUNK == 0)
         ),
         default=0,
     )

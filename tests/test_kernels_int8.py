@@ -245,17 +245,19 @@ def test_int8_prefill_dequantizes_then_multiplies(
     )
 
 
-def test_int8_prefill_of_a_wide_mma_order_weight_takes_the_swapped_gemm() -> None:
-    """An MMA-order weight of SWAPPED_MIN_ROWS rows or more is multiplied as stored by the skinny kernel
-    in tiles of SWAPPED_BLOCK_M rows of x, though the workspace would hold it: none is dequantized."""
+@pytest.mark.parametrize("group_size", [None, 32], ids=["per-row", "group32"])
+def test_int8_prefill_of_a_wide_mma_order_weight_takes_the_swapped_gemm(group_size: int | None) -> None:
+    """An MMA-order weight of SWAPPED_MIN_ROWS rows or more with a scale per row is multiplied as stored by
+    the skinny kernel in tiles of SWAPPED_BLOCK_M rows of x, though the workspace would hold it: none is
+    dequantized. With group scales it is dequantized all the same."""
     n, k, dtype = linear.SWAPPED_MIN_ROWS, 64, torch.bfloat16
     m = linear.INT8_DEQUANT_MIN_M + 3
-    x, weight = _inputs(m, n, k, dtype, seed=21)
+    x, weight = _inputs(m, n, k, dtype, seed=21, group_size=group_size)
     assert weight.mma_order
     with own_dequant_workspace(n * k * 2) as workspace:
         workspace.buffers[0].zero_()
         result = linear_triton(x, weight)
-        assert not workspace.buffers[0].any()
+        assert workspace.buffers[0].any() == (group_size is not None)
     torch.testing.assert_close(result.double(), _expected(x, weight, None, False), **tolerance(dtype))
 
 

@@ -56,7 +56,8 @@ def test_the_reserve_grows_with_the_step_and_the_logits() -> None:
 def test_the_dequantization_workspace_holds_the_largest_int8_layer_weight(mlp: str) -> None:
     """INT8 prefill dequantizes the layer weights that do not take the swapped-operand GEMM into one
     workspace, sized from the spec before the decoder is built: the largest such INT8 weight (q/k/v and
-    gate/up fused) the built decoder holds. Qwen3-4B's are all wide enough: no workspace."""
+    gate/up fused) the built decoder holds. Qwen3-4B's are all wide enough: no workspace, unless they
+    hold group scales."""
     spec = dataclasses.replace(TINY, mlp=mlp)
     decoder = Decoder.from_weights(spec, random_weights(spec, torch.float32, "cpu"), 64, quantization="int8")
     int8_weights = [
@@ -69,7 +70,9 @@ def test_the_dequantization_workspace_holds_the_largest_int8_layer_weight(mlp: s
     assert all(weight.mma_order == (weight.shape[1] % 64 == 0) for weight in int8_weights)  # K 64 or 160
     dequantized = [w.values.numel() for w in int8_weights if dequantized_at_prefill(w.shape[0], w.mma_order)]
     assert largest_dequantized_linear(spec) == max(dequantized) > 0
-    assert largest_dequantized_linear(QWEN3_SIZES["Qwen3-4B"]) == 0
+    qwen3_4b = QWEN3_SIZES["Qwen3-4B"]
+    assert largest_dequantized_linear(qwen3_4b) == 0  # and Q8_0's group scales dequantize every weight:
+    assert largest_dequantized_linear(qwen3_4b, group_scales=True) == 2 * 9728 * 2560
 
 
 def test_qwen3_sizes_have_their_model_cards_parameter_counts() -> None:
