@@ -317,7 +317,7 @@ peerq8)  # (after gemvprobe on the same warm machine) llama.cpp on the BF16 and 
     run "${LIMIT:-240}" python3 bench/bench_int8.py --out "$OUT" --models qwen3-4b --modes base,int8 \
         --gguf /tmp/q8/q4b.gguf
     ;;
-q8serve)  # the linear kernels' GPU tests; bench_int8 with the peer's Q8_0 file, beside .prev's tree (A/B)
+q8serve)  # the linear kernels' GPU tests; bench_int8 with the peer's Q8_0 file, here and in .prev's tree
     q8_0_file q4b qwen3-4b > "$OUT/q8_prep.log" 2>&1 &
     [ "${TEST_LIMIT:-150}" = 0 ] || sharded 8 "${TEST_LIMIT:-150}" tests/test_kernels_linear.py \
         tests/test_kernels_norm_linear.py tests/test_kernels_int8.py
@@ -327,7 +327,7 @@ q8serve)  # the linear kernels' GPU tests; bench_int8 with the peer's Q8_0 file,
     if [ -d .prev ]; then
         mkdir -p "$OUT/prev"
         (cd .prev && PYTHONPATH=/tmp/site:$PWD run "${LIMIT_PREV:-150}" python3 bench/bench_int8.py --out "$OUT/prev" \
-            --models qwen3-4b --modes base,int8)
+            --models qwen3-4b --modes base,int8 --gguf /tmp/q8/q4b.gguf)
     fi
     ;;
 int8prefill)  # (carrying an earlier tree in .prev) the INT8 linears' and step graphs' GPU tests; bench_int8,
