@@ -240,28 +240,6 @@ def load_stored_order(ptr, k_start, K, BLOCK_K: tl.constexpr, MMA_ORDER: tl.cons
 
 
 @triton.jit
-def stored_group_scales(
-    scale_ptr, rows, k_start, K, SCALE_GROUP: tl.constexpr, BLOCK_K: tl.constexpr, MMA_ORDER: tl.constexpr
-):
-    """group_scales for a tile of stored columns: in the MMA order a 64-column chunk holds inputs of
-    64 / SCALE_GROUP groups (16 or 32 inputs a group) in the pattern stored_inputs gives; one scale a
-    group is loaded and broadcast over its columns."""
-    if MMA_ORDER and SCALE_GROUP < 64:
-        tl.static_assert(SCALE_GROUP == 16 or SCALE_GROUP == 32)
-        CHUNKS: tl.constexpr = BLOCK_K // 64
-        PER_CHUNK: tl.constexpr = 64 // SCALE_GROUP  # groups: the s (16) or s // 2 (32) of a column
-        num_groups = K // SCALE_GROUP
-        groups = tl.minimum(k_start // SCALE_GROUP + tl.arange(0, CHUNKS * PER_CHUNK), num_groups - 1)
-        scales = tl.load(scale_ptr + rows[:, None] * num_groups + groups[None, :])
-        scales = tl.reshape(scales, (rows.shape[0], CHUNKS, 1, PER_CHUNK, 1))
-        wide = tl.broadcast_to(scales, (rows.shape[0], CHUNKS, 4, PER_CHUNK, 16 // PER_CHUNK))  # (c, t, g, .)
-        tile = tl.reshape(wide, (rows.shape[0], BLOCK_K))
-    else:  # input order, or a chunk within one group
-        tile = group_scales(scale_ptr, rows, k_start, K, SCALE_GROUP, BLOCK_K)
-    return tile
-
-
-@triton.jit
 def chunks_in_input_order(w):
     """An MMA-order int8 tile loaded chunks first, [BLOCK_K // 64, rows, 64] (so shared memory holds
     each 64-byte chunk of the rows in a row: a warp's 128-bit loads of eight rows hit every bank once),
@@ -311,12 +289,12 @@ def _gemv_kernel(
         xk = load_stored_order(x_ptr, k0, K, BLOCK_K, MMA_ORDER)[None, :]
         w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
         if SCALE_GROUP > 0:
-            w *= stored_group_scales(scale_ptr, rows, k0, K, SCALE_GROUP, BLOCK_K, MMA_ORDER)
+            w *= group_scales(scale_ptr, rows, k0, K, SCALE_GROUP, BLOCK_K)  # (never in the MMA order)
         acc += w * xk
         if GATE_UP:
             w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
             if SCALE_GROUP > 0:
-                w_up *= stored_group_scales(scale_ptr, rows + N, k0, K, SCALE_GROUP, BLOCK_K, MMA_ORDER)
+                w_up *= group_scales(scale_ptr, rows + N, k0, K, SCALE_GROUP, BLOCK_K)
             acc_up += w_up * xk
     result, result_up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)  # [BLOCK_N]
     if HAS_SCALE and SCALE_GROUP == 0:
@@ -1034,16 +1012,16 @@ def reserve_dequant_workspace(device: torch.device, num_bytes: int, num_buffers:
         _dequant_workspaces[device] = DequantWorkspace(device, num_bytes, num_buffers)
 
 
-def dequantized_at_prefill(rows: int, mma_order: bool, scale_group: int = 0) -> bool:
+def dequantized_at_prefill(rows: int, mma_order: bool) -> bool:
     """Whether an INT8 weight of this many rows is dequantized for prefill rows (from INT8_DEQUANT_MIN_M,
-    given a workspace that holds it), rather than multiplied by the swapped-operand GEMM. Group scales
-    (a GGUF's Q8_0) dequantize: the GEMM would scale every tile in fp32 in every program that reads it
-    (a Qwen3-4B-shaped Q8_0 file prefilled 512 tokens at 31.0k tok/s so, against 37.4k dequantized)."""
-    return not mma_order or scale_group > 0 or rows < SWAPPED_MIN_ROWS
+    given a workspace that holds it), rather than multiplied by the swapped-operand GEMM: weights in input
+    order (group scales among them: the GEMM would scale every tile in fp32, and a Qwen3-4B-shaped Q8_0
+    file prefilled 512 tokens at 31.0k tok/s so, against 37.4k dequantized) and narrow ones."""
+    return not mma_order or rows < SWAPPED_MIN_ROWS
 
 
 def _dequantized(weight: KernelWeight) -> bool:
-    return dequantized_at_prefill(weight.values.shape[0], weight.mma_order, weight.scale_group)
+    return dequantized_at_prefill(weight.values.shape[0], weight.mma_order)
 
 
 def prefetch_order(weights: list[LinearWeight]) -> None:

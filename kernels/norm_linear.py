@@ -45,10 +45,10 @@ from kernels.linear import (
     gate_up_silu_reference,
     gate_up_silu_triton,
     gemv_config,
+    group_scales,
     linear_reference,
     linear_triton,
     load_stored_order,
-    stored_group_scales,
     stored_inputs,
     weights_kind,
     widen,
@@ -142,19 +142,18 @@ def _weight_tile(
     K,
     GATE_UP: tl.constexpr,
     SCALE_GROUP: tl.constexpr,
-    MMA_ORDER: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """The [BLOCK_N, BLOCK_K] gate (or only) and up weight tiles in fp32 as stored, group scales applied
     (SCALE_GROUP > 0); without GATE_UP, up is gate."""
     w = widen(tl.load(gate_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
     if SCALE_GROUP > 0:
-        w *= stored_group_scales(scale_ptr, rows, k_start, K, SCALE_GROUP, BLOCK_K, MMA_ORDER)
+        w *= group_scales(scale_ptr, rows, k_start, K, SCALE_GROUP, BLOCK_K)  # (never in the MMA order)
     w_up = w
     if GATE_UP:
         w_up = widen(tl.load(up_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0), tl.float32)
         if SCALE_GROUP > 0:
-            w_up *= stored_group_scales(scale_ptr, rows + N, k_start, K, SCALE_GROUP, BLOCK_K, MMA_ORDER)
+            w_up *= group_scales(scale_ptr, rows + N, k_start, K, SCALE_GROUP, BLOCK_K)
     return w, w_up
 
 
@@ -205,9 +204,8 @@ def _add_rms_norm_gemv_kernel(
         offs_k = k0 + offs_k0
         k_mask = offs_k < K  # in the MMA order K is whole chunks: a chunk's columns and inputs alike
         w, w_up = _weight_tile(
-            gate_rows, up_rows, k0, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP, MMA_ORDER,
-            BLOCK_K,
-        )  # fmt: skip
+            gate_rows, up_rows, k0, offs_k, k_mask, scale_ptr, rows, N, K, GATE_UP, SCALE_GROUP, BLOCK_K
+        )
         summed = load_stored_order(hidden_ptr, k0, K, BLOCK_K, MMA_ORDER)
         if HAS_RESIDUAL:  # rounded to the activation dtype, as the residual stream is
             residual = load_stored_order(residual_ptr, k0, K, BLOCK_K, MMA_ORDER)

@@ -152,7 +152,8 @@ def test_int8_forced_tiles(case: tuple, gate_up: bool, group_size: int | None) -
 
 def test_mma_order_stores_each_threads_inputs_together() -> None:
     """Within 64 inputs, input 16s + 8h + 2t + p sits at 16t + 4s + 2h + p: the 16 bytes of quad thread t
-    for four k16 steps in a row. Stacking keeps the order; K not a multiple of 64 keeps input order."""
+    for four k16 steps in a row. Stacking keeps the order; K not a multiple of 64, or group scales, keep
+    input order."""
     gen = torch.Generator().manual_seed(4)
     plain = quantize_int8(torch.randn(3, 128, generator=gen), mma_order=False)
     ordered = in_mma_order(plain)
@@ -165,12 +166,13 @@ def test_mma_order_stores_each_threads_inputs_together() -> None:
     assert torch.equal(dequantize(ordered, torch.float32), dequantize(plain, torch.float32))
     assert stack_rows([ordered, ordered]).mma_order and split(ordered).mma_order
     assert not in_mma_order(quantize_int8(torch.randn(3, 96), mma_order=False)).mma_order
+    assert not quantize_int8(torch.randn(3, 128), group_size=32).mma_order
     with pytest.raises(ValueError):
         stack_rows([ordered, plain])
 
 
-# K = 192 in the MMA order: 64-input chunks, tiles of 64 or 128 (a ragged last one), group scales of 32
-# within a chunk; the skinny kernel past SKINNY_MAX_M rows takes x in two tiles of 128.
+# K = 192 in the MMA order (a scale per row): 64-input chunks, tiles of 64 or 128 (a ragged last one);
+# the skinny kernel past SKINNY_MAX_M rows takes x in two tiles of 128.
 FORCED_MMA = [
     ("gemv", 1, GemvConfig(block_n=4, block_k=128, num_warps=4)),
     ("gemv", 1, GemvConfig(block_n=4, block_k=64, num_warps=4, num_stages=3)),
@@ -180,13 +182,12 @@ FORCED_MMA = [
 ]
 
 
-@pytest.mark.parametrize("group_size", [None, 16, 32], ids=["per-row", "group16", "group32"])
 @pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
 @pytest.mark.parametrize("case", FORCED_MMA, ids=[f"{c[0]}-m{c[1]}-k{c[2].block_k}" for c in FORCED_MMA])
-def test_int8_mma_order_forced_tiles(case: tuple, gate_up: bool, group_size: int | None) -> None:
+def test_int8_mma_order_forced_tiles(case: tuple, gate_up: bool) -> None:
     kind, m, config = case
     n, k, dtype = 37, 192, torch.bfloat16
-    x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=m + gate_up, group_size=group_size)
+    x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=m + gate_up)
     assert weight.mma_order
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     launch = {"gemv": linear._launch_gemv, "skinny": linear._launch_skinny, "gemm": linear._launch_gemm}[kind]
@@ -233,7 +234,7 @@ def test_int8_prefill_dequantizes_then_multiplies(
     result = gate_up_silu_triton(x, weight) if gate_up else linear_triton(x, weight)
     torch.testing.assert_close(result.double(), _expected(x, weight, None, gate_up), **tolerance(dtype))
     dense = dequant_workspace[: weight.values.numel() * 2].view(dtype).view(weight.shape)
-    assert weight.mma_order == (k % 64 == 0)
+    assert weight.mma_order == (k % 64 == 0 and group_size is None)
     expected_dense = dequantize(weight, dtype) if group_size else values_in_input_order(weight).to(dtype)
     # exact on the GPU; the interpreter truncates fp32 to bf16 where the GPU rounds (one bf16 step)
     rounding = {"rtol": 0, "atol": 0} if DEVICE == "cuda" else {"rtol": 2**-7, "atol": 0}
@@ -247,13 +248,13 @@ def test_int8_prefill_dequantizes_then_multiplies(
 
 @pytest.mark.parametrize("group_size", [None, 32], ids=["per-row", "group32"])
 def test_int8_prefill_of_a_wide_mma_order_weight_takes_the_swapped_gemm(group_size: int | None) -> None:
-    """An MMA-order weight of SWAPPED_MIN_ROWS rows or more with a scale per row is multiplied as stored by
+    """An MMA-order weight (a scale per row) of SWAPPED_MIN_ROWS rows or more is multiplied as stored by
     the skinny kernel in tiles of SWAPPED_BLOCK_M rows of x, though the workspace would hold it: none is
-    dequantized. With group scales it is dequantized all the same."""
+    dequantized. With group scales (input order) it is dequantized."""
     n, k, dtype = linear.SWAPPED_MIN_ROWS, 64, torch.bfloat16
     m = linear.INT8_DEQUANT_MIN_M + 3
     x, weight = _inputs(m, n, k, dtype, seed=21, group_size=group_size)
-    assert weight.mma_order
+    assert weight.mma_order == (group_size is None)
     with own_dequant_workspace(n * k * 2) as workspace:
         workspace.buffers[0].zero_()
         result = linear_triton(x, weight)
