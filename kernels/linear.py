@@ -17,8 +17,10 @@ Three Triton kernels serve every call, picked by the number of rows of x:
   tile to finish (an atomic counter) adds them up in split order: deterministic, one launch.
 - prefill (M > SKINNY_MAX_M): a tiled GEMM on the tensor cores (tl.dot, bf16 in, fp32 accumulation),
   tiles chosen per shape by a small cost model (tile efficiency x waves over the SMs), grouped tile
-  order for L2 reuse. An INT8 weight at M >= INT8_DEQUANT_MIN_M is first dequantized into a workspace
-  (DequantWorkspace; the next weight ahead on a side stream), and the GEMM runs on that.
+  order for L2 reuse. INT8 weights in the MMA order (kernels/int8.py) take the skinny kernel instead, x
+  in tiles of SWAPPED_BLOCK_M rows; narrower ones and those in input order (Q8_0's), at M >=
+  INT8_DEQUANT_MIN_M, are first dequantized into a workspace (DequantWorkspace; the next such weight
+  ahead on a side stream), and the GEMM runs on that (dequantized_at_prefill).
 Tiles measured fastest per shape on a GPU (kernels/tuned/<device>.json) override the heuristics.
 
 The gate/up kernels compute the matching gate and up columns in the same program and write
@@ -926,12 +928,12 @@ def _launch_gemm(
     )
 
 
-# Prefill with INT8 weights: the whole weight dequantized once into a workspace in x's dtype, then the
-# float GEMM on it. The INT8 GEMM above converts each weight tile in every program that reads it (every
-# BLOCK_M rows of x), on the path between its loads and its tensor-core products; dequantizing costs
-# three bytes a weight of memory traffic instead, about 70 us a Qwen3-4B layer on the H200. With two
-# buffers and the decoder's order of weights, a side stream dequantizes the next weight while the GEMM
-# multiplies by this one, so the two overlap.
+# Prefill with INT8 weights that dequantized_at_prefill picks: the whole weight dequantized once into a
+# workspace in x's dtype, then the float GEMM on it. The INT8 GEMM above converts each weight tile in
+# every program that reads it (every BLOCK_M rows of x) through shared memory; dequantizing costs three
+# bytes a weight of memory traffic instead, about 70 us a Qwen3-4B layer on the H200. With two buffers
+# and the decoder's order of weights, a side stream dequantizes the next weight while the GEMM multiplies
+# by this one, so the two overlap.
 INT8_DEQUANT_MIN_M = 256  # rows of x from which an INT8 weight is dequantized (H200: BENCHMARKS.md)
 
 
