@@ -9,13 +9,14 @@ weight tile before its products. Activations keep their dtype
 (bf16 on a GPU). Fused weights (q/k/v, gate/up) are rows stacked like any other, so gate/up's scales
 hold the gate rows' scales, then the up rows'.
 
-The MMA order (prepared at load, `in_mma_order`): within each 64 inputs of a row, the values are stored
-in the order a tensor-core thread consumes them. The bf16 A operand of an m64n*k16 wgmma gives thread
-t = lane % 4 of a quad the inputs 2t, 2t+1, 2t+8 and 2t+9 of every 16, so a row-major tile hands each
-thread two bytes at a time (LDS.U16). Stored as (t, k16 step, half, pair), a thread's inputs for four
-k16 steps are 16 consecutive bytes: one 128-bit load from shared memory. Only the order within a row
-changes (rows, scales and groups stay), so stacking rows keeps it, and the kernels undo it in registers
-(`mma_order_to_k`), a no-op for the compiler where the tile's layout already matches.
+The MMA order (prepared at load, `in_mma_order`, for weights with a scale per row): within each 64
+inputs of a row, the values are stored in the order a tensor-core thread consumes them. The bf16 A
+operand of an m64n*k16 wgmma gives thread t = lane % 4 of a quad the inputs 2t, 2t+1, 2t+8 and 2t+9 of
+every 16, so a row-major tile hands each thread two bytes at a time (LDS.U16). Stored as (t, k16 step,
+half, pair), a thread's inputs for four k16 steps are 16 consecutive bytes: one 128-bit load from shared
+memory. Only the order within a row changes (rows and scales stay), so stacking rows keeps it. The
+tensor-core kernels put a tile back in input order in registers, which the compiler folds into the
+load's layout; the GEMVs multiply it as stored by their input vector gathered in the same order.
 """
 
 from __future__ import annotations

@@ -202,9 +202,8 @@ def widen(w, dtype: tl.constexpr):
 def input_order(w, MMA_ORDER: tl.constexpr):
     """A weight tile [rows, BLOCK_K] loaded as stored, with its columns in input order: int8 values in
     the MMA order (kernels/int8.py; BLOCK_K a multiple of 64) are put back in registers, others are
-    returned as they are. Where the tile feeds a tensor-core product as its register operand, the
-    compiler gives the load the MMA operand's layout through this permutation, so each thread loads 16
-    consecutive bytes and nothing moves between threads."""
+    returned as they are (the GEMM's and the dequantization's tiles; the skinny kernel's:
+    chunks_in_input_order)."""
     if MMA_ORDER:
         ROWS: tl.constexpr = w.shape[0]
         BLOCK_K: tl.constexpr = w.shape[1]
@@ -227,8 +226,8 @@ def stored_inputs(columns, MMA_ORDER: tl.constexpr):
 @triton.jit
 def load_stored_order(ptr, k_start, K, BLOCK_K: tl.constexpr, MMA_ORDER: tl.constexpr):
     """fp32 [BLOCK_K]: a row vector's inputs k_start + [0, BLOCK_K) (0 past K) in the order a weight tile
-    stores its columns. The GEMVs multiply the tile as stored by x (and by the group scales) in that
-    order rather than move the weight between threads; in the MMA order the inputs come in pairs, loaded
+    stores its columns. The GEMVs multiply the tile as stored by x in that order rather than move the
+    weight between threads; in the MMA order the inputs come in pairs, loaded
     as such (4 bytes of bf16), so the K loop's pipeline copies them ahead like the weight tile."""
     if MMA_ORDER:
         pairs = k_start + stored_inputs(tl.arange(0, BLOCK_K // 2) * 2, MMA_ORDER)
@@ -245,7 +244,9 @@ def load_stored_order(ptr, k_start, K, BLOCK_K: tl.constexpr, MMA_ORDER: tl.cons
 def chunks_in_input_order(w):
     """An MMA-order int8 tile loaded chunks first, [BLOCK_K // 64, rows, 64] (so shared memory holds
     each 64-byte chunk of the rows in a row: a warp's 128-bit loads of eight rows hit every bank once),
-    as [rows, BLOCK_K] in input order."""
+    as [rows, BLOCK_K] in input order. As wgmma's register operand, the compiler gives the load from
+    shared memory the operand's layout through this permutation: each thread loads 16 consecutive bytes
+    and nothing moves between threads."""
     CHUNKS: tl.constexpr = w.shape[0]
     ROWS: tl.constexpr = w.shape[1]
     w = tl.reshape(w, (CHUNKS, ROWS, 4, 4, 2, 2))  # (c, row, t, s, h, p)
