@@ -11,7 +11,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.spec import ModelSpec
-from kernels.int8 import MMA_CHUNK
+from kernels.int8 import fits_mma_order
 from kernels.kv_cache import kv_bytes_per_slot
 from kernels.linear import dequantized_at_prefill
 
@@ -55,13 +55,13 @@ def layer_linear_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
 
 def largest_dequantized_linear(spec: ModelSpec, group_scales: bool = False) -> int:
     """Elements of the largest INT8 layer weight that a prefill dequantizes (kernels/linear.py); 0 if
-    every one takes the swapped-operand GEMM. Weights whose K is whole MMA chunks are held in the MMA
-    order (kernels/int8.py); group_scales: some hold a scale for each group of inputs (Q8_0)."""
+    every one takes the swapped-operand GEMM. group_scales: the weights hold a scale for each group of
+    inputs (Q8_0), which keeps them out of the MMA order (kernels/int8.py)."""
     return max(
         (
             rows * k
             for rows, k in layer_linear_shapes(spec)
-            if group_scales or dequantized_at_prefill(rows, mma_order=k % MMA_CHUNK == 0)
+            if dequantized_at_prefill(rows, mma_order=fits_mma_order(k, group_scales))
         ),
         default=0,
     )

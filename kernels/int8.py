@@ -54,7 +54,7 @@ class Int8Weight:
         group = self.group_size
         # a power of two: the kernels' K tiles (powers of two) then hold whole groups, or lie in one
         assert scale.dim() == 1 or group & (group - 1) == 0, f"scale groups of {group} inputs"
-        assert not self.mma_order or (k % MMA_CHUNK == 0 and scale.dim() == 1), (k, scale.shape)
+        assert not self.mma_order or fits_mma_order(k, group_scales=scale.dim() == 2), (k, scale.shape)
 
     @property
     def group_size(self) -> int:
@@ -92,14 +92,18 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None, mma_order
     return in_mma_order(quantized) if mma_order else quantized
 
 
+def fits_mma_order(k: int, group_scales: bool) -> bool:
+    """Whether a weight of k inputs is held in the MMA order: k whole chunks, and a scale per row (group
+    scales, a GGUF's Q8_0, keep the input order: in the MMA order a group's scale lands on scattered
+    columns, and a Qwen3-4B-shaped Q8_0 file decoded at 348.9 tok/s so, against 386.1)."""
+    return k % MMA_CHUNK == 0 and not group_scales
+
+
 def in_mma_order(weight: Int8Weight) -> Int8Weight:
-    """weight with each row's values in the MMA order (module docstring); unchanged where K is not a
-    multiple of MMA_CHUNK, it holds group scales, or it is in that order already. One copy of the values,
-    on their device."""
+    """weight with each row's values in the MMA order (module docstring); unchanged where it does not fit
+    it (fits_mma_order) or is in that order already. One copy of the values, on their device."""
     n, k = weight.shape
-    # group scales (a GGUF's Q8_0) keep the input order: in the MMA order a group's scale lands on
-    # scattered columns, and a Qwen3-4B-shaped Q8_0 file decoded at 348.9 tok/s so, against 386.1
-    if weight.mma_order or k % MMA_CHUNK or weight.scale.dim() == 2:
+    if weight.mma_order or not fits_mma_order(k, group_scales=weight.scale.dim() == 2):
         return weight
     # input k = 64c + 16s + 8h + 2t + p is stored at 64c + 16t + 4s + 2h + p
     chunks = weight.values.reshape(n, k // MMA_CHUNK, 4, 2, 4, 2)  # (c, s, h, t, p)
