@@ -43,6 +43,9 @@
 #   bash bench/device_run.sh int8ab   # (carrying an earlier tree in .prev) INT8 linears, that tree against this
 #   bash bench/device_run.sh batch1ab # (carrying the old code in .old) batch-1 decode, old against new
 #   bash bench/device_run.sh serveload  # (carry .whl, .assets) serve-load: HTTP vs engine-direct, start times
+#   bash bench/device_run.sh scaleout  # (carry .whl, .assets) serve-load with serve_config's defaults, one
+#       # engine replica then two at half the GPU each, 3 runs a level
+#   bash bench/device_run.sh prefix   # (carry .whl, .assets) shared-prefix workload, two replicas, both routers
 #   bash bench/device_run.sh gemvprobe  # (carry .peers/llamacpp) INT8 GEMV counters (ncu) and tiles; builds
 #       # llama.cpp and writes the peer's BF16 and Q8_0 models in the background, for peerq8 right after
 #   bash bench/device_run.sh peerq8   # (after gemvprobe, warm) llama.cpp BF16 / Q8_0, TileInfer on the Q8_0 file
@@ -215,6 +218,35 @@ batch)  # bench_batch for one model: MODEL=qwen3-0.6b|qwen3-4b, PEER=the peer's 
         --budget-s "$(( ${LIMIT:-400} - 40 ))" > "$OUT/batch_${MODEL:-qwen3-0.6b}.log" 2>&1
     cp "$OUT/bench_batch.json" "$OUT/bench_batch_${MODEL:-qwen3-0.6b}.json" 2>/dev/null
     grep -v -i warn "$OUT/batch_${MODEL:-qwen3-0.6b}.log" | tail -16
+    ;;
+scaleout)  # (carry .whl, .assets) serve-load with serve_config.yaml's defaults (one ingress replica): one
+    # engine replica, 3 runs a level, beside engine-direct, ready cold and on a restart; then two engine
+    # replicas at half the GPU each (SKIP_TWO=1: not)
+    python3 -c "import ray" 2>/dev/null || { echo "no Ray: carry its wheels in .whl"; exit 1; }
+    mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
+    load() {  # load NAME LIMIT ARGS...
+        local name=$1 limit=$2; shift 2
+        mkdir -p "$OUT/$name"
+        RAY_USAGE_STATS_ENABLED=0 timeout "$limit" python3 bench/serve_load.py --serve-config serve_config.yaml \
+            --model "${MODEL:-qwen3-0.6b}" --dtype bfloat16 --client-processes 4 --out "$OUT/$name" "$@" \
+            > "$OUT/$name/serve_load.log" 2>&1
+        echo "== $name"; grep -v -i warn "$OUT/$name/serve_load.log" | grep -E "ready|^\| |refus|Error" | tail -24
+    }
+    [ -e .assets/triton_cache.txz ] && tar -xJf .assets/triton_cache.txz -C /tmp/tc && echo "Triton cache carried in"
+    [ -n "${SKIP_ONE:-}" ] || load one "${ONE_LIMIT:-380}" --runs "${RUNS:-3}" ${RESTART---restart} \
+        --concurrency "${LEVELS:-1,8,64,256}"
+    tar -cJf "$OUT/triton_cache.txz" -C /tmp/tc triton 2>/dev/null  # for a later call's .assets
+    [ -n "${SKIP_TWO:-}" ] || load two "${TWO_LIMIT:-200}" --runs "${RUNS:-3}" --engine-replicas 2 --no-engine-direct \
+        --concurrency "${LEVELS:-1,8,64,256}"
+    ;;
+prefix)  # (carry .whl, .assets) the shared-prefix workload on two engine replicas at half the GPU each,
+    # prefix-aware routing against power of two choices
+    python3 -c "import ray" 2>/dev/null || { echo "no Ray: carry its wheels in .whl"; exit 1; }
+    mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
+    RAY_USAGE_STATS_ENABLED=0 timeout "${LIMIT:-400}" python3 bench/serve_load.py --serve-config serve_config.yaml \
+        --model "${MODEL:-qwen3-0.6b}" --dtype bfloat16 --engine-replicas 2 --workload shared-prefix \
+        --compare-routers --out "$OUT" > "$OUT/prefix.log" 2>&1
+    grep -v -i warn "$OUT/prefix.log" | grep -E "ready|^\| |refus|Error|hit" | tail -40
     ;;
 serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under serve run: HTTP load against
     # engine-direct, the first requests after ready, the time to ready cold and on a restart

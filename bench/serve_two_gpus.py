@@ -52,11 +52,12 @@ def _chat(app: str, prompt: str, max_tokens: int) -> str:
 
 def _spec_metrics(app: str) -> dict[str, float]:
     text = httpx.get(f"http://127.0.0.1:{PORT}/{app}/metrics", timeout=30).text
-    values = {}
+    values: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("tileinfer_spec_"):
-            name, value = line.split()
-            values[name.removeprefix("tileinfer_")] = float(value)
+            name, value = line.rsplit(" ", 1)
+            name = name.split("{", 1)[0].removeprefix("tileinfer_")  # summed over engines (one an app)
+            values[name] = values.get(name, 0.0) + float(value)
     return values
 
 

@@ -11,11 +11,15 @@ from typing import Any
 
 import ray
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
+from deployments.autoscaling import sequences_policy
 from deployments.config import AppArgs, parse_app_args
 from deployments.engine import EngineDeployment
+from deployments.engine_router import EngineRouter
 from deployments.ingress import OpenAIIngress
 from deployments.proposer import SEE_ALL_GPUS, ProposerDeployment
+from deployments.routing import ROUTING_STATS_PERIOD_S
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +72,31 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def engine_autoscaling_config(app_args: AppArgs) -> dict[str, Any] | None:
+    """Serve's autoscaling_config for the engine deployment, as the args give it, scaled on the
+    sequences the engines hold (deployments/autoscaling.py): target_ongoing_requests is sequences per
+    replica, by default half of max_num_seqs."""
+    if app_args.engine_autoscaling_config is None:
+        return None
+    config = {"target_ongoing_requests": max(1, (app_args.max_num_seqs or 2) // 2)}
+    config.update(app_args.engine_autoscaling_config)
+    policy = f"{sequences_policy.__module__}:{sequences_policy.__name__}"
+    config.setdefault("policy", {"policy_function": policy})
+    return config
+
+
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     app_args = args if isinstance(args, AppArgs) else parse_app_args(args)
     if app_args.api_key is not None:
         logger.warning(
             "args.api_key: Serve logs the application's args as given, key included; give the key in a "
             "file (api_key_file) or in TILEINFER_API_KEY where the ingress runs instead"
+        )
+    several_engines = app_args.num_engine_replicas > 1 or app_args.engine_autoscaling_config is not None
+    if several_engines and app_args.proposer_actor:
+        raise ValueError(
+            "a proposer actor serves one engine replica: with several engine replicas (num_engine_replicas, "
+            "engine_autoscaling_config) set proposer_in_process: true, so that each replica drafts for itself"
         )
     device = resolve_device(app_args.device)
     app_args = app_args.for_device(device)
@@ -88,8 +111,16 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             ray_actor_options=proposer_actor_options(app_args, proposer_gpus)
         ).bind(app_args, device, dtype, draft_ahead)
     engine = EngineDeployment.options(
+        num_replicas="auto" if app_args.engine_autoscaling_config else app_args.num_engine_replicas,
+        autoscaling_config=engine_autoscaling_config(app_args),
+        max_replicas_per_node=app_args.engine_max_replicas_per_node,
         ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": engine_gpus},
         max_ongoing_requests=capacity + _CONTROL_CALLS,
+        request_router_config=RequestRouterConfig(
+            # by name: Serve imports it where the ingress runs (a class object would be pickled by value)
+            request_router_class=f"{EngineRouter.__module__}.{EngineRouter.__name__}",
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        ),
     ).bind(app_args, device, dtype, proposer, draft_ahead)
     return OpenAIIngress.options(
         num_replicas=app_args.num_ingress_replicas,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
@@ -63,6 +63,20 @@ class AppArgs(BaseModel):
     engine_num_cpus: float = Field(1.0, ge=0)
     ingress_num_cpus: float = Field(0.0, ge=0)
     num_ingress_replicas: int = Field(1, ge=1)
+    # Engine replicas (README, Scaling out): Serve places them over the cluster's GPUs and nodes, each with
+    # engine_num_gpus of a GPU, and the ingress routes each request to one (deployments/routing.py).
+    num_engine_replicas: int = Field(1, ge=1, description="engine replicas; each holds the whole model")
+    engine_autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Serve's autoscaling_config for the engine deployment (min_replicas, max_replicas, "
+        "...): then num_engine_replicas is not used",
+    )  # fmt: skip
+    engine_max_replicas_per_node: int | None = Field(
+        None, ge=1, description="engine replicas on one node, at most (Serve's max_replicas_per_node)"
+    )
+    engine_router: Literal["prefix", "power_of_two"] = Field(
+        "prefix", description="prefix: the replica most likely to hold the prompt's prefix, with a load "
+        "guard; power_of_two: Serve's default, which knows nothing of caches",
+    )  # fmt: skip
     # Serve's HTTP proxy (one process a node) forwards every SSE event on its own: at one event per step
     # per stream it was what capped the service at 64 clients and more (BENCHMARKS.md, Serve-load).
     max_stream_events_per_s: float = Field(
@@ -87,8 +101,10 @@ class AppArgs(BaseModel):
         None, ge=0, le=1, description="default: 1 when the cluster has 2+ GPUs (a GPU of its own), else 0.5"
     )
     engine_num_gpus: float | None = Field(
-        None, ge=0, le=1, description="default: 1; 0.5 when it shares its GPU with the proposer"
-    )
+        None, ge=0, le=1, description="a GPU or a share of one for each engine replica (its KV cache is "
+        "sized within that share of the GPU's memory); default: 1, or 0.5 when it shares its GPU with the "
+        "proposer",
+    )  # fmt: skip
     draft_ahead: bool | None = Field(
         None,
         description="the proposer drafts the next block while the engine verifies; default: on when "
@@ -99,6 +115,12 @@ class AppArgs(BaseModel):
     def _one_key_source(self) -> AppArgs:
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give api_key or api_key_file, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self) -> AppArgs:
+        if self.engine_autoscaling_config is not None and self.num_engine_replicas != 1:
+            raise ValueError("give num_engine_replicas or engine_autoscaling_config, not both")
         return self
 
     def resolve_api_key(self) -> str | None:
@@ -144,10 +166,11 @@ class AppArgs(BaseModel):
         unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
         return self.model_copy(update=unset) if unset else self
 
-    def engine_config(self, device: str, dtype: str) -> EngineConfig:
+    def engine_config(self, device: str, dtype: str, gpu_memory_share: float = 1.0) -> EngineConfig:
         """The engine's settings, proposer included (the engine or the proposer deployment builds it)."""
         args = self.for_device(device)
         return EngineConfig(
+            gpu_memory_share=gpu_memory_share,
             block_size=self.block_size,
             kv_cache_tokens=args.kv_cache_tokens,
             max_model_len=self.max_model_len,

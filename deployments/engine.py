@@ -1,13 +1,17 @@
-"""The engine deployment: one actor that owns the Engine, and its client in each ingress replica.
+"""The engine deployment: replicas that each own an Engine, and their client in each ingress replica.
 
 Outputs cross once per step per ingress replica, not once per token per request. Each ingress replica
-(EngineClient) opens ONE long-lived Serve streaming call, `outputs(subscriber_id)`, and submits and
-aborts requests with plain calls. After each step the engine thread puts one list of Delta tuples per
-subscriber on that subscriber's queue (deployments/engine_loop.py); the stream yields whatever lists
-are ready, joined into one item. So the Ray items per second through this actor follow the step rate
-times the number of ingress replicas, where a stream per request made them the step rate times the
-number of requests (ray#52746: Serve's per-item cost compounds past ~32 streams), competing for the
-GIL with the engine thread.
+(deployments/engine_client.py) opens ONE long-lived Serve streaming call to each engine replica,
+`outputs(subscriber_id)`, and submits and aborts requests with plain calls. After each step the engine
+thread puts one list of Delta tuples per subscriber on that subscriber's queue
+(deployments/engine_loop.py); the stream yields whatever lists are ready, joined into one item. So the
+Ray items per second through this actor follow the step rate times the number of ingress replicas, where
+a stream per request made them the step rate times the number of requests (ray#52746: Serve's per-item
+cost compounds past ~32 streams), competing for the GIL with the engine thread.
+
+Every call an ingress makes for a request names the engine replica it is meant for (routing.ROUTE_KWARG):
+Serve's router (routing.EngineRouter) sends it there, and a call that reached another replica (its own
+is gone) is refused with WrongReplicaError, so a request never lands where no stream reads it.
 
 The engine here runs without text work (EngineConfig.detokenize False): it ends requests on stop
 tokens and max_tokens, and the ingress replicas, which scale with num_ingress_replicas, detokenize
@@ -16,36 +20,38 @@ and find stop strings (engine.detokenizer.TextStream), aborting a request once i
 Failures: a subscriber's stream that ends aborts all its requests here. Serve cancels it when the
 ingress replica stops reading or shuts down; Ray does not when the caller's process dies (measured:
 a killed ingress replica's requests ran to their end), so a stream whose heartbeats (every
-HEARTBEAT_S) stop for SUBSCRIBER_LEASE_S ends too. An engine replica that dies or restarts ends the
-ingress's stream, which fails that replica's requests in flight (an OpenAI error, in band once
-streaming) and subscribes again.
+HEARTBEAT_S) stop for SUBSCRIBER_LEASE_S ends too. An engine replica that dies ends the ingress's stream
+to it: the ingress moves the requests that had no token yet to another replica and fails the others (an
+OpenAI error, in band once streaming), while Serve starts a new replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import contextvars
 import dataclasses
 import logging
 import os
+import struct
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import ray
 import torch
+from prometheus_client import Metric
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
+from deployments.autoscaling import SEQUENCES_METRIC
 from deployments.config import AppArgs
 from deployments.engine_loop import ENGINE_SWITCH_INTERVAL_S, Delta, EngineLoop, UnknownSubscriberError
-from deployments.metrics import render_speculation
-from deployments.protocol import OpenAIError
+from deployments.routing import cached_block_keys
 from deployments.serve_logs import route_to_serve
 from engine.engine import Engine, EngineConfig
+from engine.errors import TileInferError
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from proposers.channel import ChannelCapacity
@@ -62,6 +68,11 @@ SUBSCRIBER_LEASE_S = 20.0  # a stream without a heartbeat for this long ends, ab
 T = TypeVar("T")
 
 
+class WrongReplicaError(TileInferError):
+    """A call meant for another engine replica reached this one (Serve routes a call whose replica is gone
+    to any other, which refuses it: the caller then knows that replica is gone)."""
+
+
 def _on_loop(loop: asyncio.AbstractEventLoop, call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
     """Make a handle call from a thread other than the replica's: on the replica's event loop, where
     Serve wants its handles used (its throughput-optimized mode runs their router there), waiting here."""
@@ -75,6 +86,16 @@ def _on_loop(loop: asyncio.AbstractEventLoop, call: Callable[[], Awaitable[T]], 
     except concurrent.futures.TimeoutError:
         future.cancel()
         raise
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineReplica:
+    """Which engine replica this is: Serve's replica id, its rank (the `engine` label of its metrics)
+    and its Ray node."""
+
+    replica_id: str
+    rank: int
+    node_id: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +126,14 @@ class EngineDeployment:
         The model loads, and the engine builds and warms up, on a worker thread: the replica's event
         loop stays free for the proposer's attach call (made on that loop) and for Serve's own calls."""
         route_to_serve()
+        self.replica = _this_replica()
+        self.routing_decisions: dict[str, dict[str, int]] = {}  # subscriber -> its ingress's counts
         if device == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)  # Ray sets one thread per reserved CPU
-        config = dataclasses.replace(args.engine_config(device, dtype), detokenize=False)  # the ingress does
+        # a share of a GPU (replicas side by side on one): its KV cache takes no more than that share
+        gpu_share = ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0)
+        config = args.engine_config(device, dtype, gpu_memory_share=gpu_share if 0 < gpu_share < 1 else 1.0)
+        config = dataclasses.replace(config, detokenize=False)  # the ingress does
         if draft_ahead:
             config = dataclasses.replace(config, draft_cost=VERIFY_COST_PER_DRAFT)
         self.proposer: RemoteProposer | None = None
@@ -132,7 +158,9 @@ class EngineDeployment:
         self.engine = await asyncio.to_thread(self._build_engine, args.model, config)
         if device != "cpu":  # the engine thread is host-bound there: it must not wait for the GIL
             sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
-        self.loop = EngineLoop(self.engine, args.max_queue_len)
+        self.loop = EngineLoop(
+            self.engine, args.max_queue_len, model_name=args.model_name, engine_label=str(self.replica.rank)
+        )
         self.info_value = EngineInfo(
             model_name=args.model_name,
             max_model_len=self.engine.max_model_len,
@@ -165,26 +193,51 @@ class EngineDeployment:
     def info(self) -> EngineInfo:
         return self.info_value
 
-    def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber_id: str
-    ) -> None:
-        """Queue a request whose outputs go to the subscriber's outputs stream. Raises InvalidRequestError,
-        CapacityError, or UnknownSubscriberError when that stream is not open here (this replica
-        restarted)."""
-        self.loop.submit(request_id, prompt_token_ids, params, subscriber_id)
+    def _check_replica(self, replica_id: str | None) -> None:
+        if replica_id is not None and replica_id != self.replica.replica_id:
+            raise WrongReplicaError(
+                f"engine replica {replica_id} is gone (the call reached {self.replica.replica_id})"
+            )
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
+    def submit(
+        self,
+        requests: list[tuple[str, list[int], SamplingParams]],
+        subscriber_id: str,
+        replica_id: str | None = None,
+    ) -> list[TileInferError | None]:
+        """Queue requests (request_id, prompt_token_ids, params) whose outputs go to the subscriber's
+        outputs stream; for each, None or why it was refused (InvalidRequestError, CapacityError). Raises
+        UnknownSubscriberError when that stream is not open here (this replica restarted), and
+        WrongReplicaError when the call was meant for another replica; then none is queued."""
+        self._check_replica(replica_id)
+        refused: list[TileInferError | None] = []
+        for request_id, prompt_token_ids, params in requests:
+            try:
+                self.loop.submit(request_id, prompt_token_ids, params, subscriber_id)
+            except (UnknownSubscriberError, WrongReplicaError):
+                raise
+            except TileInferError as error:
+                refused.append(error)
+            else:
+                refused.append(None)
+        return refused
+
+    def abort(self, request_id: str, reason: str = "abort", replica_id: str | None = None) -> None:
         """Stop a request: its client went away, or ("stop") its ingress found a stop string."""
+        self._check_replica(replica_id)
         self.loop.abort(request_id, reason)
 
-    async def outputs(self, subscriber_id: str) -> AsyncIterator[list[Delta]]:
-        """The subscriber's outputs, one list of Delta per item: an empty list first (the subscription
-        is open; submit may follow), then every step's lists that are ready, joined. Ends when the caller
-        cancels it or its heartbeats stop, which aborts the subscriber's requests."""
+    async def outputs(
+        self, subscriber_id: str, replica_id: str | None = None
+    ) -> AsyncIterator[str | list[Delta]]:
+        """The subscriber's outputs: this replica's id first (the subscription is open; submit may
+        follow), then one list of Delta per item, every step's lists that are ready, joined. Ends when
+        the caller cancels it or its heartbeats stop, which aborts the subscriber's requests."""
+        self._check_replica(replica_id)
         queue = self.loop.subscribe(subscriber_id)
         watchdog = asyncio.get_running_loop().create_task(self._watch(subscriber_id, queue))
         try:
-            yield []
+            yield self.replica.replica_id
             while True:
                 ready = await queue.get()
                 while ready is not None and not queue.empty():
@@ -203,8 +256,15 @@ class EngineDeployment:
             watchdog.cancel()
             self.loop.unsubscribe(subscriber_id, queue)
 
-    def heartbeat(self, subscriber_id: str) -> None:
+    def heartbeat(
+        self, subscriber_id: str, replica_id: str | None = None, decisions: dict[str, int] | None = None
+    ) -> None:
+        """The subscriber still reads its stream; decisions: its ingress's routing counts so far, which
+        this replica's metrics pass on, so that any ingress can show every ingress's."""
+        self._check_replica(replica_id)
         self.loop.heartbeat(subscriber_id)
+        if decisions is not None:
+            self.routing_decisions[subscriber_id] = decisions
 
     async def _watch(self, subscriber_id: str, queue: asyncio.Queue) -> None:
         """Ends the subscriber's stream (a None on its queue) once its heartbeats stop."""
@@ -212,12 +272,43 @@ class EngineDeployment:
             await asyncio.sleep(HEARTBEAT_S)
         queue.put_nowait(None)
 
-    def metrics(self) -> str:
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve hands the ingress's routers (deployments/routing.py): the keys of the blocks this
+        replica's prefix cache holds, as 8-byte little-endian keys, newest last."""
+        # one C call, so the engine thread cannot change the dict under it
+        registered = list(self.engine.block_manager.hash_to_block)
+        keys = cached_block_keys(registered)
+        return {"cached_blocks": struct.pack(f"<{len(keys)}Q", *keys)}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The load Serve's autoscaler sees (deployments/autoscaling.py): sequences running and waiting."""
+        scheduler = self.engine.scheduler
+        return {SEQUENCES_METRIC: float(len(scheduler.running) + len(scheduler.waiting))}
+
+    def status(self, replica_id: str | None = None) -> dict[str, Any]:
+        """This replica's state for /health; raises when its engine thread has stopped."""
+        self._check_replica(replica_id)
+        self.check_health()
+        scheduler = self.engine.scheduler
+        return {
+            "replica": self.replica.replica_id,
+            "engine": str(self.replica.rank),
+            "node": self.replica.node_id,
+            "state": "ready",
+            "num_requests_running": len(scheduler.running),
+            "num_requests_waiting": len(scheduler.waiting),
+        }
+
+    def metrics(self, replica_id: str | None = None) -> tuple[list[Metric], dict[str, dict[str, int]]]:
+        """This replica's metric families, labelled engine="<rank>" (deployments/metrics.py), and the
+        routing counts of the ingress replicas that read its outputs (by subscriber)."""
+        self._check_replica(replica_id)
         speculator = self.engine.speculator
         stats, step_cost = (speculator.stats, speculator.step_cost) if speculator else (None, 1.0)
         rows_in_gpu_memory = self.proposer is not None and self.proposer.rows_in_gpu_memory
-        speculation = render_speculation(stats, step_cost, rows_in_gpu_memory)
-        return self.loop.render_metrics(self.info_value.model_name) + speculation
+        subscribers = self.loop.subscriber_ids()
+        decisions = {key: value for key, value in self.routing_decisions.items() if key in subscribers}
+        return self.loop.metric_families(stats, step_cost, rows_in_gpu_memory), decisions
 
     def check_health(self) -> None:
         if not self.loop.is_alive():
@@ -232,111 +323,14 @@ class EngineDeployment:
             proposer.close()
 
 
-class EngineClient:
-    """An ingress replica's side of the engine: one outputs stream for all of this replica's requests,
-    demultiplexed to the queue each request was submitted with, as (tag, Delta) pairs."""
 
-    def __init__(self, engine: DeploymentHandle) -> None:
-        self.engine = engine
-        self.subscriber_id = uuid.uuid4().hex
-        self._routes: dict[str, tuple[asyncio.Queue, Any]] = {}  # request_id -> (queue, tag), while it runs
-        self._pump: asyncio.Task | None = None
-        self._subscribed: asyncio.Future | None = None
-        self._calls: set[asyncio.Task] = set()  # fire-and-forget aborts, kept until sent
 
-    async def submit(
-        self, prompt_token_ids: list[int], params: SamplingParams, queue: asyncio.Queue, tag: Any
-    ) -> str:
-        """Start a request; its Deltas arrive on `queue` as (tag, delta) until one ends it. Raises what
-        the engine's submit raises."""
-        request_id = uuid.uuid4().hex  # chosen here, so that no output can arrive before its route
-        for attempt in range(2):
-            await self._subscribe()
-            self._routes[request_id] = (queue, tag)
-            try:
-                await self.engine.submit.remote(request_id, prompt_token_ids, params, self.subscriber_id)
-                return request_id
-            except UnknownSubscriberError:
-                # the engine restarted before this stream noticed: subscribe to the new one, once
-                self._routes.pop(request_id, None)
-                if attempt or self._pump is None:
-                    raise
-                self._pump.cancel()
-                await asyncio.gather(self._pump, return_exceptions=True)
-            except BaseException:  # refused, or cancelled (the engine may have queued it)
-                self._routes.pop(request_id, None)
-                self._call(lambda: self.engine.abort.remote(request_id))
-                raise
-        raise AssertionError("unreachable")
-
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        """Stop a request that has not ended; returns at once (the call goes out in the background)."""
-        if self._routes.pop(request_id, None) is not None:
-            self._call(lambda: self.engine.abort.remote(request_id, reason))
-
-    def close(self) -> None:
-        """End the outputs stream (the engine aborts this replica's requests); from any thread."""
-        pump = self._pump
-        if pump is not None:
-            with contextlib.suppress(RuntimeError):  # its loop has closed: the stream is gone already
-                pump.get_loop().call_soon_threadsafe(pump.cancel)
-
-    def _call(self, send: Callable[[], Any]) -> None:
-        """Make a handle call that outlives the request it is made for, in an empty context: Serve cancels
-        the calls made in a request's context when that request is cancelled (its client went away), and
-        an abort cancelled with it left the sequence running to its end (seen in a test run: "CALL abort
-        CANCELLED")."""
-        response = contextvars.Context().run(send)
-
-        async def wait() -> None:
-            with contextlib.suppress(Exception):  # best effort: a dead engine has dropped the request
-                await response
-
-        task = asyncio.get_running_loop().create_task(wait())
-        self._calls.add(task)
-        task.add_done_callback(self._calls.discard)
-
-    async def _subscribe(self) -> None:
-        if self._pump is None or self._pump.done():
-            self._subscribed = asyncio.get_running_loop().create_future()
-            self._pump = asyncio.get_running_loop().create_task(self._read(self._subscribed))
-        await asyncio.shield(self._subscribed)
-
-    async def _beat(self) -> None:
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            # a failure here shows in the outputs stream too (it ends or errors), and is handled there
-            with contextlib.suppress(Exception):
-                await self.engine.heartbeat.remote(self.subscriber_id)
-
-    async def _read(self, subscribed: asyncio.Future) -> None:
-        """Route the outputs stream's Deltas until it ends; then fail the requests it carried."""
-        stream = self.engine.options(stream=True).outputs.remote(self.subscriber_id)
-        beating = asyncio.get_running_loop().create_task(self._beat())
-        error: BaseException = OpenAIError.service_unavailable(
-            "the engine stopped while running this request (it restarts); please retry"
-        )
-        try:
-            async for batch in stream:
-                if not subscribed.done():
-                    subscribed.set_result(None)
-                routes = self._routes
-                for delta in batch:
-                    route = routes.get(delta[0])
-                    if route is None:
-                        continue  # aborted here
-                    if delta[2] is not None or delta[4] is not None:
-                        del routes[delta[0]]  # its last
-                    route[0].put_nowait((route[1], delta))
-        except Exception as failure:  # noqa: BLE001 - the engine replica died or restarted
-            logger.warning("the engine's outputs stream failed: %s", failure)
-            if not subscribed.done():
-                error = failure  # the subscription itself failed: the submit that waits gets the cause
-        finally:
-            beating.cancel()
-            stream.cancel()  # if this task was cancelled: the engine aborts this replica's requests
-            routes, self._routes = self._routes, {}
-            for request_id, (queue, tag) in routes.items():
-                queue.put_nowait((tag, (request_id, [], None, None, error)))
-            if not subscribed.done():
-                subscribed.set_exception(error)
+def _this_replica() -> EngineReplica:
+    """This engine replica's identity, from Serve's replica context (outside Serve: a lone replica)."""
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:
+        return EngineReplica("local", 0, "")
+    rank = getattr(context, "rank", None)
+    node_id = ray.get_runtime_context().get_node_id()
+    return EngineReplica(context.replica_id.unique_id, rank.rank if rank is not None else 0, node_id)

@@ -19,10 +19,13 @@ import os
 import threading
 import time
 
-from deployments.metrics import ServingMetrics
+from prometheus_client import Metric
+
+from deployments.metrics import EngineMetrics
 from engine.engine import Engine, RequestOutput
 from engine.errors import CapacityError, InvalidRequestError, TileInferError
 from engine.sampling import SamplingParams, TokenLogprob
+from engine.speculator import SpeculationStats
 from kernels.kv_cache import kv_cache_bytes
 
 logger = logging.getLogger(__name__)
@@ -60,10 +63,13 @@ class _Stream:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, max_queue_len: int) -> None:
+    def __init__(
+        self, engine: Engine, max_queue_len: int, model_name: str = "", engine_label: str = "0"
+    ) -> None:
+        """model_name and engine_label: the labels `model` and `engine` of its metrics."""
         self.engine = engine
         self.capacity = engine.config.max_num_seqs + max_queue_len
-        self.metrics = ServingMetrics()
+        self.metrics = EngineMetrics(model_name, engine_label)
         kv_cache, manager = engine.runner.kv_cache, engine.block_manager
         slots = manager.num_blocks * engine.config.block_size
         self._kv_bytes_per_token = kv_cache_bytes(kv_cache) // slots
@@ -104,6 +110,10 @@ class EngineLoop:
         with self._lock:
             self._open_subscriber(subscriber_id).last_seen = time.monotonic()
 
+    def subscriber_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._subscribers)
+
     def lapsed(self, subscriber_id: str, lease_s: float) -> bool:
         """Whether the subscriber sent no heartbeat for lease_s (or is gone). Ray does not cancel a
         streaming call whose caller died (an ingress replica killed mid-stream kept its requests
@@ -123,7 +133,7 @@ class EngineLoop:
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             if len(self._streams) >= self.capacity:
-                self.metrics.requests_rejected += 1
+                self.metrics.requests_rejected.inc()
                 raise CapacityError(
                     f"the server is at capacity ({self.capacity} requests running or queued); retry later"
                 )
@@ -152,7 +162,7 @@ class EngineLoop:
         self._wakeup.set()
 
     def gauges(self) -> dict[str, tuple[float, str]]:
-        """Read under the lock (render_metrics), so the queued adds are counted once."""
+        """Read under the lock (metric_families), so the queued adds are counted once."""
         manager, scheduler = self.engine.block_manager, self.engine.scheduler
         used = manager.num_blocks - manager.num_free_blocks
         # the scheduler's waiting queue (new and preempted sequences) plus adds the engine thread has not
@@ -167,9 +177,15 @@ class EngineLoop:
             "kv_cache_bytes_per_token": (self._kv_bytes_per_token, "KV cache bytes a token takes."),
         }
 
-    def render_metrics(self, model_name: str) -> str:
+    def metric_families(
+        self, stats: SpeculationStats | None = None, step_cost: float = 1.0, rows_in_gpu_memory: bool = False
+    ) -> list[Metric]:
+        """A snapshot of this engine's metrics (EngineMetrics.families), with the speculator's stats and
+        step cost and whether DFlash's rows cross in GPU memory, which the deployment knows."""
         with self._lock:
-            return self.metrics.render(self.gauges(), model_name, self.engine.scheduler.num_preemptions)
+            return self.metrics.families(
+                self.gauges(), self.engine.scheduler.num_preemptions, stats, step_cost, rows_in_gpu_memory
+            )
 
     def _open_subscriber(self, subscriber_id: str) -> _Subscriber:
         """The subscriber (under the lock); UnknownSubscriberError when its stream is not open here."""
@@ -218,7 +234,7 @@ class EngineLoop:
         except TileInferError as error:
             return self._end_with(request_id, error)
         with self._lock:
-            self.metrics.prompt_tokens += len(prompt_token_ids)
+            self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         return None
 
     def _deltas(self, outputs: list[RequestOutput]) -> list[tuple[_Subscriber, Delta]]:
@@ -227,6 +243,7 @@ class EngineLoop:
         now = time.monotonic()
         metrics = self.metrics
         deltas: list[tuple[_Subscriber, Delta]] = []
+        generated = cached = 0  # the step's, counted once: an increment takes a lock
         with self._lock:
             for output in outputs:
                 stream = self._streams.get(output.request_id)
@@ -235,9 +252,9 @@ class EngineLoop:
                 if stream.first_token_time is None:
                     stream.first_token_time = now
                     metrics.time_to_first_token.observe(now - stream.arrival_time)
-                    metrics.prefix_cache_hit_tokens += output.num_cached_tokens
+                    cached += output.num_cached_tokens
                 stream.num_tokens += len(output.new_token_ids)
-                metrics.generation_tokens += len(output.new_token_ids)
+                generated += len(output.new_token_ids)
                 if output.finished:
                     del self._streams[output.request_id]
                     stream.subscriber.request_ids.discard(output.request_id)
@@ -253,6 +270,8 @@ class EngineLoop:
                         (output.request_id, output.new_token_ids, output.finish_reason, logprobs, None),
                     )
                 )
+            metrics.generation_tokens.inc(generated)
+            metrics.prefix_cache_hit_tokens.inc(cached)
         return deltas
 
     @staticmethod

@@ -18,6 +18,7 @@ metrics_require_key (vLLM's convention). Calls to the engine beyond requests (/h
 """
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hmac
@@ -30,13 +31,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from deployments import openapi
 from deployments.config import AppArgs
-from deployments.engine import EngineClient, EngineInfo
+from deployments.engine import EngineInfo
+from deployments.engine_client import EngineClient
 from deployments.engine_loop import Delta
+from deployments.metrics import exposition, router_families
 from deployments.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -61,6 +65,7 @@ from deployments.protocol import (
     usage,
     usage_chunk,
 )
+from deployments.routing import ROUTE_KWARG, RoutingPolicy, block_keys, policy_for
 from deployments.serve_logs import route_to_serve
 from engine.detokenizer import TextStream
 from engine.engine import RequestOutput
@@ -141,7 +146,7 @@ class OpenAIIngress:
         route_to_serve()
         self.args = args
         self.engine = engine
-        self.client = EngineClient(engine)
+        self.client = EngineClient(engine, _routing_policy(args, engine))
         self.api_key = args.resolve_api_key()  # here, where the replica runs: never in the args' logs
         self.tokenizer = load_tokenizer(args.model)
         self.info: EngineInfo | None = None
@@ -250,11 +255,12 @@ class OpenAIIngress:
 
         @app.get("/health", responses={200: {"model": openapi.Health}, 503: openapi.ERRORS[503]})
         async def health() -> JSONResponse:  # no key: a load balancer's probe
-            try:
-                await _control_call(self.engine.check_health.remote(), "health check", HEALTH_TIMEOUT_S)
-            except OpenAIError as unavailable:
-                return _error_response(unavailable)
-            return JSONResponse({"status": "ok"})
+            engines = await self._engine_states()
+            if not any(engine["state"] == "ready" for engine in engines):
+                detail = "; ".join(engine.get("error", "") for engine in engines) or "no engine replica runs"
+                error = OpenAIError.service_unavailable(f"No engine replica is ready ({detail}).")
+                return JSONResponse({**error.body(), "engines": engines}, 503, headers=error.headers())
+            return JSONResponse({"status": "ok", "engines": engines})
 
         @app.get(
             "/metrics", response_class=PlainTextResponse,
@@ -264,11 +270,55 @@ class OpenAIIngress:
         async def metrics(request: Request) -> PlainTextResponse:
             if self.args.metrics_require_key:
                 self._authorize(request)
-            text = await _control_call(self.engine.metrics.remote(), "metrics call", CONTROL_CALL_TIMEOUT_S)
+            text = await self._metrics_text()
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
         openapi.install(app)
         return BodySizeLimit(app, self.args.max_request_bytes)
+
+    async def _per_replica(self, method: str, what: str, timeout_s: float) -> list[tuple[str | None, Any]]:
+        """Call a method on every engine replica that Serve runs (on the one Serve picks when this
+        ingress has no view of them yet): (replica id, result or the OpenAIError it failed with)."""
+        replica_ids: list[str | None] = sorted(self.client.policy.replica_ids()) or [None]
+
+        async def call(replica_id: str | None) -> Any:
+            response = getattr(self.engine, method).remote(**{ROUTE_KWARG: replica_id})
+            try:
+                return await _control_call(response, what, timeout_s)
+            except OpenAIError as error:
+                return error
+
+        results = await asyncio.gather(*(call(replica_id) for replica_id in replica_ids))
+        return list(zip(replica_ids, results, strict=True))
+
+    async def _engine_states(self) -> list[dict[str, Any]]:
+        """Each engine replica's status ("ready"), or why it is not."""
+        states = []
+        for replica_id, status in await self._per_replica("status", "health check", HEALTH_TIMEOUT_S):
+            if isinstance(status, OpenAIError):
+                states.append({"replica": replica_id, "state": "unavailable", "error": status.message})
+            else:
+                states.append(status)
+        return states
+
+    async def _metrics_text(self) -> str:
+        """Every engine replica's metrics that answered, and this ingress's routing decisions; a 503 when
+        no engine answered."""
+        answers = await self._per_replica("metrics", "metrics call", CONTROL_CALL_TIMEOUT_S)
+        answered = [answer for _, answer in answers if not isinstance(answer, OpenAIError)]
+        if not answered:
+            raise answers[0][1]
+        # each ingress replica's latest counts as an engine passed them on (its heartbeats), this one's own
+        by_ingress: dict[str, dict[str, int]] = {}
+        for _, decisions in answered:
+            for subscriber_id, counts in decisions.items():
+                if sum(counts.values()) >= sum(by_ingress.get(subscriber_id, {}).values()):
+                    by_ingress[subscriber_id] = counts
+        by_ingress[self.client.subscriber_id] = dict(self.client.policy.decisions)
+        totals: collections.Counter[str] = collections.Counter()
+        for counts in by_ingress.values():
+            totals.update(counts)
+        return exposition([families for families, _ in answered], router_families(totals))
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -343,6 +393,7 @@ class OpenAIIngress:
         choices: list[_Choice] = []
         try:
             for prompt_index, prompt in enumerate(prompts):
+                keys = block_keys(prompt, self.args.block_size) if self.client.policy.prefix_aware else []
                 max_tokens = max_tokens_for(request, len(prompt), info.max_model_len)
                 for sample_index in range(request.n):
                     params = sampling_params_for(request, sample_index, max_tokens)
@@ -351,7 +402,7 @@ class OpenAIIngress:
                     # stop strings are found here, as the text is made
                     engine_params = dataclasses.replace(params, stop=())
                     choice.engine_request_id = await self.client.submit(
-                        prompt, engine_params, outputs, choice
+                        prompt, engine_params, outputs, choice, keys
                     )
                     choices.append(choice)
         except BaseException as error:
@@ -559,3 +610,21 @@ def _join(output: RequestOutput, later: RequestOutput) -> None:
     output.new_text += later.new_text
     output.new_logprobs = output.new_logprobs + later.new_logprobs
     output.finished, output.finish_reason = later.finished, later.finish_reason
+
+
+def _routing_policy(args: AppArgs, engine: DeploymentHandle) -> RoutingPolicy:
+    """This replica's policy for choosing engine replicas, shared with Serve's router of the engine
+    handle (deployments/routing.py); outside Serve (tests), a policy of its own that knows no replica,
+    so that Serve, or the stand-in, picks."""
+    try:
+        app_name = serve.get_replica_context().app_name
+    except RayServeException:
+        policy = RoutingPolicy()
+    else:
+        policy = policy_for(app_name, engine.deployment_name)
+    policy.configure(
+        prefix_aware=args.engine_router == "prefix",
+        num_ingress_replicas=args.num_ingress_replicas,
+        balance_abs_threshold=max(1, (args.max_num_seqs or 1) // 4),
+    )
+    return policy

@@ -1,94 +1,90 @@
-"""Serving metrics, rendered in the Prometheus text exposition format."""
+"""Serving metrics through prometheus_client. Each engine replica keeps its own (EngineMetrics, in a
+registry of its own, never the process's global one) and hands a snapshot of its families (families) to
+whichever ingress replica answers /metrics, which shows every engine's together (exposition), told apart
+by the label `engine`, as vLLM's data-parallel metrics are."""
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
+import itertools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Metric, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from engine.speculator import SpeculationStats
 
 PREFIX = "tileinfer"
 
-
-@dataclasses.dataclass
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = dataclasses.field(default_factory=list)  # per bucket, not cumulative
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, count in zip([*self.buckets, float("inf")], self.counts, strict=True):
-            cumulative += count
-            label = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{name}_bucket{{le="{label}"}} {cumulative}')
-        lines += [f"{name}_sum {self.total}", f"{name}_count {self.count}"]
-        return lines
-
-
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-@dataclasses.dataclass
-class ServingMetrics:
-    """Kept by the engine actor; every field is updated on its engine thread or under its lock."""
+class EngineMetrics:
+    """One engine replica's metrics; the counts are updated on its engine thread or under its lock
+    (deployments/engine_loop.py). Every family carries the labels `model` and `engine`, put on at
+    snapshot time: the replica may learn its rank (set `engine`) after construction, and the hot path
+    increments unlabelled counters."""
 
-    requests_by_finish_reason: dict[str, int] = dataclasses.field(default_factory=dict)
-    requests_rejected: int = 0
-    prompt_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    generation_tokens: int = 0
-    time_to_first_token: Histogram = dataclasses.field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))
-    time_per_output_token: Histogram = dataclasses.field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))
+    def __init__(self, model_name: str, engine: str = "0") -> None:
+        self.model_name = model_name
+        self.engine = engine
+        self._registry = registry = CollectorRegistry(auto_describe=False)
+        self._requests = Counter(
+            f"{PREFIX}_requests_total", "Finished requests, by finish reason.", ["finish_reason"],
+            registry=registry,
+        )  # fmt: skip
+        self._finished: dict[str, Counter] = {}  # bound children of _requests, by finish reason
+        self.requests_rejected = Counter(
+            f"{PREFIX}_requests_rejected_total", "Requests refused: the queue was full.", registry=registry
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens_total", "Prompt tokens of admitted requests.", registry=registry
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            f"{PREFIX}_prefix_cache_hit_tokens_total", "Prompt tokens from cache.", registry=registry
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens_total", "Generated tokens.", registry=registry
+        )
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "From arrival at the engine to the first token.",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.time_per_output_token = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds", "Mean time between tokens, per finished request.",
+            buckets=_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
 
     def count_finished(self, reason: str) -> None:
-        self.requests_by_finish_reason[reason] = self.requests_by_finish_reason.get(reason, 0) + 1
+        child = self._finished.get(reason)
+        if child is None:
+            child = self._finished[reason] = self._requests.labels(finish_reason=reason)
+        child.inc()
 
-    def render(self, gauges: dict[str, tuple[float, str]], model_name: str, num_preemptions: int) -> str:
-        """The exposition text; gauges maps a name to (value, help)."""
-        lines = [
-            f"# HELP {PREFIX}_requests_total Finished requests, by finish reason.",
-            f"# TYPE {PREFIX}_requests_total counter",
+    def families(
+        self,
+        gauges: dict[str, tuple[float, str]],
+        num_preemptions: int,
+        stats: SpeculationStats | None = None,
+        step_cost: float = 1.0,
+        rows_in_gpu_memory: bool = False,
+    ) -> list[Metric]:
+        """A snapshot of all this engine's families (plain objects that pickle), labelled. gauges maps a
+        name (without the prefix) to (value, help); what the scheduler and the speculator count
+        themselves is read now, passed in."""
+        read_now = [
+            _counter("preemptions_total", num_preemptions, "Sequences preempted for KV cache space."),
+            *(_gauge(name, value, text) for name, (value, text) in gauges.items()),
+            *speculation_families(stats, step_cost, rows_in_gpu_memory),
         ]
-        for reason, count in sorted(self.requests_by_finish_reason.items()):
-            lines.append(f'{PREFIX}_requests_total{{model="{model_name}",finish_reason="{reason}"}} {count}')
-        counters = {
-            "requests_rejected_total": (self.requests_rejected, "Requests refused: the queue was full."),
-            "prompt_tokens_total": (self.prompt_tokens, "Prompt tokens of admitted requests."),
-            "prefix_cache_hit_tokens_total": (self.prefix_cache_hit_tokens, "Prompt tokens from cache."),
-            "generation_tokens_total": (self.generation_tokens, "Generated tokens."),
-            "preemptions_total": (num_preemptions, "Sequences preempted for KV cache space."),
-        }
-        for name, (value, help_text) in counters.items():
-            lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} counter"]
-            lines.append(f"{PREFIX}_{name} {value}")
-        lines += self.time_to_first_token.render(
-            f"{PREFIX}_time_to_first_token_seconds", "From arrival at the engine to the first token."
-        )
-        lines += self.time_per_output_token.render(
-            f"{PREFIX}_time_per_output_token_seconds", "Mean time between tokens, per finished request."
-        )
-        for name, (value, help_text) in gauges.items():
-            lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} gauge"]
-            lines.append(f"{PREFIX}_{name} {value}")
-        return "\n".join(lines) + "\n"
+        labels = {"model": self.model_name, "engine": self.engine}
+        return [_labelled(family, labels) for family in itertools.chain(self._registry.collect(), read_now)]
 
 
-def render_speculation(
+def speculation_families(
     stats: SpeculationStats | None, step_cost: float = 1.0, rows_in_gpu_memory: bool = False
-) -> str:
+) -> list[Metric]:
     """Speculative decoding's counters, the measured cost of a step with drafts, and whether DFlash's
     hidden rows reach the proposer in GPU memory; present (0, and a cost of 1) without a proposer, so
     that dashboards and alerts need not know whether this server speculates. Acceptance = accepted /
@@ -104,21 +100,74 @@ def render_speculation(
             stats.ring_steps if stats else 0, "Steps whose drafts crossed in the draft ring (draft_ring)."
         ),
         "spec_ring_wait_seconds_total": (
-            round(stats.ring_wait_seconds, 6) if stats else 0, "Seconds the engine's host waited for them."
+            stats.ring_wait_seconds if stats else 0.0, "Seconds the engine's host waited for them."
         ),
     }  # fmt: skip
     gauges = {
         "spec_step_cost": (
-            f"{step_cost:.4g}",
-            "A step that verifies drafts over a plain decode step, measured (1 until both ran).",
+            step_cost, "A step that verifies drafts over a plain decode step, measured (1 until both ran)."
         ),
         "spec_hidden_rows_in_gpu_memory": (
             int(rows_in_gpu_memory), "1: DFlash's hidden rows cross to the proposer in GPU memory (CUDA IPC)."
         ),
     }  # fmt: skip
-    lines = []
-    for kind, metrics in (("counter", counters), ("gauge", gauges)):
-        for name, (value, help_text) in metrics.items():
-            lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} {kind}"]
-            lines.append(f"{PREFIX}_{name} {value}")
-    return "\n".join(lines) + "\n"
+    return [
+        *(_counter(name, value, text) for name, (value, text) in counters.items()),
+        *(_gauge(name, value, text) for name, (value, text) in gauges.items()),
+    ]
+
+
+def router_families(counts: dict[str, float]) -> list[Metric]:
+    """The ingress's routing choices (counts by decision, summed over its replicas by the caller)."""
+    family = CounterMetricFamily(
+        f"{PREFIX}_router_decisions_total", "Requests routed to an engine replica, by how it was chosen.",
+        labels=["decision"],
+    )  # fmt: skip
+    for decision, count in counts.items():
+        family.add_metric([decision], count)
+    return [family]
+
+
+def exposition(families_of_each_engine: Iterable[Iterable[Metric]], extra: Iterable[Metric] = ()) -> str:
+    """One Prometheus text exposition of several engines' snapshots (the same families, told apart by
+    their `engine` label) and extra families: each family once, with all its samples."""
+    merged: dict[str, Metric] = {}
+    for family in itertools.chain(*families_of_each_engine, extra):
+        into = merged.get(family.name)
+        if into is None:
+            into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+        into.samples += family.samples
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(list(merged.values())))
+    return generate_latest(registry).decode()
+
+
+class _Snapshot:
+    """A collector of families already collected (what CollectorRegistry.register takes)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def _counter(name: str, value: float, text: str) -> Metric:
+    return CounterMetricFamily(f"{PREFIX}_{name}", text, value=value)
+
+
+def _gauge(name: str, value: float, text: str) -> Metric:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", text, value=value)
+
+
+def _labelled(family: Metric, labels: dict[str, str]) -> Metric:
+    """The family with labels added to every sample, less the `_created` samples prometheus_client adds to
+    counters and histograms (creation times of this process's objects, noise on a dashboard)."""
+    out = Metric(family.name, family.documentation, family.type, family.unit)
+    created = family.name + "_created"
+    out.samples = [
+        sample._replace(labels={**labels, **sample.labels})
+        for sample in family.samples
+        if sample.name != created
+    ]
+    return out

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from deployments.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -152,8 +152,19 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class EngineState(BaseModel):
+    replica: str | None = Field(description="Serve's id of the engine replica")
+    engine: str | None = Field(None, description="its rank: the `engine` label of its metrics")
+    node: str | None = Field(None, description="the Ray node it runs on")
+    state: Literal["ready", "unavailable"]
+    error: str | None = Field(None, description="why it is unavailable")
+    num_requests_running: int | None = None
+    num_requests_waiting: int | None = None
+
+
 class Health(BaseModel):
     status: Literal["ok"]
+    engines: list[EngineState] = Field(description="every engine replica that Serve runs")
 
 
 ERRORS = {

@@ -26,6 +26,16 @@ def _chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
+def chained_block_hashes(token_ids: abc.Sequence[int], block_size: int) -> list[bytes]:
+    """The hashes under which the full blocks of these tokens register in the prefix cache, in order
+    (the ingress's router keys prompts by them: deployments/routing.py)."""
+    hashes, parent = [], _ROOT
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = _chain_hash(parent, list(token_ids[start : start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
 def common_prefix_length(a: abc.Sequence[int], b: abc.Sequence[int]) -> int:
     """How many leading tokens a and b share."""
     length = 0

@@ -19,6 +19,7 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import TextStream
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.kv_budget import (
+    engine_free_bytes,
     kv_bytes_per_token,
     kv_cache_tokens_from_memory,
     largest_dequantized_linear,
@@ -53,8 +54,22 @@ class EngineConfig:
     # default: the model's max_position_embeddings; never more than the KV cache holds
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9  # of the device memory free once the weights are loaded
+    # The share of its GPU this engine owns (Ray's fractional num_gpus: engine replicas that share a GPU);
+    # its KV cache is sized within that share of the memory (kv_budget.engine_free_bytes).
+    gpu_memory_share: float = 1.0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # A prompt with more tokens than this left to compute is long: it takes at most this many of a step
+    # until the step's other prompts have had theirs, so a prompt sent during a long prefill starts in the
+    # next step (engine/scheduler.py). What they leave goes back to it, so steps are as full as without
+    # the cap. None: a quarter of the step budget (512 of 2,048), which leaves three quarters of a step to
+    # the prompts beside a long one, whatever the context. vLLM's default, 4 % of max_model_len, would
+    # tie it to the context instead: 1,638 tokens of 2,048 for a 40k context, 82 for a 2k one.
+    long_prefill_token_threshold: int | None = None
+    # How many long prompts are prefilled at once; more wait, and short ones start past them. (vLLM's
+    # max_long_partial_prefills. Its max_num_partial_prefills, which counts short prompts too, has no
+    # knob here: a short prompt is prefilled in one step whenever the budget holds it.)
+    max_long_partial_prefills: int = 1
     dtype: str = "float32"
     device: str = "cpu"
     # "int8": weight-only INT8 linears in every decoder layer (kernels/int8.py); None: the weights' dtype
@@ -146,6 +161,14 @@ class Engine:
             raise InvalidRequestError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {config.kv_cache_dtype!r}"
             )
+        if config.long_prefill_token_threshold is not None and config.long_prefill_token_threshold < 1:
+            raise InvalidRequestError(
+                f"long_prefill_token_threshold must be at least 1, got {config.long_prefill_token_threshold}"
+            )
+        if config.max_long_partial_prefills < 1:  # 0 would keep every long prompt waiting
+            raise InvalidRequestError(
+                f"max_long_partial_prefills must be at least 1, got {config.max_long_partial_prefills}"
+            )
         # what the layer linears run in: as asked, or INT8 where the file held it (a GGUF's Q8_0)
         held_int8 = any(isinstance(weight, Int8Weight) for weight in model.weights.values())
         self.quantization = config.quantization or ("int8" if held_int8 else None)
@@ -181,7 +204,7 @@ class Engine:
         if kv_cache_tokens is None and self.device.type == "cuda":
             # the weights (and an in-process proposer) are on the device already: the cache takes the rest
             kv_cache_tokens = kv_cache_tokens_from_memory(
-                torch.cuda.mem_get_info(self.device)[0], config.gpu_memory_utilization,
+                engine_free_bytes(self.device, config.gpu_memory_share), config.gpu_memory_utilization,
                 kv_bytes_per_token(model.spec, config.torch_dtype(), config.kv_cache_dtype),
                 step_reserve_bytes(
                     model.spec, config.max_num_batched_tokens, max_logit_rows, self.logit_vocab_size
@@ -214,7 +237,11 @@ class Engine:
         self.max_num_batched_tokens = min(
             config.max_num_batched_tokens, step_graphs.max_tokens if step_graphs is not None else 1 << 62
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_long_partial_prefills=config.max_long_partial_prefills,
+        )  # fmt: skip
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
         # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's
         # hidden states come from step graphs or eager steps, not decode graphs, so it never runs ahead.
@@ -311,7 +338,7 @@ class Engine:
                 self.max_model_len, read_launched,
             )  # fmt: skip
         # with a launch in flight, a sequence whose pending token is its last (by length) sits this one out
-        batch = self.scheduler.schedule(exclude=self._last_token_pending())
+        batch = self.scheduler.schedule(exclude=self._last_token_pending(), drafting=drafts)
         if not batch:
             return outputs + self._resolve_in_flight()
         if drafts:

@@ -67,6 +67,16 @@ def largest_dequantized_linear(spec: ModelSpec, group_scales: bool = False) -> i
     )
 
 
+def engine_free_bytes(device: torch.device, gpu_share: float = 1.0) -> int:
+    """The device memory this engine may still take: what is free; with a share of the GPU (engine
+    replicas side by side on one GPU), no more than that share of the whole less what this process holds
+    already, so that replicas that start together do not each count the others' part as free."""
+    free, total = torch.cuda.mem_get_info(device)
+    if gpu_share >= 1:
+        return free
+    return max(0, min(free, int(gpu_share * total) - torch.cuda.memory_reserved(device)))
+
+
 def kv_cache_tokens_from_memory(
     free_bytes: int,
     fraction: float,

@@ -1,7 +1,15 @@
 """Which sequences run in the next step, and how many of their tokens.
 
-Every step has one token budget. Running sequences come first, oldest admission first (a decode is
-one token; a prompt being prefilled in chunks takes what is left of it), then waiting ones in order.
+Every step has one token budget. Decoding sequences come first, oldest admission first (one token each,
+or their last token and its drafts). Prompts share what is left: those being prefilled in chunks, oldest
+first, then waiting ones in order. A prompt with more than long_prefill_token_threshold tokens left to
+compute is long, and takes at most that many until every prompt of the step has had its share: a prompt
+sent during a long prefill starts in the next step, and a short one (at most the threshold) gets all its
+tokens when the budget holds them, so it samples its first token in that step. What the others leave goes
+back to the long prompts, oldest first, so steps are as full as before and a long prompt alone takes the
+whole budget. At most max_long_partial_prefills long prompts are prefilled at once; a long waiting one
+beyond them waits for one to finish its prefill, and short ones start past it.
+
 When the KV cache runs out, the most recently admitted sequence is preempted: its blocks are freed and
 it waits again at the head of the queue, to be recomputed (cheaply, through the prefix cache) once
 there is room.
@@ -48,10 +56,22 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        long_prefill_token_threshold: int | None = None,
+        max_long_partial_prefills: int = 1,
+    ) -> None:
+        """long_prefill_token_threshold: None for a quarter of the budget (EngineConfig says why)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        if long_prefill_token_threshold is None:
+            long_prefill_token_threshold = max(1, max_num_batched_tokens // 4)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_long_partial_prefills = max_long_partial_prefills
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -81,16 +101,21 @@ class Scheduler:
         self.times_passed_over[seq] = MAX_TIMES_PASSED_OVER  # it resumes before anything new starts
         self.num_preemptions += 1
 
-    def schedule(self, exclude: Collection[Sequence] = ()) -> Batch:
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """A prompt's first share of the step: all its tokens left, a long one's capped at the threshold."""
+        return min(seq.num_tokens - seq.num_computed_tokens, self.long_prefill_token_threshold, budget)
+
+    def schedule(self, exclude: Collection[Sequence] = (), drafting: Collection[Sequence] = ()) -> Batch:
         """exclude: running sequences that sit this step out (they finish once the host reads their
-        pending last token)."""
+        pending last token). drafting: running sequences whose tokens end with drafts to verify (they
+        decode, though more than one token is left to compute)."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running or seq in exclude:
-                continue  # preempted below to make room for an earlier sequence, or sitting out
+            if seq not in self.running or seq in exclude or _is_prefilling(seq, drafting):
+                continue  # preempted below to make room for an earlier sequence, sitting out, or a prompt
             while not self.block_manager.can_append(seq, 0):
                 victim = self.running[-1]
                 # alone, a sequence always fits (admission and max_model_len see to it)
@@ -101,9 +126,20 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:
                 continue
             self.block_manager.append_slots(seq, 0)
+            # the speculator asked for no more drafts than the budget holds beside one token a sequence
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+        # Prompts being prefilled: admission gave them blocks for all their tokens, so none is preempted here.
+        prefilling = [seq for seq in self.running if seq not in exclude and _is_prefilling(seq, drafting)]
+        threshold = self.long_prefill_token_threshold
+        num_long = sum(seq.num_tokens - seq.num_computed_tokens > threshold for seq in prefilling)
+        chunks: list[ScheduledSequence] = []
+        for seq in prefilling:
+            if budget == 0:
+                break
+            chunks.append(ScheduledSequence(seq, self._chunk(seq, budget)))
+            budget -= chunks[-1].num_new_tokens
         copies: list[BlockCopy] = []
         passed_over: list[Sequence] = []
         for seq in list(self.waiting):
@@ -114,6 +150,12 @@ class Scheduler:
                     break  # it reserves the cache: nothing behind it starts first
                 passed_over.append(seq)
                 continue
+            # A long one beyond max_long_partial_prefills waits and short ones start past it, even when it
+            # reserves the cache: the running long prefills go on, and once they end it starts, or
+            # reserves the cache as above. Its cached prefix is known only once its blocks are allocated,
+            # so its whole length decides whether it is long.
+            if seq.num_tokens > threshold and num_long >= self.max_long_partial_prefills:
+                continue
             self.waiting.remove(seq)
             self.times_passed_over.pop(seq, None)
             for earlier in passed_over:
@@ -121,10 +163,24 @@ class Scheduler:
             copies += self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
+            num_long += seq.num_tokens - seq.num_computed_tokens > threshold
+            chunks.append(ScheduledSequence(seq, self._chunk(seq, budget)))
+            budget -= chunks[-1].num_new_tokens
+        # What the prompts left goes to the long ones, oldest first (short ones have all their tokens).
+        for item in chunks:
+            if budget == 0:
+                break
+            more = min(item.seq.num_tokens - item.seq.num_computed_tokens - item.num_new_tokens, budget)
+            item.num_new_tokens += more
+            budget -= more
+        scheduled += chunks
         # an empty step with work left would repeat forever: the engine would spin without progress
         # (sequences sitting out finish when their tokens are read)
         assert scheduled or exclude or not self.has_unfinished(), "no sequence can run, yet work is left"
         return Batch(scheduled, copies)
+
+
+def _is_prefilling(seq: Sequence, drafting: Collection[Sequence]) -> bool:
+    """Whether a running sequence has prompt tokens (or, resumed after a preemption, generated ones) to
+    compute before it samples: more than its last token, drafts aside."""
+    return seq.num_computed_tokens + 1 < seq.num_tokens and seq not in drafting

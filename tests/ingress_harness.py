@@ -52,13 +52,17 @@ class _Method:
     def __init__(self, function: Any, stream: bool = False) -> None:
         self.function, self.stream = function, stream
 
-    def remote(self, *args: Any) -> Any:
+    def remote(self, *args: Any, replica_id: str | None = None) -> Any:
+        # one engine replica, "fake": a call pinned to another would be refused (WrongReplicaError)
+        assert replica_id in (None, FakeEngine.REPLICA_ID), replica_id
         return _Stream(self.function(*args)) if self.stream else _Response(self.function(*args))
 
 
 class FakeEngine:
     """The engine deployment's calls, as an EngineClient and the ingress make them. A request gets one
     token and ends ("length"); `stalled` makes every call wait for ever (an engine replica restarting)."""
+
+    REPLICA_ID = "fake"
 
     def __init__(self, token_id: int) -> None:
         self.token_id = token_id
@@ -80,20 +84,31 @@ class FakeEngine:
         await self._wait()
         return INFO
 
-    async def _check_health(self) -> None:
+    async def _status(self) -> dict[str, Any]:
         await self._wait()
+        return {"replica": self.REPLICA_ID, "engine": "0", "node": "", "state": "ready"}
 
     async def _metrics(self) -> str:
         await self._wait()
         return "# TYPE tileinfer_num_requests_waiting gauge\ntileinfer_num_requests_waiting 0\n"
 
-    async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, _: str) -> None:
+    async def _submit(
+        self, requests: list[tuple[str, list[int], SamplingParams]], _: str
+    ) -> list[Exception | None]:
         await self._wait()
-        params.validate()
-        if not prompt or any(not 0 <= token < INFO.vocab_size for token in prompt):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {INFO.vocab_size})")
-        self.submitted.append((prompt, params))
-        self.outputs_queue.put_nowait([(request_id, [self.token_id], "length", None, None)])
+        refused: list[Exception | None] = []
+        for request_id, prompt, params in requests:
+            try:
+                params.validate()
+                if not prompt or any(not 0 <= token < INFO.vocab_size for token in prompt):
+                    raise InvalidRequestError(f"prompt token ids must be in [0, {INFO.vocab_size})")
+            except Exception as error:  # noqa: BLE001 - returned, as the engine does
+                refused.append(error)
+                continue
+            refused.append(None)
+            self.submitted.append((prompt, params))
+            self.outputs_queue.put_nowait([(request_id, [self.token_id], "length", None, None)])
+        return refused
 
     async def _abort(self, request_id: str, reason: str = "abort") -> None:
         pass
@@ -101,9 +116,9 @@ class FakeEngine:
     async def _heartbeat(self, subscriber_id: str) -> None:
         pass
 
-    async def _outputs(self, subscriber_id: str) -> AsyncIterator[list[Delta]]:
+    async def _outputs(self, subscriber_id: str) -> AsyncIterator[str | list[Delta]]:
         await self._wait()
-        yield []
+        yield self.REPLICA_ID
         while True:
             yield await self.outputs_queue.get()
 

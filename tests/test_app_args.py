@@ -107,3 +107,50 @@ def test_quantization_reaches_the_engine() -> None:
     config = parse_app_args({"kv_cache_dtype": "int8"}).engine_config("cpu", "float32")
     assert config.kv_cache_dtype == "int8"
     assert parse_app_args({}).engine_config("cpu", "float32").kv_cache_dtype == "auto"
+
+
+def _engine_deployment(app: object) -> object:
+    """The engine deployment an application builds (the ingress's bound argument)."""
+    from deployments.engine import EngineDeployment
+
+    bound_args = app._bound_deployment.init_args  # type: ignore[attr-defined]
+    found = [arg for arg in bound_args if hasattr(arg, "_bound_deployment")]
+    (engine,) = [bound._bound_deployment for bound in found]
+    assert engine.name == EngineDeployment.name
+    return engine
+
+
+def test_engine_replicas_and_autoscaling_reach_serve() -> None:
+    from deployments.app import build_app
+
+    engine = _engine_deployment(build_app({"num_engine_replicas": 3, "engine_max_replicas_per_node": 2}))
+    assert engine.num_replicas == 3
+    assert engine._replica_config.max_replicas_per_node == 2
+    assert engine._deployment_config.request_router_config.request_router_class.endswith("EngineRouter")
+    app = build_app({"engine_autoscaling_config": {"min_replicas": 1, "max_replicas": 4}, "max_num_seqs": 32})
+    autoscaling = _engine_deployment(app)._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 4)
+    assert autoscaling.target_ongoing_requests == 16  # sequences per replica: half of max_num_seqs
+    assert autoscaling.policy.policy_function == "deployments.autoscaling:sequences_policy"
+    with pytest.raises(ValueError, match="not both"):
+        parse_app_args({"num_engine_replicas": 2, "engine_autoscaling_config": {"max_replicas": 2}})
+    with pytest.raises(ValueError, match="proposer_in_process"):
+        build_app({"num_engine_replicas": 2, "proposer": "ngram"})
+
+
+def test_the_autoscaling_policy_scales_on_the_engines_sequences() -> None:
+    from types import SimpleNamespace
+
+    from deployments.autoscaling import sequences_policy
+
+    config = SimpleNamespace(get_target_ongoing_requests=lambda: 64)
+
+    def context(sequences: dict[str, float], running: int = 2) -> SimpleNamespace:
+        return SimpleNamespace(
+            aggregated_metrics=lambda: {"sequences": sequences}, current_num_replicas=running,
+            target_num_replicas=running, config=config,
+        )  # fmt: skip
+
+    assert sequences_policy(context({"a": 100, "b": 156}))[0] == 4  # 256 sequences at 64 a replica
+    assert sequences_policy(context({"a": 10, "b": 0}))[0] == 10 / 64  # Serve rounds and bounds it
+    assert sequences_policy(context({}, running=2))[0] == 2  # nothing reported yet: as it is

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from assets import qwen3_tokenizer_dir
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.model_shapes import TINY, random_weights
 from deployments.engine_loop import EngineLoop, UnknownSubscriberError
+from deployments.metrics import exposition
 from engine.engine import Engine, EngineConfig
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
@@ -90,7 +92,7 @@ def test_one_hand_over_per_step_and_outputs_equal_the_engines(prompts: list[list
 
 def test_a_subscriber_that_goes_away_has_its_requests_aborted(prompts: list[list[int]]) -> None:
     engine = _engine(False)
-    loop_under_test = EngineLoop(engine, max_queue_len=8)
+    loop_under_test = EngineLoop(engine, max_queue_len=8, model_name="tiny")
     long = dataclasses.replace(PARAMS, max_tokens=100)
 
     async def run() -> None:
@@ -111,7 +113,14 @@ def test_a_subscriber_that_goes_away_has_its_requests_aborted(prompts: list[list
     assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     gauges = loop_under_test.gauges()
     assert gauges["num_requests_waiting"][0] == 0 and gauges["num_requests_running"][0] == 0
-    assert loop_under_test.metrics.requests_by_finish_reason == {"abort": len(prompts)}
+    finished = {family.name: family for family in loop_under_test.metric_families()}["tileinfer_requests"]
+    by_reason = {sample.labels["finish_reason"]: sample.value for sample in finished.samples}
+    assert by_reason == {"abort": len(prompts)}
+    text = exposition([loop_under_test.metric_families()])  # what the ingress serves: each family once
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert len(families) == text.count("# TYPE ")
+    labels = {"model": "tiny", "engine": "0", "finish_reason": "abort"}
+    assert families["tileinfer_requests"].samples[0].labels == labels
 
 
 def test_a_subscriber_lapses_without_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:

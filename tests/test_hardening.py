@@ -25,6 +25,7 @@ from deployments.config import API_KEY_ENV, parse_app_args
 from deployments.protocol import RETRY_AFTER_S, OpenAIError, json_body_of
 from engine.errors import CapacityError
 from engine.loader import load_tokenizer
+from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -262,8 +263,8 @@ def test_queue_full_503_carries_retry_after(tokenizer: Tokenizer, monkeypatch: p
     async def run() -> httpx.Response:
         client, engine = build(tokenizer, monkeypatch)
 
-        async def refuse(*_: Any) -> None:
-            raise CapacityError("full")
+        async def refuse(requests: list, _: str) -> list[CapacityError]:
+            return [CapacityError("full") for _ in requests]  # the engine refuses each request it cannot take
 
         engine._submit = refuse
         async with client:
@@ -284,21 +285,25 @@ def test_an_abort_is_not_made_in_the_request_context_it_is_for(monkeypatch: pyte
     from ingress_harness import FakeEngine
     from ray.serve import context as serve_context
 
-    from deployments.engine import EngineClient
+    from deployments.engine_client import EngineClient
 
     contexts = []
 
     async def abort(request_id: str, reason: str = "abort") -> None:
         contexts.append(serve_context._serve_request_context.get())
 
+    async def submit(requests: list, subscriber_id: str) -> list[None]:
+        return [None] * len(requests)  # queued, and running: no output yet
+
     engine = FakeEngine(token_id=1)
     monkeypatch.setattr(engine, "_abort", abort)
+    monkeypatch.setattr(engine, "_submit", submit)
 
     async def run() -> None:
         client = EngineClient(engine)
+        request_id = await client.submit([1, 2, 3], SamplingParams(max_tokens=4), asyncio.Queue(), None)
         serve_context._serve_request_context.set(serve_context._RequestContext(request_id="the-request"))
-        client._routes["r"] = (asyncio.Queue(), None)  # a request that runs, as submit leaves it
-        client.abort("r")
+        client.abort(request_id)
         await asyncio.gather(*client._calls)
 
     asyncio.run(run())

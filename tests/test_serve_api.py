@@ -36,12 +36,15 @@ def tokenizer(smollm2_gguf: Path) -> Tokenizer:
 
 
 def _metrics(base_url: str) -> dict[str, float]:
+    """Each sample by name and labels, summed over the engine replicas (less the labels engine and model)."""
     text = httpx.get(base_url + "/metrics", timeout=30).text
-    values = {}
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f"{key}={value}" for key, value in sorted(sample.labels.items()))
-            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+            kept = {key: value for key, value in sample.labels.items() if key not in ("engine", "model")}
+            labels = ",".join(f"{key}={value}" for key, value in sorted(kept.items()))
+            key = sample.name + (f"{{{labels}}}" if labels else "")
+            values[key] = values.get(key, 0.0) + sample.value
     return values
 
 
@@ -130,6 +133,9 @@ def test_models_health_and_metrics(client: openai.OpenAI, served: Served) -> Non
     ):  # fmt: skip
         assert name in metrics
     assert metrics["tileinfer_generation_tokens_total"] > 0
+    families = text_string_to_metric_families(httpx.get(served.base_url + "/metrics", timeout=30).text)
+    generated = next(family for family in families if family.name == "tileinfer_generation_tokens").samples
+    assert all(sample.labels["model"] == served.model and "engine" in sample.labels for sample in generated)
     # SmolLM2-135M in float32: 30 layers x (K and V) x 3 KV heads x 64 x 4 bytes
     assert metrics["tileinfer_kv_cache_bytes_per_token"] == 30 * 2 * 3 * 64 * 4
     model = httpx.get(served.base_url + "/v1/models").json()["data"][0]
@@ -230,7 +236,7 @@ def test_requests_beyond_the_queue_get_503(served: Served) -> None:
 
 def test_disconnect_mid_stream_frees_the_sequence_and_its_blocks(served: Served) -> None:
     before = _metrics(served.base_url)
-    aborted_key = "tileinfer_requests_total{finish_reason=abort,model=smollm2-135m}"
+    aborted_key = "tileinfer_requests_total{finish_reason=abort}"
     body = {"model": served.model, "messages": HAIKU, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", served.base_url + "/v1/chat/completions", json=body, timeout=120) as response:
         events = _sse_events(response)
