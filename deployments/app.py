@@ -110,17 +110,20 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         proposer = ProposerDeployment.options(
             ray_actor_options=proposer_actor_options(app_args, proposer_gpus)
         ).bind(app_args, device, dtype, draft_ahead)
+    routing: dict[str, Any] = {}
+    if several_engines:  # one replica needs no choice: Serve's own router, and no routing stats each second
+        routing["request_router_config"] = RequestRouterConfig(
+            # by name: Serve imports it where the ingress runs (a class object would be pickled by value)
+            request_router_class=f"{EngineRouter.__module__}.{EngineRouter.__name__}",
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        )
     engine = EngineDeployment.options(
         num_replicas="auto" if app_args.engine_autoscaling_config else app_args.num_engine_replicas,
         autoscaling_config=engine_autoscaling_config(app_args),
         max_replicas_per_node=app_args.engine_max_replicas_per_node,
         ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": engine_gpus},
         max_ongoing_requests=capacity + _CONTROL_CALLS,
-        request_router_config=RequestRouterConfig(
-            # by name: Serve imports it where the ingress runs (a class object would be pickled by value)
-            request_router_class=f"{EngineRouter.__module__}.{EngineRouter.__name__}",
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-        ),
+        **routing,
     ).bind(app_args, device, dtype, proposer, draft_ahead)
     return OpenAIIngress.options(
         num_replicas=app_args.num_ingress_replicas,

@@ -49,6 +49,11 @@ class AppArgs(BaseModel):
         None, ge=1, description="sequences decoded together; default: 256 on a GPU, 64 on the CPU"
     )
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed in one step")
+    long_prefill_token_threshold: int | None = Field(
+        None, ge=1, description="a prompt with more tokens to compute is long: it takes at most this many "
+        "of a step until the prompts beside it have had theirs; default: a quarter of max_num_batched_tokens",
+    )  # fmt: skip
+    max_long_partial_prefills: int = Field(1, ge=1, description="long prompts prefilled at once, at most")
     max_queue_len: int = Field(256, ge=0, description="requests that may wait beyond max_num_seqs; then 503")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get 413")
     # Serve logs the args as given (its controller's "Importing application ... with arguments"), so a key
@@ -177,6 +182,8 @@ class AppArgs(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_long_partial_prefills=self.max_long_partial_prefills,
             dtype=dtype,
             device=device,
             quantization=self.quantization,

@@ -306,9 +306,10 @@ class EngineDeployment:
         speculator = self.engine.speculator
         stats, step_cost = (speculator.stats, speculator.step_cost) if speculator else (None, 1.0)
         rows_in_gpu_memory = self.proposer is not None and self.proposer.rows_in_gpu_memory
-        subscribers = self.loop.subscriber_ids()
-        decisions = {key: value for key, value in self.routing_decisions.items() if key in subscribers}
-        return self.loop.metric_families(stats, step_cost, rows_in_gpu_memory), decisions
+        subscribers = self.loop.subscriber_ids()  # ingress replicas gone since drop out
+        decisions = self.routing_decisions
+        self.routing_decisions = {key: counts for key, counts in decisions.items() if key in subscribers}
+        return self.loop.metric_families(stats, step_cost, rows_in_gpu_memory), self.routing_decisions
 
     def check_health(self) -> None:
         if not self.loop.is_alive():

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from prometheus_client.core import GaugeMetricFamily
 
 from deployments import ingress as ingress_module
 from deployments.config import AppArgs
@@ -88,9 +89,11 @@ class FakeEngine:
         await self._wait()
         return {"replica": self.REPLICA_ID, "engine": "0", "node": "", "state": "ready"}
 
-    async def _metrics(self) -> str:
+    async def _metrics(self) -> tuple[list[GaugeMetricFamily], dict]:
         await self._wait()
-        return "# TYPE tileinfer_num_requests_waiting gauge\ntileinfer_num_requests_waiting 0\n"
+        waiting = GaugeMetricFamily("tileinfer_num_requests_waiting", "Requests waiting.", labels=["engine"])
+        waiting.add_metric(["0"], 0)
+        return [waiting], {}  # the families, and the routing counts of the ingress replicas it knows
 
     async def _submit(
         self, requests: list[tuple[str, list[int], SamplingParams]], _: str

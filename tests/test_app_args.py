@@ -127,6 +127,8 @@ def test_engine_replicas_and_autoscaling_reach_serve() -> None:
     assert engine.num_replicas == 3
     assert engine._replica_config.max_replicas_per_node == 2
     assert engine._deployment_config.request_router_config.request_router_class.endswith("EngineRouter")
+    one = _engine_deployment(build_app({}))  # one replica: Serve's own router
+    assert one._deployment_config.request_router_config.is_default_request_router()
     app = build_app({"engine_autoscaling_config": {"min_replicas": 1, "max_replicas": 4}, "max_num_seqs": 32})
     autoscaling = _engine_deployment(app)._deployment_config.autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 4)

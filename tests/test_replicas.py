@@ -10,9 +10,11 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,13 +49,16 @@ def base_url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> It
     }  # fmt: skip
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # the nodes inherit this process's environment
+    # a Ray directory of its own: /tmp/ray/session_latest stays the session-wide cluster's (tests/serving.py)
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "resources": {"head_node": 1}, "node_ip_address": "127.0.0.1",
-                        "include_dashboard": False},
+                        "include_dashboard": False, "temp_dir": temp_dir},
     )  # fmt: skip
     try:
-        cluster.add_node(num_cpus=1, resources={"worker_node": 1}, node_ip_address="127.0.0.1")
+        worker = {"num_cpus": 1, "resources": {"worker_node": 1}, "node_ip_address": "127.0.0.1"}
+        cluster.add_node(**worker, temp_dir=temp_dir)
         cluster.wait_for_nodes()
         ray_port = int(cluster.address.rpartition(":")[2])
         config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
@@ -86,6 +91,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> It
                 launcher.kill()
     finally:
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -177,7 +183,7 @@ def _engine_pids() -> list[int]:
 
 async def _stream(client: httpx.AsyncClient, base_url: str, index: int) -> tuple[int, str | None]:
     """(text chunks received, the in-band or HTTP error) of one streamed completion."""
-    body = {"model": MODEL, "prompt": f"Tale {index}: once upon a time", "max_tokens": 24, "temperature": 0,
+    body = {"model": MODEL, "prompt": f"Tale {index}: once upon a time", "max_tokens": 16, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     chunks, error = 0, None
     async with client.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as response:
@@ -200,7 +206,7 @@ def test_a_replica_killed_under_load_loses_no_request_without_tokens(base_url: s
 
     async def load() -> tuple[list, list]:
         async with httpx.AsyncClient() as client:
-            streams = [asyncio.create_task(_stream(client, base_url, index)) for index in range(12)]
+            streams = [asyncio.create_task(_stream(client, base_url, index)) for index in range(8)]
             await asyncio.sleep(1.0)
             os.kill(pids[0], signal.SIGKILL)
             # none hangs: every stream ends, complete or with an error event

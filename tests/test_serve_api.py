@@ -124,7 +124,8 @@ def test_completions_with_n_seed_echo_and_logprobs(client: openai.OpenAI, served
 def test_models_health_and_metrics(client: openai.OpenAI, served: Served) -> None:
     client.completions.create(model=served.model, prompt="Hello", max_tokens=2)  # something to count
     assert [model.id for model in client.models.list().data] == [served.model]
-    assert httpx.get(served.base_url + "/health").json() == {"status": "ok"}
+    health = httpx.get(served.base_url + "/health").json()
+    assert health["status"] == "ok" and [engine["state"] for engine in health["engines"]] == ["ready"]
     metrics = _metrics(served.base_url)
     for name in (
         "tileinfer_prompt_tokens_total", "tileinfer_generation_tokens_total",
