@@ -393,7 +393,7 @@ class OpenAIIngress:
         choices: list[_Choice] = []
         try:
             for prompt_index, prompt in enumerate(prompts):
-                keys = block_keys(prompt, self.args.block_size) if self.client.policy.prefix_aware else []
+                keys = block_keys(prompt, self.args.block_size) if self.client.policy.uses_prefixes() else []
                 max_tokens = max_tokens_for(request, len(prompt), info.max_model_len)
                 for sample_index in range(request.n):
                     params = sampling_params_for(request, sample_index, max_tokens)

@@ -109,6 +109,10 @@ class RoutingPolicy:
         with self._lock:
             self._replicas.pop(replica_id, None)
 
+    def uses_prefixes(self) -> bool:
+        """Whether prompts' block keys can change a choice: prefix-aware, with replicas to choose from."""
+        return self.prefix_aware and len(self._replicas) > 1
+
     def replica_ids(self) -> list[str]:
         with self._lock:
             return list(self._replicas)
