@@ -53,10 +53,11 @@ class _Method:
     def __init__(self, function: Any, stream: bool = False) -> None:
         self.function, self.stream = function, stream
 
-    def remote(self, *args: Any, replica_id: str | None = None) -> Any:
+    def remote(self, *args: Any, replica_id: str | None = None, **kwargs: Any) -> Any:
         # one engine replica, "fake": a call pinned to another would be refused (WrongReplicaError)
         assert replica_id in (None, FakeEngine.REPLICA_ID), replica_id
-        return _Stream(self.function(*args)) if self.stream else _Response(self.function(*args))
+        call = self.function(*args, **kwargs)
+        return _Stream(call) if self.stream else _Response(call)
 
 
 class FakeEngine:
@@ -116,7 +117,7 @@ class FakeEngine:
     async def _abort(self, request_id: str, reason: str = "abort") -> None:
         pass
 
-    async def _heartbeat(self, subscriber_id: str) -> None:
+    async def _heartbeat(self, subscriber_id: str, decisions: dict[str, int] | None = None) -> None:
         pass
 
     async def _outputs(self, subscriber_id: str) -> AsyncIterator[str | list[Delta]]:
