@@ -10,7 +10,7 @@ a stream per request made them the step rate times the number of requests (ray#5
 cost compounds past ~32 streams), competing for the GIL with the engine thread.
 
 Every call an ingress makes for a request names the engine replica it is meant for (routing.ROUTE_KWARG):
-Serve's router (routing.EngineRouter) sends it there, and a call that reached another replica (its own
+Serve's router (deployments/engine_router.py) sends it there, and a call that reached another replica (its own
 is gone) is refused with WrongReplicaError, so a request never lands where no stream reads it.
 
 The engine here runs without text work (EngineConfig.detokenize False): it ends requests on stop
@@ -32,7 +32,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import struct
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -214,7 +213,7 @@ class EngineDeployment:
         for request_id, prompt_token_ids, params in requests:
             try:
                 self.loop.submit(request_id, prompt_token_ids, params, subscriber_id)
-            except (UnknownSubscriberError, WrongReplicaError):
+            except UnknownSubscriberError:  # no stream here: none of them is queued
                 raise
             except TileInferError as error:
                 refused.append(error)
@@ -275,10 +274,8 @@ class EngineDeployment:
     def record_routing_stats(self) -> dict[str, Any]:
         """What Serve hands the ingress's routers (deployments/routing.py): the keys of the blocks this
         replica's prefix cache holds, as 8-byte little-endian keys, newest last."""
-        # one C call, so the engine thread cannot change the dict under it
-        registered = list(self.engine.block_manager.hash_to_block)
-        keys = cached_block_keys(registered)
-        return {"cached_blocks": struct.pack(f"<{len(keys)}Q", *keys)}
+        # list() is one C call, so the engine thread cannot change the dict under it
+        return {"cached_blocks": cached_block_keys(list(self.engine.block_manager.hash_to_block))}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The load Serve's autoscaler sees (deployments/autoscaling.py): sequences running and waiting."""

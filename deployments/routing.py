@@ -55,10 +55,10 @@ def block_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
     return [int.from_bytes(digest[:8], "little") for digest in chained_block_hashes(token_ids, block_size)]
 
 
-def cached_block_keys(hashes: Collection[bytes]) -> list[int]:
-    """What an engine replica reports of its registered block hashes: their keys, the newest last."""
-    newest = list(hashes)[-MAX_REPORTED_BLOCKS:]
-    return [int.from_bytes(digest[:8], "little") for digest in newest]
+def cached_block_keys(hashes: Collection[bytes]) -> bytes:
+    """What an engine replica reports of its registered block hashes, the newest last: their keys packed
+    as 8-byte little-endian integers (a key is a digest's first 8 bytes, read so)."""
+    return b"".join(digest[:8] for digest in list(hashes)[-MAX_REPORTED_BLOCKS:])
 
 
 class RoutingPolicy:
