@@ -51,6 +51,7 @@
 #   bash bench/device_run.sh peerq8   # (after gemvprobe, warm) llama.cpp BF16 / Q8_0, TileInfer on the Q8_0 file
 #   bash bench/device_run.sh q8serve  # (carry .peers/llamacpp, an earlier tree in .prev) GPU linear tests,
 #       # bench_int8 on Qwen3-4B with the peer's Q8_0 file, and .prev's bench_int8 beside it
+#   bash bench/device_run.sh serveprof  # (carry .whl with py-spy, .assets) start-up and serve-load under py-spy
 #   PROBES="unpaced throughput" bash bench/device_run.sh serveprobe  # (carry .whl, .assets) serve-load's
 #       # processes' CPU, paced; then each probe (unpaced, same_thread, quiet, throughput); then run_ahead_check
 # Make the staged parts with `bash ../shared/device/stage.sh <gguf>` and the wheels with
@@ -269,6 +270,35 @@ serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under se
         echo "== with the default switch interval (5 ms):"
         grep -v -i warn "$OUT/switch_default/serve_load.log" | grep -E "^\| [0-9]" | tail -6
     fi
+    ;;
+serveprof)  # (carry .whl with py-spy's wheel, .assets) where start-up and the HTTP path's time go: the engine
+    # built by bench/startup.py (cold on a fresh machine, under py-spy), again warm; then serve-load at
+    # 1/8/64/256 clients with each serve process under py-spy for PROF_S during the 256 level, engine-direct after
+    python3 -c "import ray" 2>/dev/null || { echo "no Ray: carry its wheels in .whl"; exit 1; }
+    mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
+    spy=/tmp/site/bin/py-spy
+    echo "ptrace_scope $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null)"
+    [ -e .assets/triton_cache.txz ] && tar -xJf .assets/triton_cache.txz -C /tmp/tc && echo "Triton cache carried in"
+    timeout "${BUILD_LIMIT:-240}" $spy record -r 20 -f raw --nonblocking -o "$OUT/build_first.txt" -- \
+        python3 bench/startup.py --model "${MODEL:-qwen3-0.6b}" --out "$OUT" 2>&1 | grep -E "^ +[a-z-]+:|Error"
+    timeout 120 python3 bench/startup.py --model "${MODEL:-qwen3-0.6b}" 2>&1 | grep -E "^ +[a-z-]+:|Error"
+    tar -cJf "$OUT/triton_cache.txz" -C /tmp/tc triton 2>/dev/null
+    python3 bench/cpu_sampler.py "$OUT/cpu.jsonl" & sampler=$!
+    RAY_USAGE_STATS_ENABLED=0 timeout "${LOAD_LIMIT:-300}" python3 bench/serve_load.py --serve-config serve_config.yaml \
+        --model "${MODEL:-qwen3-0.6b}" --dtype bfloat16 --client-processes 4 --requests-per-client "${RPC:-8}" \
+        --marks "$OUT/marks.txt" --out "$OUT/load" > "$OUT/serve_load.log" 2>&1 & load=$!
+    until grep -q "http-C=256" "$OUT/marks.txt" 2>/dev/null || ! kill -0 $load 2>/dev/null; do sleep 0.5; done
+    sleep 3
+    for name in ProxyActor OpenAIIngress Engine; do
+        pid=$(pgrep -f "ray::.*$name" | head -1)
+        [ -n "$pid" ] && $spy record -p "$pid" -d "${PROF_S:-10}" -r 100 -f raw --threads --nonblocking \
+            -o "$OUT/prof_$name.txt" > "$OUT/prof_$name.log" 2>&1 &
+    done
+    wait $load
+    kill $sampler
+    grep -v -i warn "$OUT/serve_load.log" | grep -E "ready|^\| |refus|Error|engine-direct" | tail -24
+    cat "$OUT"/prof_*.log | grep -v -i "^$" | tail -6
+    python3 bench/cpu_sampler.py "$OUT/cpu.jsonl" --report --marks "$OUT/marks.txt" | tail -30
     ;;
 serveprobe)  # (carrying .whl and .assets) serve-load over HTTP with each process's CPU sampled (default
     # pacing); then without pacing; then with Serve running user code on the replicas' main loops; then

@@ -801,7 +801,7 @@ def shared_prefix_workload(model: str) -> Callable[..., dict[str, Any]]:
 
 
 def _num_requests(args: argparse.Namespace, concurrency: int) -> int:
-    return args.requests or max(4 * concurrency, 32)
+    return args.requests or max(args.requests_per_client * concurrency, 32)
 
 
 def level_prompts(
@@ -965,7 +965,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--concurrency", default=None, type=lambda text: [int(v) for v in text.split(",")],
         help="default 1,8,64,256; shared-prefix: one value, default --conversations",
     )  # fmt: skip
-    parser.add_argument("--requests", type=int, default=None, help="per level; default max(4 C, 32)")
+    parser.add_argument("--requests", type=int, default=None, help="per level; default max(R C, 32)")
+    parser.add_argument("--requests-per-client", type=int, default=4, help="R: a level's length")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=None, help="default 128; shared-prefix 64")
     parser.add_argument("--runs", type=int, default=1, help="HTTP runs per level; the median one counts")

@@ -18,7 +18,7 @@ from deployments.config import AppArgs, parse_app_args
 from deployments.engine import EngineDeployment
 from deployments.engine_router import EngineRouter
 from deployments.ingress import OpenAIIngress
-from deployments.proposer import SEE_ALL_GPUS, ProposerDeployment
+from deployments.proposer import SEE_ALL_GPUS
 from deployments.routing import ROUTING_STATS_PERIOD_S
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,20 @@ def proposer_actor_options(app_args: AppArgs, proposer_gpus: float) -> dict[str,
     return options
 
 
+def engine_bundles(engine: dict[str, Any], proposer: dict[str, Any]) -> list[dict[str, float]] | None:
+    """The placement-group bundles of an engine replica and its proposer actor (their Ray options), which
+    Serve reserves together on one node; None when either asks for no resources (Ray takes no empty
+    bundle), and the proposer is then pinned to its engine's node instead."""
+    bundles = []
+    for options in (engine, proposer):
+        bundle = {"CPU": float(options.get("num_cpus") or 0), "GPU": float(options.get("num_gpus") or 0)}
+        bundle = {resource: amount for resource, amount in bundle.items() if amount > 0}
+        if not bundle:
+            return None
+        bundles.append(bundle)
+    return bundles
+
+
 def resolve_device(requested: str) -> str:
     """auto: cuda when the Ray cluster (or, outside Ray, this machine) has a GPU."""
     has_gpu = _cluster_gpus() >= 1
@@ -93,23 +107,28 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             "file (api_key_file) or in TILEINFER_API_KEY where the ingress runs instead"
         )
     several_engines = app_args.num_engine_replicas > 1 or app_args.engine_autoscaling_config is not None
-    if several_engines and app_args.proposer_actor:
-        raise ValueError(
-            "a proposer actor serves one engine replica: with several engine replicas (num_engine_replicas, "
-            "engine_autoscaling_config) set proposer_in_process: true, so that each replica drafts for itself"
-        )
     device = resolve_device(app_args.device)
     app_args = app_args.for_device(device)
     dtype = app_args.dtype if app_args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     capacity = app_args.max_num_seqs + app_args.max_queue_len
     on_gpu = device == "cuda"
-    proposer = None
     engine_gpus, proposer_gpus = gpu_shares(app_args, _cluster_gpus() if on_gpu else 0)
-    draft_ahead = app_args.proposer_actor and app_args.proposer_draft_ahead(device, proposer_gpus)
-    if app_args.proposer_actor:
-        proposer = ProposerDeployment.options(
-            ray_actor_options=proposer_actor_options(app_args, proposer_gpus)
-        ).bind(app_args, device, dtype, draft_ahead)
+    engine_options = {"num_cpus": app_args.engine_num_cpus, "num_gpus": engine_gpus}
+    placement: dict[str, Any] = {"max_replicas_per_node": app_args.engine_max_replicas_per_node}
+    proposer_options = None
+    draft_ahead = False
+    if app_args.proposer_actor:  # each engine replica starts its own (deployments/proposer.py)
+        proposer_options = proposer_actor_options(app_args, proposer_gpus)
+        draft_ahead = app_args.proposer_draft_ahead(device, proposer_gpus)
+        bundles = engine_bundles(engine_options, proposer_options)
+        if bundles is not None:  # the pair on one node, the proposer's share counted where replicas go
+            if app_args.engine_max_replicas_per_node is not None:
+                raise ValueError(
+                    "engine_max_replicas_per_node cannot be combined with a proposer actor that reserves "
+                    "resources (Serve places each engine replica and its proposer as one placement group): "
+                    "leave it out, or set proposer_in_process: true"
+                )
+            placement = {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
     routing: dict[str, Any] = {}
     if several_engines:  # one replica needs no choice: Serve's own router, and no routing stats each second
         routing["request_router_config"] = RequestRouterConfig(
@@ -120,11 +139,11 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     engine = EngineDeployment.options(
         num_replicas="auto" if app_args.engine_autoscaling_config else app_args.num_engine_replicas,
         autoscaling_config=engine_autoscaling_config(app_args),
-        max_replicas_per_node=app_args.engine_max_replicas_per_node,
-        ray_actor_options={"num_cpus": app_args.engine_num_cpus, "num_gpus": engine_gpus},
+        ray_actor_options=engine_options,
         max_ongoing_requests=capacity + _CONTROL_CALLS,
+        **placement,
         **routing,
-    ).bind(app_args, device, dtype, proposer, draft_ahead)
+    ).bind(app_args, device, dtype, proposer_options, draft_ahead)
     return OpenAIIngress.options(
         num_replicas=app_args.num_ingress_replicas,
         ray_actor_options={"num_cpus": app_args.ingress_num_cpus},

@@ -23,30 +23,34 @@ a killed ingress replica's requests ran to their end), so a stream whose heartbe
 HEARTBEAT_S) stop for SUBSCRIBER_LEASE_S ends too. An engine replica that dies ends the ingress's stream
 to it: the ingress moves the requests that had no token yet to another replica and fails the others (an
 OpenAI error, in band once streaming), while Serve starts a new replica.
+
+With speculative decoding in a proposer actor, each replica starts its own on its node (start_proposer;
+deployments/proposer.py says why and how they are placed).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import ray
 import torch
 from prometheus_client import Metric
 from ray import serve
+from ray.actor import ActorHandle
 from ray.serve.exceptions import RayServeException
-from ray.serve.handle import DeploymentHandle
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from deployments.autoscaling import SEQUENCES_METRIC
 from deployments.config import AppArgs
 from deployments.engine_loop import ENGINE_SWITCH_INTERVAL_S, Delta, EngineLoop, UnknownSubscriberError
+from deployments.proposer import ProposerActor
 from deployments.routing import cached_block_keys
 from deployments.serve_logs import route_to_serve
 from engine.engine import Engine, EngineConfig
@@ -64,27 +68,11 @@ ATTACH_CALL_TIMEOUT_S = 30.0
 PROPOSER_START_S = 600.0  # DFlash: the engine waits this long for the proposer to say what it reads
 HEARTBEAT_S = 2.0  # an ingress replica tells the engine this often that it still reads its stream
 SUBSCRIBER_LEASE_S = 20.0  # a stream without a heartbeat for this long ends, aborting its requests
-T = TypeVar("T")
 
 
 class WrongReplicaError(TileInferError):
     """A call meant for another engine replica reached this one (Serve routes a call whose replica is gone
     to any other, which refuses it: the caller then knows that replica is gone)."""
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, call: Callable[[], Awaitable[T]], timeout_s: float) -> T:
-    """Make a handle call from a thread other than the replica's: on the replica's event loop, where
-    Serve wants its handles used (its throughput-optimized mode runs their router there), waiting here."""
-
-    async def on_the_loop() -> T:
-        return await call()
-
-    future = asyncio.run_coroutine_threadsafe(on_the_loop(), loop)
-    try:
-        return future.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        future.cancel()
-        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +83,7 @@ class EngineReplica:
     replica_id: str
     rank: int
     node_id: str
+    app_name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +105,12 @@ class EngineDeployment:
         args: AppArgs,
         device: str,
         dtype: str,
-        proposer_handle: DeploymentHandle | None = None,
+        proposer_options: dict[str, Any] | None = None,
         draft_ahead: bool = False,
     ) -> None:
-        """proposer_handle: the proposer deployment (deployments/proposer.py), when one runs beside;
-        draft_ahead: it drafts while this engine verifies, so its drafts cost about nothing here.
+        """proposer_options: the Ray options of this replica's proposer actor (deployments/proposer.py),
+        when it has one; draft_ahead: it drafts while this engine verifies, so its drafts cost about nothing
+        here.
 
         The model loads, and the engine builds and warms up, on a worker thread: the replica's event
         loop stays free for the proposer's attach call (made on that loop) and for Serve's own calls."""
@@ -136,15 +126,19 @@ class EngineDeployment:
         if draft_ahead:
             config = dataclasses.replace(config, draft_cost=VERIFY_COST_PER_DRAFT)
         self.proposer: RemoteProposer | None = None
-        if proposer_handle is not None:
-            loop = asyncio.get_running_loop()
+        self.proposer_actor: ActorHandle | None = None
+        if proposer_options is not None:
+            name = f"{self.replica.app_name}#Proposer#{self.replica.replica_id}"
+            proposer = self.proposer_actor = start_proposer(
+                proposer_options, name, args, device, dtype, draft_ahead
+            )
 
             def attach(channel_name: str) -> None:  # on the RemoteProposer's own thread, never per step
-                _on_loop(loop, lambda: proposer_handle.attach.remote(channel_name), ATTACH_CALL_TIMEOUT_S)
+                ray.get(proposer.attach.remote(channel_name), timeout=ATTACH_CALL_TIMEOUT_S)
 
             hidden = None
             if args.proposer == "dflash":  # the layers to capture: the engine must know them before it starts
-                hidden = await asyncio.wait_for(proposer_handle.hidden_layout.remote(), PROPOSER_START_S)
+                hidden = await asyncio.wait_for(proposer.hidden_layout.remote(), PROPOSER_START_S)
             # a step carries at most max_num_batched_tokens hidden rows; a longer prompt's cross over several
             capacity = ChannelCapacity(
                 max_requests=args.max_num_seqs, max_drafts=args.num_draft,
@@ -321,6 +315,21 @@ class EngineDeployment:
             proposer.close()
 
 
+def start_proposer(
+    options: dict[str, Any], name: str, args: AppArgs, device: str, dtype: str, draft_ahead: bool
+) -> ActorHandle:
+    """This engine replica's proposer actor (named `name`), on its node: in the second bundle of the
+    replica's placement group when Serve reserved one for the pair (build_app: engine_bundles), else
+    pinned to this node. Ray restarts it when its process dies; it dies with this replica, its owner."""
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        strategy: Any = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=1)
+    else:
+        strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(ProposerActor).options(
+        name=name, max_restarts=-1, scheduling_strategy=strategy, **options
+    )
+    return actor.remote(args, device, dtype, draft_ahead)
 
 
 def _this_replica() -> EngineReplica:
@@ -331,4 +340,6 @@ def _this_replica() -> EngineReplica:
         return EngineReplica("local", 0, "")
     rank = getattr(context, "rank", None)
     node_id = ray.get_runtime_context().get_node_id()
-    return EngineReplica(context.replica_id.unique_id, rank.rank if rank is not None else 0, node_id)
+    return EngineReplica(
+        context.replica_id.unique_id, rank.rank if rank is not None else 0, node_id, context.app_name
+    )

@@ -28,6 +28,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from deployments.engine import HEARTBEAT_S, WrongReplicaError
+from deployments.engine_loop import Delta
 from deployments.protocol import OpenAIError
 from deployments.routing import ROUTE_KWARG, RoutingPolicy
 from engine.sampling import SamplingParams
@@ -45,18 +46,71 @@ def _engine_stopped() -> OpenAIError:
     )
 
 
+class Inbox:
+    """A request's Deltas as they arrive, as (tag, delta), for the one task that reads them.
+
+    take() returns everything that arrived. It waits for a first item; with a deadline (a paced stream)
+    it waits until then, or until an item that ends its choice arrives, whichever is first; `eager`
+    (a request with stop strings, which the reader looks for as tokens arrive) wakes it for every item.
+    One future and at most one timer per wait: asyncio.Queue with wait_for cost a task's worth of
+    timeout machinery per event (the ingress's busiest code at 256 clients)."""
+
+    __slots__ = ("eager", "_items", "_waiter", "_wake_on_any", "_last_arrived")
+
+    def __init__(self) -> None:
+        self.eager = False
+        self._items: list[tuple[Any, Delta]] = []
+        self._waiter: asyncio.Future | None = None
+        self._wake_on_any = True
+        self._last_arrived = False  # an item that ends its choice is among _items
+
+    def put_nowait(self, item: tuple[Any, Delta]) -> None:
+        self._items.append(item)
+        delta = item[1]
+        last = delta[2] is not None or delta[4] is not None
+        self._last_arrived |= last
+        if self._waiter is not None and (self._wake_on_any or last) and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self, deadline: float | None = None) -> list[tuple[Any, Delta]]:
+        """deadline: the event loop's time; None waits for a first item only."""
+        loop = asyncio.get_running_loop()
+        ready = (
+            self._last_arrived
+            or (bool(self._items) and (deadline is None or self.eager))
+            or (deadline is not None and loop.time() >= deadline)
+        )
+        if not ready:
+            self._waiter = loop.create_future()
+            self._wake_on_any = deadline is None or self.eager
+            timer = None if deadline is None else loop.call_at(deadline, _wake, self._waiter)
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        items, self._items, self._last_arrived = self._items, [], False
+        return items
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 @dataclasses.dataclass(eq=False)
 class _Route:
     """One request, from its submit to its last Delta."""
 
-    queue: asyncio.Queue  # its Deltas go here as (tag, delta)
+    inbox: Inbox  # its Deltas go here as (tag, delta)
     tag: Any
     prompt_token_ids: list[int]
     params: SamplingParams
     block_keys: Sequence[int]
     link: _Link | None = None  # where it runs, once placed
     counted: str | None = None  # the replica the policy counts it in flight on
-    started: bool = False  # a token reached the queue: it can no longer move to another replica
+    started: bool = False  # a token reached the inbox: it can no longer move to another replica
     tried: list[str] = dataclasses.field(default_factory=list)  # replicas it failed on
 
 
@@ -84,15 +138,15 @@ class EngineClient:
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        queue: asyncio.Queue,
+        inbox: Inbox,
         tag: Any,
         block_keys: Sequence[int] = (),
     ) -> str:
         """Start a request on the engine replica the policy picks for its prompt (block_keys:
-        routing.block_keys); its Deltas arrive on `queue` as (tag, delta) until one ends it. Raises what
+        routing.block_keys); its Deltas arrive in `inbox` as (tag, delta) until one ends it. Raises what
         the engine refuses it with, or a 503 when no replica took it."""
         request_id = uuid.uuid4().hex  # chosen here, so that no output can arrive before its route
-        route = _Route(queue, tag, prompt_token_ids, params, block_keys)
+        route = _Route(inbox, tag, prompt_token_ids, params, block_keys)
         self._routes[request_id] = route
         try:
             await self._place(request_id, route)
@@ -266,7 +320,7 @@ class EngineClient:
                     if delta[2] is not None or delta[4] is not None:  # its last
                         self._routes.pop(delta[0], None)
                         self._leave(delta[0], route)
-                    route.queue.put_nowait((route.tag, delta))
+                    route.inbox.put_nowait((route.tag, delta))
         except Exception as error:  # noqa: BLE001 - the engine replica died or restarted
             logger.warning("engine replica %s: its outputs stream failed: %s", link.replica_id, error)
             failure = error
@@ -295,11 +349,11 @@ class EngineClient:
                 self._keep(self._move(request_id, route))
             else:
                 self._routes.pop(request_id, None)
-                route.queue.put_nowait((route.tag, (request_id, [], None, None, _engine_stopped())))
+                route.inbox.put_nowait((route.tag, (request_id, [], None, None, _engine_stopped())))
 
     async def _move(self, request_id: str, route: _Route) -> None:
         try:
             await self._place(request_id, route)
         except BaseException as error:  # noqa: BLE001 - it ends with the error, in band
             if self._routes.pop(request_id, None) is not None:
-                route.queue.put_nowait((route.tag, (request_id, [], None, None, error)))
+                route.inbox.put_nowait((route.tag, (request_id, [], None, None, error)))

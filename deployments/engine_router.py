@@ -24,9 +24,9 @@ class EngineRouter(PowerOfTwoChoicesRequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self.policy.set_replicas({
-            replica.replica_id.unique_id: replica.routing_stats for replica in replicas
-        })
+        self.policy.set_replicas(
+            {replica.replica_id.unique_id: replica.routing_stats for replica in replicas}
+        )
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -19,7 +19,6 @@ metrics_require_key (vLLM's convention). Calls to the engine beyond requests (/h
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import hmac
 import json
@@ -38,7 +37,7 @@ from starlette.exceptions import HTTPException
 from deployments import openapi
 from deployments.config import AppArgs
 from deployments.engine import EngineInfo
-from deployments.engine_client import EngineClient
+from deployments.engine_client import EngineClient, Inbox
 from deployments.engine_loop import Delta
 from deployments.metrics import exposition, router_families
 from deployments.protocol import (
@@ -95,7 +94,7 @@ class _Prepared:
     model: str
     prompts: list[list[int]]
     choices: list[_Choice]
-    outputs: asyncio.Queue
+    outputs: Inbox
 
 
 class BodySizeLimit:
@@ -167,28 +166,22 @@ class OpenAIIngress:
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """A chat completion, as the HTTP API returns it (stream is ignored)."""
-        body = json_body_of(body)
-        prepared = await self._prepare_chat({**body, "stream": False})
-        return await self._chat_response(prepared, self._parse_chat(body))
+        request = self._parse_chat({**json_body_of(body), "stream": False})
+        return await self._chat_response(await self._prepare_chat(request), request)
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The chunks of a streamed chat completion (call with handle.options(stream=True))."""
-        body = json_body_of(body)
-        request = self._parse_chat({**body, "stream": True})
-        prepared = await self._prepare_chat({**body, "stream": True})
-        async for chunk in self._chat_chunks(prepared, request):
+        request = self._parse_chat({**json_body_of(body), "stream": True})
+        async for chunk in self._chat_chunks(await self._prepare_chat(request), request):
             yield chunk
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        body = json_body_of(body)
-        prepared = await self._prepare_completion({**body, "stream": False})
-        return await self._completion_response(prepared, self._parse_completion(body))
+        request = self._parse_completion({**json_body_of(body), "stream": False})
+        return await self._completion_response(await self._prepare_completion(request), request)
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        body = json_body_of(body)
-        request = self._parse_completion({**body, "stream": True})
-        prepared = await self._prepare_completion({**body, "stream": True})
-        async for chunk in self._completion_chunks(prepared, request):
+        request = self._parse_completion({**json_body_of(body), "stream": True})
+        async for chunk in self._completion_chunks(await self._prepare_completion(request), request):
             yield chunk
 
     # --- the HTTP app ---------------------------------------------------------------------------
@@ -218,9 +211,8 @@ class OpenAIIngress:
             ),
         )
         async def chat_completions(request: Request) -> Response:
-            body = await self._read_body(request)
-            parsed = self._parse_chat(body)
-            prepared = await self._prepare_chat(body)
+            parsed = self._parse_chat(await self._read_body(request))
+            prepared = await self._prepare_chat(parsed)
             if parsed.stream:
                 return self._sse_response(self._chat_chunks(prepared, parsed))
             return JSONResponse(await self._chat_response(prepared, parsed))
@@ -230,9 +222,8 @@ class OpenAIIngress:
             **openapi.generation_route(CompletionRequest, openapi.Completion, openapi.CompletionChunk),
         )
         async def completions(request: Request) -> Response:
-            body = await self._read_body(request)
-            parsed = self._parse_completion(body)
-            prepared = await self._prepare_completion(body)
+            parsed = self._parse_completion(await self._read_body(request))
+            prepared = await self._prepare_completion(parsed)
             if parsed.stream:
                 return self._sse_response(self._completion_chunks(prepared, parsed))
             return JSONResponse(await self._completion_response(prepared, parsed))
@@ -365,8 +356,7 @@ class OpenAIIngress:
             raise OpenAIError.model_not_found(model, info.model_name)
         return info
 
-    async def _prepare_chat(self, body: dict[str, Any]) -> _Prepared:
-        request = self._parse_chat(body)
+    async def _prepare_chat(self, request: ChatCompletionRequest) -> _Prepared:
         info = await self._check_model(request.model)
         try:
             prompt = self.tokenizer.encode_chat(
@@ -378,8 +368,7 @@ class OpenAIIngress:
             raise openai_error_from(error, prompt_param=request.prompt_field) from None
         return await self._submit(request, [prompt], info, "chatcmpl")
 
-    async def _prepare_completion(self, body: dict[str, Any]) -> _Prepared:
-        request = self._parse_completion(body)
+    async def _prepare_completion(self, request: CompletionRequest) -> _Prepared:
         info = await self._check_model(request.model)
         prompts = [
             self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -389,7 +378,7 @@ class OpenAIIngress:
 
     async def _submit(self, request: Any, prompts: list[list[int]], info: EngineInfo, kind: str) -> _Prepared:
         """Start one engine request per choice; every one must be accepted, or none runs."""
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = Inbox()
         choices: list[_Choice] = []
         try:
             for prompt_index, prompt in enumerate(prompts):
@@ -397,6 +386,7 @@ class OpenAIIngress:
                 max_tokens = max_tokens_for(request, len(prompt), info.max_model_len)
                 for sample_index in range(request.n):
                     params = sampling_params_for(request, sample_index, max_tokens)
+                    outputs.eager |= bool(params.stop)  # stop strings: read each token as it comes
                     text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
                     choice = _Choice(len(choices), prompt_index, len(prompt), text)
                     # stop strings are found here, as the text is made
@@ -427,19 +417,11 @@ class OpenAIIngress:
         remaining = len(prepared.choices)
         loop = asyncio.get_running_loop()
         joined: dict[_Choice, RequestOutput] = {}
-        next_yield = 0.0  # loop time
+        next_yield = None  # loop time; None: the next output goes out as soon as it arrives
         self._open_streams += paced
         try:
             while remaining:
-                ready = []
-                if not joined:
-                    ready.append(await prepared.outputs.get())
-                elif (wait := next_yield - loop.time()) > 0:
-                    with contextlib.suppress(TimeoutError):  # Queue.get loses no item when cancelled
-                        ready.append(await asyncio.wait_for(prepared.outputs.get(), wait))
-                while not prepared.outputs.empty():
-                    ready.append(prepared.outputs.get_nowait())
-                for choice, delta in ready:
+                for choice, delta in await prepared.outputs.take(next_yield if joined else None):
                     if choice.finished:
                         continue  # past its stop string
                     output = self._text_of(choice, delta)
@@ -448,11 +430,11 @@ class OpenAIIngress:
                     else:
                         joined[choice] = output
                     remaining -= output.finished
-                if joined and (not paced or not remaining or loop.time() >= next_yield):
+                if joined and (next_yield is None or not remaining or loop.time() >= next_yield):
                     for item in joined.items():
                         yield item
                     joined = {}
-                    next_yield = loop.time() + self._event_interval_s() if paced else 0.0
+                    next_yield = loop.time() + self._event_interval_s() if paced else None
         finally:
             self._open_streams -= paced
             for choice in prepared.choices:

@@ -1,12 +1,18 @@
-"""The proposer deployment: a draft proposer in an actor of its own, beside the engine.
+"""The proposer actor: a draft proposer in a GPU actor of its own, beside its engine replica.
+
+Each engine replica starts its own (deployments/engine.py, start_proposer): their channel is host
+memory, so the pair must share a node. With a proposer of GPU or CPU resources, Serve reserves the pair
+as one placement group of two bundles on one node (STRICT_PACK, deployments/app.py: engine_bundles), so
+the proposer's share counts where replicas are placed, and the proposer runs in the second bundle; with
+none, it is pinned to the engine's node. Ray restarts it when its process dies, and it dies with its
+engine replica (it is that replica's child).
 
 The engine's RemoteProposer creates a shared-memory channel and calls `attach(channel_name)` once (again
 after a failure); from then on every step crosses the channel, served here on a thread, with no Ray call.
 For DFlash the engine first asks `hidden_layout()` once, to make a channel that carries the target's
-hidden states in this proposer's layout. The channel is host memory, so this replica must run on the
-engine's node.
+hidden states in this proposer's layout.
 
-With a GPU of its own, the replica sees every GPU of the node (build_app sets SEE_ALL_GPUS), so that it
+With a GPU of its own, the actor sees every GPU of the node (build_app sets SEE_ALL_GPUS), so that it
 can map the engine's buffer of DFlash rows as a peer (proposers/device_rows.py), and works on the GPU
 that Ray assigned it: each thread that runs CUDA work here selects that GPU first.
 """
@@ -19,10 +25,8 @@ import threading
 
 import ray
 import torch
-from ray import serve
 
 from deployments.config import AppArgs
-from deployments.serve_logs import route_to_serve
 from engine.loader import load_model
 from proposers.factory import build_proposer
 from proposers.remote import HiddenLayout, ProposerServer, hidden_layout
@@ -42,11 +46,10 @@ def assigned_gpu_index(gpu_ids: list[int | str], visible: str | None) -> int:
     return visible.split(",").index(first) if visible else int(first)
 
 
-@serve.deployment(name="Proposer", health_check_period_s=5)
-class ProposerDeployment:
+class ProposerActor:
     def __init__(self, args: AppArgs, device: str, dtype: str, draft_ahead: bool = False) -> None:
         """draft_ahead: draft the next block after each answer (build_app decides: a GPU of its own)."""
-        route_to_serve()
+        logging.basicConfig(level=logging.INFO)  # not a Serve replica: its stderr goes to Ray's logs
         self._gpu: int | None = None  # set when this process sees more GPUs than its own
         if device == "cuda" and os.environ.get(SEE_ALL_GPUS):
             self._gpu = assigned_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))

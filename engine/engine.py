@@ -37,7 +37,6 @@ from engine.speculator import Speculator
 from kernels.int8 import Int8Weight
 from kernels.kv_cache import KV_CACHE_DTYPES
 from kernels.linear import prefetch_order, reserve_dequant_workspace
-from kernels.sampling import _chunking as sampling_chunking  # warm_up: the sampler's variants
 
 if TYPE_CHECKING:
     from proposers.base import Proposer
@@ -582,15 +581,12 @@ class Engine:
         ]  # fmt: skip
         # (prompt length, params) per request; a negative length: one phrase repeated (n-gram drafts)
         batches: list[list[tuple[int, SamplingParams]]] = [[(1, params)] for params in variants]
-        # More rows at once: the first row count of each sampling variant (Triton compiles one per constexpr
-        # power of two of the chunk count and per specialization of its ints: 1, divisible by 16, other).
-        seen = set()
-        for rows in range(1, min(config.max_num_seqs, self.max_num_batched_tokens) + 1):
-            chunk_size, num_chunks = sampling_chunking(rows, vocab_size, self.device)
-            variant = (1 << (num_chunks - 1).bit_length(), num_chunks == 1, num_chunks % 16, chunk_size % 16)
-            if rows > 1 and (variant not in seen or rows in (2, 16)):
+        # More rows at once: the sampler's kernels compile once for any row count (kernels/sampling.py);
+        # launches indexed by row count compile per specialization of it: 1 (above), divisible by 16, other.
+        most_rows = min(config.max_num_seqs, self.max_num_batched_tokens)
+        for rows in (2, 16):
+            if rows <= most_rows:
                 batches.append([(1, variants[row % len(variants)]) for row in range(rows)])
-            seen.add(variant)
         long_prompt = self.max_num_batched_tokens + 1  # first chunks of the whole budget, and of it less 2
         if long_prompt <= self.max_prompt_tokens:
             batches += [[(long_prompt, greedy)], [(2, greedy), (long_prompt, greedy)]]

@@ -136,8 +136,30 @@ def test_engine_replicas_and_autoscaling_reach_serve() -> None:
     assert autoscaling.policy.policy_function == "deployments.autoscaling:sequences_policy"
     with pytest.raises(ValueError, match="not both"):
         parse_app_args({"num_engine_replicas": 2, "engine_autoscaling_config": {"max_replicas": 2}})
-    with pytest.raises(ValueError, match="proposer_in_process"):
-        build_app({"num_engine_replicas": 2, "proposer": "ngram"})
+
+
+def test_each_engine_replica_reserves_its_proposer_beside_it() -> None:
+    """With a proposer actor that takes resources, Serve reserves each engine replica and its proposer as
+    one placement group on one node (the replica starts the proposer in the second bundle)."""
+    from deployments.app import build_app, engine_bundles
+
+    paired = _engine_deployment(
+        build_app({"num_engine_replicas": 2, "proposer": "ngram", "proposer_num_cpus": 2})
+    )
+    assert paired._replica_config.placement_group_bundles == [{"CPU": 1.0}, {"CPU": 2.0}]
+    assert paired._replica_config.placement_group_strategy == "STRICT_PACK"
+    assert paired.init_args[3] == {"num_cpus": 2.0, "num_gpus": 0.0}  # the proposer's Ray options
+    assert engine_bundles({"num_cpus": 1, "num_gpus": 0.5}, {"num_cpus": 1, "num_gpus": 0.5}) == [
+        {"CPU": 1.0, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.5},
+    ]  # fmt: skip
+    # nothing to reserve for one of them (Ray takes no empty bundle): the proposer is pinned to the node
+    unreserved = _engine_deployment(build_app({"proposer": "ngram", "proposer_num_cpus": 0}))
+    assert unreserved._replica_config.placement_group_bundles is None
+    assert (
+        _engine_deployment(build_app({"proposer": "ngram", "proposer_in_process": True})).init_args[3] is None
+    )
+    with pytest.raises(ValueError, match="engine_max_replicas_per_node"):
+        build_app({"num_engine_replicas": 2, "engine_max_replicas_per_node": 1, "proposer": "ngram"})
 
 
 def test_the_autoscaling_policy_scales_on_the_engines_sequences() -> None:

@@ -285,7 +285,7 @@ def test_an_abort_is_not_made_in_the_request_context_it_is_for(monkeypatch: pyte
     from ingress_harness import FakeEngine
     from ray.serve import context as serve_context
 
-    from deployments.engine_client import EngineClient
+    from deployments.engine_client import EngineClient, Inbox
 
     contexts = []
 
@@ -301,7 +301,7 @@ def test_an_abort_is_not_made_in_the_request_context_it_is_for(monkeypatch: pyte
 
     async def run() -> None:
         client = EngineClient(engine)
-        request_id = await client.submit([1, 2, 3], SamplingParams(max_tokens=4), asyncio.Queue(), None)
+        request_id = await client.submit([1, 2, 3], SamplingParams(max_tokens=4), Inbox(), None)
         serve_context._serve_request_context.set(serve_context._RequestContext(request_id="the-request"))
         client.abort(request_id)
         await asyncio.gather(*client._calls)

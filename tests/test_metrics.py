@@ -90,5 +90,3 @@ def test_a_snapshot_pickles_and_no_engine_leaves_the_rest() -> None:
     assert _parse(exposition([], router_families({"retry": 1}))) == {
         ("tileinfer_router_decisions_total", (("decision", "retry"),)): 1
     }
-
-

@@ -1,8 +1,9 @@
 """Engine replicas on a two-node Ray cluster on this machine: a head and a worker, each with its own
-resources, two SmolLM2 engine replicas, one on each node (engine_max_replicas_per_node:
-1), served by `serve run` (deployments/launch.py) over HTTP. Requests reach both; a conversation's turns
-reach one replica, which its metrics show; an engine replica killed under load loses no request that had
-no token yet, hangs none, and new requests are served."""
+resources, two SmolLM2 engine replicas, each with its n-gram proposer actor beside it (the pair reserves
+a node's one CPU, so one pair lands on each node), served by `serve run` (deployments/launch.py) over
+HTTP. Requests reach both, and both draft; a conversation's turns reach one replica, which its metrics
+show; an engine replica killed under load loses no request that had no token yet, hangs none, and new
+requests are served."""
 
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def base_url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> It
         app = config["applications"][0]
         app["name"] = APP
         app["args"] = {
-            **app["args"], "num_engine_replicas": 2, "engine_max_replicas_per_node": 1, "engine_num_cpus": 0,
-            "kv_cache_tokens": 4096, "max_model_len": 2048, "max_num_seqs": 8,
+            **app["args"], "num_engine_replicas": 2, "engine_num_cpus": 0.5, "kv_cache_tokens": 4096,
+            "max_model_len": 2048, "max_num_seqs": 8, "proposer": "ngram", "proposer_num_cpus": 0.5,
         }  # fmt: skip
         config_path = workdir / "serve_config.yaml"
         config_path.write_text(yaml.safe_dump(config))
@@ -148,11 +149,14 @@ def test_replicas_run_on_both_nodes_and_both_serve(base_url: str) -> None:
     before = _by_engine(base_url, "tileinfer_requests_total")
     rng = random.Random(1)
     for _ in range(6):  # new prompts: each goes to the least loaded replica, ties broken at random
-        _complete(base_url, " ".join(rng.choice(WORDS) for _ in range(40)))
+        phrase = " ".join(rng.choice(WORDS) for _ in range(5))
+        _complete(base_url, " ".join([phrase] * 8), max_tokens=8)  # repeated: n-gram drafts
     after = _by_engine(base_url, "tileinfer_requests_total")
     served = {engine: after.get(engine, 0) - before.get(engine, 0) for engine in ("0", "1")}
     assert sum(served.values()) == 6
     assert all(count > 0 for count in served.values()), served
+    drafted = _by_engine(base_url, "tileinfer_spec_drafts_proposed_total")
+    assert all(drafted.get(engine, 0) > 0 for engine in ("0", "1")), drafted  # each has its proposer
 
 
 def test_a_conversations_turns_reach_the_replica_of_its_first(base_url: str) -> None:
