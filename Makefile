@@ -3,6 +3,8 @@
 #   make run   the main job: serve the embedded default model (SmolLM2-135M) with
 #              `serve run serve_config.yaml`, an OpenAI-compatible API on http://127.0.0.1:8000.
 #   make test  lint and the test suite: what CI runs (.ci/run).
+#   make run HAPROXY=1  the same behind Ray Serve's HAProxy mode (ray[serve] brings HAProxy on Linux;
+#              its stats and metrics pages listen beyond loopback: README, Scaling out).
 
 PYTHON = python3
 VENV = .venv
@@ -14,7 +16,7 @@ INSTALLED = $(VENV)/.installed
 # SIGTERM to it) stops the app, then the Ray it started.
 run: $(INSTALLED)
 	$(VENV)/bin/python -m engine.default_model
-	exec $(VENV)/bin/python -m deployments.launch serve_config.yaml
+	exec $(VENV)/bin/python -m deployments.launch serve_config.yaml $(if $(HAPROXY),--haproxy)
 
 test: $(INSTALLED)
 	$(VENV)/bin/ruff check .

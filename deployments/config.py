@@ -152,7 +152,7 @@ class AppArgs(BaseModel):
 
     @property
     def proposer_actor(self) -> bool:
-        """Whether a proposer deployment runs beside the engine."""
+        """Whether each engine replica runs a proposer actor beside it."""
         return self.proposer is not None and not self.proposer_in_process
 
     @property
@@ -172,7 +172,7 @@ class AppArgs(BaseModel):
         return self.model_copy(update=unset) if unset else self
 
     def engine_config(self, device: str, dtype: str, gpu_memory_share: float = 1.0) -> EngineConfig:
-        """The engine's settings, proposer included (the engine or the proposer deployment builds it)."""
+        """The engine's settings, proposer included (the engine or its proposer actor builds it)."""
         args = self.for_device(device)
         return EngineConfig(
             gpu_memory_share=gpu_memory_share,

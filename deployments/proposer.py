@@ -92,7 +92,7 @@ class ProposerActor:
             server = ProposerServer(self.proposer, channel_name, self._lock, self.draft_ahead)
         except FileNotFoundError:
             raise RuntimeError(
-                f"no shared-memory channel {channel_name!r} on this node: the proposer replica must run on "
+                f"no shared-memory channel {channel_name!r} on this node: the proposer actor must run on "
                 "the engine's node"
             ) from None
         previous, self._server = self._server, server
