@@ -113,7 +113,7 @@ class EngineDeployment:
         here.
 
         The model loads, and the engine builds and warms up, on a worker thread: the replica's event
-        loop stays free for the proposer's attach call (made on that loop) and for Serve's own calls."""
+        loop stays free for Serve's own calls."""
         route_to_serve()
         self.replica = _this_replica()
         self.routing_decisions: dict[str, dict[str, int]] = {}  # subscriber -> its ingress's counts
@@ -126,7 +126,7 @@ class EngineDeployment:
         if draft_ahead:
             config = dataclasses.replace(config, draft_cost=VERIFY_COST_PER_DRAFT)
         self.proposer: RemoteProposer | None = None
-        self.proposer_actor: ActorHandle | None = None
+        self.proposer_actor: ActorHandle | None = None  # held: Ray ends an actor whose handles are all gone
         if proposer_options is not None:
             name = f"{self.replica.app_name}#Proposer#{self.replica.replica_id}"
             proposer = self.proposer_actor = start_proposer(

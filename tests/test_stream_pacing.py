@@ -13,6 +13,7 @@ import pytest
 from ingress_harness import make_ingress
 
 from deployments import ingress as ingress_module
+from deployments.engine_client import Inbox
 from engine.detokenizer import TextStream
 from engine.loader import load_tokenizer
 from engine.tokenizer import Tokenizer
@@ -25,7 +26,9 @@ def tokenizer(smollm2_gguf: Path) -> Tokenizer:
 
 def _prepared(tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> ingress_module._Prepared:
     choice = ingress_module._Choice(0, 0, 3, TextStream(tokenizer, stop), engine_request_id="r0")
-    return ingress_module._Prepared("cmpl-test", 0, "smollm2-135m", [[1, 2, 3]], [choice], asyncio.Queue())
+    outputs = Inbox()
+    outputs.eager = bool(stop)  # as the ingress's _submit sets it: stop strings are looked for on arrival
+    return ingress_module._Prepared("cmpl-test", 0, "smollm2-135m", [[1, 2, 3]], [choice], outputs)
 
 
 def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
