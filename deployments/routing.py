@@ -143,7 +143,7 @@ class RoutingPolicy:
             )
             if not balanced:
                 decision = "load_fallback"
-            elif self.prefix_aware and keys:
+            elif keys:
                 cached = {replica: self._cached_prefix(replica, keys) for replica in candidates}
                 best = max(cached.values())
                 if best >= self.affinity_threshold * len(keys) and best > 0:

@@ -167,12 +167,13 @@ class BlockManager:
         # full blocks, shared by reference
         while num_reused + block_size <= reusable:
             chunk = tokens[num_reused : num_reused + block_size]
-            block_id = self.hash_to_block.get(_chain_hash(parent_hash, chunk))
+            block_hash = _chain_hash(parent_hash, chunk)
+            block_id = self.hash_to_block.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break
             self._reference(self.blocks[block_id])
             seq.block_table.append(block_id)
-            parent_hash = _chain_hash(parent_hash, chunk)
+            parent_hash = block_hash
             seq.block_hashes.append(parent_hash)
             num_reused += block_size
         # then the longest partial match below, copied into a block of the sequence's own

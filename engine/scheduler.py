@@ -103,7 +103,7 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """A prompt's first share of the step: all its tokens left, a long one's capped at the threshold."""
-        return min(seq.num_tokens - seq.num_computed_tokens, self.long_prefill_token_threshold, budget)
+        return min(seq.num_uncomputed_tokens, self.long_prefill_token_threshold, budget)
 
     def schedule(self, exclude: Collection[Sequence] = (), drafting: Collection[Sequence] = ()) -> Batch:
         """exclude: running sequences that sit this step out (they finish once the host reads their
@@ -127,13 +127,13 @@ class Scheduler:
                 continue
             self.block_manager.append_slots(seq, 0)
             # the speculator asked for no more drafts than the budget holds beside one token a sequence
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget)
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         # Prompts being prefilled: admission gave them blocks for all their tokens, so none is preempted here.
         prefilling = [seq for seq in self.running if seq not in exclude and _is_prefilling(seq, drafting)]
         threshold = self.long_prefill_token_threshold
-        num_long = sum(seq.num_tokens - seq.num_computed_tokens > threshold for seq in prefilling)
+        num_long = sum(seq.num_uncomputed_tokens > threshold for seq in prefilling)
         chunks: list[ScheduledSequence] = []
         for seq in prefilling:
             if budget == 0:
@@ -163,14 +163,14 @@ class Scheduler:
             copies += self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_long += seq.num_tokens - seq.num_computed_tokens > threshold
+            num_long += seq.num_uncomputed_tokens > threshold
             chunks.append(ScheduledSequence(seq, self._chunk(seq, budget)))
             budget -= chunks[-1].num_new_tokens
         # What the prompts left goes to the long ones, oldest first (short ones have all their tokens).
         for item in chunks:
             if budget == 0:
                 break
-            more = min(item.seq.num_tokens - item.seq.num_computed_tokens - item.num_new_tokens, budget)
+            more = min(item.seq.num_uncomputed_tokens - item.num_new_tokens, budget)
             item.num_new_tokens += more
             budget -= more
         scheduled += chunks
@@ -183,4 +183,4 @@ class Scheduler:
 def _is_prefilling(seq: Sequence, drafting: Collection[Sequence]) -> bool:
     """Whether a running sequence has prompt tokens (or, resumed after a preemption, generated ones) to
     compute before it samples: more than its last token, drafts aside."""
-    return seq.num_computed_tokens + 1 < seq.num_tokens and seq not in drafting
+    return seq.num_uncomputed_tokens > 1 and seq not in drafting

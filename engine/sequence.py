@@ -39,6 +39,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose keys and values are not in the cache yet."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

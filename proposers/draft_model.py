@@ -219,7 +219,7 @@ class DraftModelProposer:
         previous: Launch | None = None
         active = [seq for seq, num_tokens in goal.items() if seq.num_tokens < num_tokens]
         while active:
-            if all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in active):
+            if all(seq.num_uncomputed_tokens == 1 for seq in active):
                 if len(unread) == 2:  # the runner's pinned buffers alternate between two launches
                     _read(*unread.popleft())
                 launch = self.runner.launch([ScheduledSequence(seq, 1) for seq in active], previous)
@@ -248,7 +248,7 @@ class DraftModelProposer:
         scheduled: list[ScheduledSequence] = []
         budget = self.max_num_batched_tokens
         for seq in seqs:
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new > 0:
                 scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
