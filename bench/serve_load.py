@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import dataclasses
 import functools
 import json
@@ -753,12 +754,13 @@ def serve_setup(app_args: Any, env: Mapping[str, str]) -> dict[str, Any]:
     was given; null: the app's default), ingress replicas and router, and Serve's mode, from the
     environment serve run starts with."""
     optimized = env.get("RAY_SERVE_THROUGHPUT_OPTIMIZED") == "1"  # Ray Serve reads "1" as on, else off
+    haproxy = env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
     return {
         "engine_replicas": app_args.num_engine_replicas,
         "engine_num_gpus": app_args.engine_num_gpus,
         "ingress_replicas": app_args.num_ingress_replicas,
         "engine_router": app_args.engine_router,
-        "serve_mode": "throughput-optimized" if optimized else "default",
+        "serve_mode": ("throughput-optimized" if optimized else "default") + (", HAProxy" if haproxy else ""),
     }
 
 
@@ -984,6 +986,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--health-timeout", type=float, default=900)
     parser.add_argument("--client-processes", type=int, default=1, help="client processes per level")
     parser.add_argument("--ingress-replicas", type=int, default=None, help="num_ingress_replicas")
+    parser.add_argument("--serve-proxy", action="store_true", help="Serve's Python proxy, not HAProxy mode")
     parser.add_argument("--engine-replicas", type=int, default=1, help="num_engine_replicas")
     parser.add_argument("--engine-num-gpus", type=float, default=None, help="default: 1/N on one GPU")
     parser.add_argument("--engine-router", choices=ROUTERS, default=None, help="default: the app's")
@@ -1073,14 +1076,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.serve_config:
             # the project first, then whatever the caller's path holds (the GPU machine's wheels: Ray)
             python_path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-            from deployments.launch import RAY_ENV, SERVE_ENV
+            from deployments.launch import cluster_env
 
-            env = {**SERVE_ENV, **os.environ, **RAY_ENV, "PYTHONPATH": python_path}  # as `make run`'s
+            env, haproxy_dir = cluster_env(args.serve_proxy)  # as `make run`'s
+            if haproxy_dir is not None:
+                atexit.register(shutil.rmtree, haproxy_dir, True)
+            env["PYTHONPATH"] = python_path
             routers = ROUTERS if args.compare_routers else (args.engine_router,)
             num_gpus = _num_gpus(app_args.device)
             apps = [with_app_args(config, engine_replica_args(args, num_gpus, router)) for router in routers]
             served = [parse_app_args(app["applications"][0]["args"]) for app in apps]  # before Ray starts
-            meta["serve"] = serve_setup(served[0], env)
+            # as build_app resolves it: the head offers this machine's CPUs
+            device = "cuda" if num_gpus else "cpu"
+            meta["serve"] = serve_setup(served[0].for_device(device, os.cpu_count() or 1), env)
             workload = shared_prefix_workload(app_args.model) if shared else http_levels
             meta["ready_s"] = {}
             by_router: dict[str, dict[str, Any]] = {}

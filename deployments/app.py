@@ -7,6 +7,7 @@ program passes its result to `serve.run(...)` just the same.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import ray
@@ -34,6 +35,13 @@ def _cluster_gpus() -> float:
     import torch
 
     return float(torch.cuda.device_count())
+
+
+def _cluster_cpus() -> float:
+    """CPUs in the Ray cluster (outside Ray: on this machine)."""
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("CPU", 0))
+    return float(os.cpu_count() or 1)
 
 
 def gpu_shares(app_args: AppArgs, cluster_gpus: float) -> tuple[float, float]:
@@ -108,7 +116,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         )
     several_engines = app_args.num_engine_replicas > 1 or app_args.engine_autoscaling_config is not None
     device = resolve_device(app_args.device)
-    app_args = app_args.for_device(device)
+    app_args = app_args.for_device(device, _cluster_cpus())
     dtype = app_args.dtype if app_args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     capacity = app_args.max_num_seqs + app_args.max_queue_len
     on_gpu = device == "cuda"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
@@ -16,6 +16,10 @@ from engine.engine import EngineConfig
 GPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 64
 CPU_KV_CACHE_TOKENS = 16384
+# num_ingress_replicas auto: one ingress replica per CPUS_PER_INGRESS of the cluster's CPUs, at most
+# MAX_AUTO_INGRESS (each serves HTTP and detokenizes on one core; BENCHMARKS.md, Serve-load).
+CPUS_PER_INGRESS = 4
+MAX_AUTO_INGRESS = 4
 # The API key from the environment of the ingress replicas (as vLLM's VLLM_API_KEY), when the args give
 # neither api_key nor api_key_file.
 API_KEY_ENV = "TILEINFER_API_KEY"
@@ -67,7 +71,9 @@ class AppArgs(BaseModel):
     metrics_require_key: bool = Field(False, description="/metrics needs the key too (by default not)")
     engine_num_cpus: float = Field(1.0, ge=0)
     ingress_num_cpus: float = Field(0.0, ge=0)
-    num_ingress_replicas: int = Field(1, ge=1)
+    num_ingress_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description=f"auto: one per {CPUS_PER_INGRESS} of the cluster's CPUs, 1 to {MAX_AUTO_INGRESS}"
+    )
     # Engine replicas (README, Scaling out): Serve places them over the cluster's GPUs and nodes, each with
     # engine_num_gpus of a GPU, and the ingress routes each request to one (deployments/routing.py).
     num_engine_replicas: int = Field(1, ge=1, description="engine replicas; each holds the whole model")
@@ -159,16 +165,20 @@ class AppArgs(BaseModel):
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
-    def for_device(self, device: str) -> AppArgs:
-        """These args with the device's defaults in place of null (build_app resolves them once, so every
-        deployment sees numbers): max_num_seqs, and on the CPU kv_cache_tokens (on a GPU it stays null:
-        the engine sizes its cache from the free memory)."""
+    def for_device(self, device: str, cluster_cpus: float = 1.0) -> AppArgs:
+        """These args with the cluster's defaults in place of null and auto (build_app resolves them once,
+        so every deployment sees numbers): max_num_seqs, on the CPU kv_cache_tokens (on a GPU it stays
+        null: the engine sizes its cache from the free memory), and num_ingress_replicas."""
         on_gpu = device == "cuda"
         defaults = {
             "max_num_seqs": GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS,
             "kv_cache_tokens": None if on_gpu else CPU_KV_CACHE_TOKENS,
         }
         unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
+        if self.num_ingress_replicas == "auto":
+            unset["num_ingress_replicas"] = min(
+                MAX_AUTO_INGRESS, max(1, int(cluster_cpus) // CPUS_PER_INGRESS)
+            )
         return self.model_copy(update=unset) if unset else self
 
     def engine_config(self, device: str, dtype: str, gpu_memory_share: float = 1.0) -> EngineConfig:

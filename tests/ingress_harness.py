@@ -141,7 +141,11 @@ def make_ingress(tokenizer: Tokenizer, monkeypatch: Any, **args: Any) -> tuple[A
     engine = FakeEngine(tokenizer.encode("a", add_special_tokens=False)[0])
     cls = ingress_module.OpenAIIngress.func_or_class.__mro__[1]  # the class under Serve's wrapper
     ingress = cls.__new__(cls)
-    cls.__init__(ingress, AppArgs.model_validate({"served_model_name": MODEL, **args}), engine)
+    cls.__init__(
+        ingress,
+        AppArgs.model_validate({"served_model_name": MODEL, "num_ingress_replicas": 1, **args}),
+        engine,
+    )
     return ingress, engine
 
 

@@ -95,6 +95,16 @@ def test_null_args_take_the_devices_defaults() -> None:
     assert (on_gpu.max_num_seqs, on_gpu.kv_cache_tokens, on_gpu.gpu_memory_utilization) == (8, 4096, 0.5)
 
 
+@pytest.mark.parametrize(("cluster_cpus", "replicas"), [(2, 1), (7, 1), (8, 2), (16, 4), (128, 4)])
+def test_ingress_replicas_auto_follow_the_clusters_cpus(cluster_cpus: float, replicas: int) -> None:
+    assert parse_app_args({}).for_device("cpu", cluster_cpus).num_ingress_replicas == replicas
+    assert (
+        parse_app_args({"num_ingress_replicas": 3}).for_device("cpu", cluster_cpus).num_ingress_replicas == 3
+    )
+    with pytest.raises(ValueError, match="num_ingress_replicas"):
+        parse_app_args({"num_ingress_replicas": 0})
+
+
 @pytest.mark.parametrize("fraction", [0, 1.5, -0.1])
 def test_gpu_memory_utilization_must_be_a_share(fraction: float) -> None:
     with pytest.raises(ValueError, match="gpu_memory_utilization"):

@@ -20,6 +20,7 @@ import pytest
 from ingress_harness import MODEL, build, make_ingress
 from serving import API_KEY, Served
 
+from deployments import haproxy
 from deployments import ingress as ingress_module
 from deployments.config import API_KEY_ENV, parse_app_args
 from deployments.protocol import RETRY_AFTER_S, OpenAIError, json_body_of
@@ -413,11 +414,14 @@ def _ray_listeners() -> list[tuple[str, int, str]]:
 
 
 def test_every_listener_is_on_loopback(served: Served) -> None:
-    """Ray on 127.0.0.1, and each Serve replica's inter-deployment gRPC server on the node's address
-    (deployments/listeners.py), not on [::] as Ray binds it: nothing of the app listens beyond loopback."""
+    """Ray on 127.0.0.1, each Serve replica's inter-deployment gRPC server on the node's address
+    (deployments/listeners.py), not on [::] as Ray binds it, and HAProxy's stats and Prometheus pages on
+    127.0.0.1 (deployments/haproxy.py): nothing of the app listens beyond loopback."""
     listeners = _ray_listeners()
     replicas = [listener for listener in listeners if "ServeReplica" in listener[2]]
     assert len(replicas) >= 8  # four apps' engines and ingresses, each with its servers: the scan sees them
+    if haproxy.available():  # `make run` serves in HAProxy mode, whose own pages Ray binds on every interface
+        assert any("haproxy" in listener[2] for listener in listeners)
     loopback = ("127.", "::ffff:127.", "::1")
     assert [listener for listener in listeners if not listener[0].startswith(loopback)] == []
 
