@@ -22,6 +22,7 @@ from pathlib import Path
 
 REAL_BINARY = "TILEINFER_HAPROXY_BINARY"  # the HAProxy that the script runs
 BIND_HOST = "TILEINFER_HAPROXY_BIND_HOST"  # where the host-less binds listen
+DRAINING_PERIOD_S = 2.0
 # `bind :9101` and `bind *:8404`: a bind with no host, or every host, and nothing else before the port
 _HOSTLESS_BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0)?:(\d+)\b", re.MULTILINE)
 
@@ -58,6 +59,10 @@ def serve_env(
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_HAPROXY_BINARY_PATH": str(script),
+        # a stopping ingress replica stays reachable this long before it refuses new connections (which
+        # HAProxy retries elsewhere): Ray's 30 s is for load balancers slower to learn of it than HAProxy
+        # on the node, and made every stop of the app take 30 s
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAINING_PERIOD_S),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics_port),
         REAL_BINARY: get_haproxy_binary(),
