@@ -53,6 +53,7 @@ SERVE_ENV = {
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
 }
 STOP_TIMEOUT_S = 60.0
+_HAPROXY_DEFAULT_PORTS = (8404, 9101)  # Ray's: HAProxy's stats and Prometheus pages
 
 
 def listening(port: int) -> bool:
@@ -153,11 +154,25 @@ def cluster_env(serve_proxy: bool = False) -> tuple[dict[str, str], Path | None]
 
 
 def _haproxy_ports(env: Mapping[str, str]) -> dict[str, int]:
-    """HAProxy's stats and Prometheus ports: Ray's (8404, 9101) unless the environment names others."""
-    return {
-        "stats_port": int(env.get("RAY_SERVE_HAPROXY_STATS_PORT", 8404)),
-        "metrics_port": int(env.get("RAY_SERVE_HAPROXY_METRICS_PORT", 9101)),
-    }
+    """HAProxy's stats and Prometheus ports: those the environment names, else Ray's (8404, 9101) where
+    free, else free ones (another app on this machine holds Ray's: HAProxy would not start)."""
+    ports = {}
+    for name, variable, default in zip(
+        ("stats_port", "metrics_port"),
+        ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"),
+        _HAPROXY_DEFAULT_PORTS,
+        strict=True,
+    ):
+        if variable in env:
+            ports[name] = int(env[variable])
+        elif not listening(default):
+            ports[name] = default
+        else:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                ports[name] = probe.getsockname()[1]
+            print(f"HAProxy's {name.replace('_', ' ')}: {ports[name]} ({default} is taken)", flush=True)
+    return ports
 
 
 if __name__ == "__main__":
