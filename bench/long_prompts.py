@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -103,12 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config, app_args = serve_load.app_args_for(load_args)
     vocab = serve_load._vocab(load_args, serve_load._model_vocab(app_args.model))
 
-    from deployments.launch import cluster_env
-
-    env, haproxy_dir = cluster_env()
-    if haproxy_dir is not None:
-        atexit.register(shutil.rmtree, haproxy_dir, True)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = serve_load.make_run_env()
 
     def load(base_url: str) -> dict[str, Any]:
         model = serve_load.served_model(base_url)

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -169,12 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.clients * args.requests_per_client, args.prompt_tokens, vocab, "kill"
     )
 
-    from deployments.launch import cluster_env
-
-    env, haproxy_dir = cluster_env()
-    if haproxy_dir is not None:
-        atexit.register(shutil.rmtree, haproxy_dir, True)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = serve_load.make_run_env()
 
     def load(base_url: str) -> dict[str, Any]:
         model = serve_load.served_model(base_url)

@@ -764,6 +764,19 @@ def serve_setup(app_args: Any, env: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
+def make_run_env(serve_proxy: bool = False) -> dict[str, str]:
+    """The environment `make run` starts Ray with (deployments/launch.py: HAProxy mode where HAProxy is
+    here, unless serve_proxy), with the project first on the path and then the caller's (the GPU
+    machine's wheels: Ray); HAProxy's script folder goes when this process exits."""
+    from deployments.launch import cluster_env
+
+    env, haproxy_dir = cluster_env(serve_proxy)
+    if haproxy_dir is not None:
+        atexit.register(shutil.rmtree, haproxy_dir, True)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    return env
+
+
 def serve_and_load(
     config: dict[str, Any],
     config_path: Path,
@@ -1074,14 +1087,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         meta["model"] = app_args.model_name
         vocab = _vocab(args, _model_vocab(app_args.model))
         if args.serve_config:
-            # the project first, then whatever the caller's path holds (the GPU machine's wheels: Ray)
-            python_path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-            from deployments.launch import cluster_env
-
-            env, haproxy_dir = cluster_env(args.serve_proxy)  # as `make run`'s
-            if haproxy_dir is not None:
-                atexit.register(shutil.rmtree, haproxy_dir, True)
-            env["PYTHONPATH"] = python_path
+            env = make_run_env(args.serve_proxy)
             routers = ROUTERS if args.compare_routers else (args.engine_router,)
             num_gpus = _num_gpus(app_args.device)
             apps = [with_app_args(config, engine_replica_args(args, num_gpus, router)) for router in routers]
