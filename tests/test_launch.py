@@ -19,7 +19,7 @@ def test_haproxy_pages_move_off_ports_another_app_holds(monkeypatch: pytest.Monk
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         taken = holder.getsockname()[1]
-        monkeypatch.setattr(launch, "_HAPROXY_DEFAULT_PORTS", (taken, taken))
+        monkeypatch.setattr(haproxy, "DEFAULT_PORTS", (taken, taken))
         ports = launch._haproxy_ports({})
         assert taken not in ports.values() and not any(launch.listening(port) for port in ports.values())
         assert launch._haproxy_ports({"RAY_SERVE_HAPROXY_STATS_PORT": str(taken)})["stats_port"] == taken
