@@ -407,11 +407,11 @@ def make_conversations(args: argparse.Namespace, vocab: tuple[int, int]) -> list
 
 
 def token_id_table(tokenizer: Any) -> dict[str, int]:
-    """Each token's spelling in the completions API's logprobs (deployments.protocol.token_text) -> its
+    """Each token's spelling in the completions API's logprobs (deployments.logprobs.token_text) -> its
     id. The API returns a completion as text, and a conversation's next turn must hold the very ids the
     server generated (the prefix cache matches ids), so the turns ask for logprobs and read the ids back.
     A spelling that several ids share is left out (the Qwen3 and SmolLM2 tokenizers have none)."""
-    from deployments.protocol import token_text
+    from deployments.logprobs import token_text
 
     table: dict[str, int] = {}
     shared = set()

@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.engine import HEARTBEAT_S, WrongReplicaError
 from deployments.engine_loop import Delta
-from deployments.protocol import OpenAIError
+from deployments.errors import OpenAIError
 from deployments.routing import ROUTE_KWARG, RoutingPolicy
 from engine.sampling import SamplingParams
 

@@ -39,33 +39,15 @@ from deployments.config import AppArgs
 from deployments.engine import EngineInfo
 from deployments.engine_client import EngineClient, Inbox
 from deployments.engine_loop import Delta
+from deployments.errors import OpenAIError, openai_error_from, original_exception
 from deployments.metrics import exposition, router_families
-from deployments.protocol import (
-    SSE_DONE,
-    ChatCompletionRequest,
-    ChoiceResult,
-    CompletionRequest,
-    OpenAIError,
-    chat_chunk,
-    chat_completion_response,
-    chat_logprobs_content,
-    chat_messages_for_template,
-    completion_chunk,
-    completion_response,
-    echo_text,
-    json_body_of,
-    max_tokens_for,
-    openai_error_from,
-    original_exception,
-    parse_json_body,
-    parse_request,
-    sampling_params_for,
-    sse,
-    usage,
-    usage_chunk,
-)
+from deployments.request_parsing import json_body_of, parse_json_body, parse_request
+from deployments.request_to_engine import chat_messages_for_template, max_tokens_for, sampling_params_for
+from deployments.requests import ChatCompletionRequest, CompletionRequest
+from deployments.responses import ChatResponse, ChoiceResult, CompletionResponse, echo_text, usage
 from deployments.routing import ROUTE_KWARG, RoutingPolicy, block_keys, policy_for
 from deployments.serve_logs import route_to_serve
+from deployments.sse import SSE_DONE, sse
 from engine.detokenizer import TextStream
 from engine.engine import RequestOutput
 from engine.loader import load_tokenizer
@@ -91,7 +73,6 @@ class _Prepared:
 
     request_id: str
     created: int
-    model: str
     prompts: list[list[int]]
     choices: list[_Choice]
     outputs: Inbox
@@ -401,9 +382,7 @@ class OpenAIIngress:
             if isinstance(error, asyncio.CancelledError):
                 raise
             raise openai_error_from(error, prompt_param=request.prompt_field) from None
-        return _Prepared(
-            f"{kind}-{uuid.uuid4().hex}", int(time.time()), request.model, prompts, choices, outputs
-        )
+        return _Prepared(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prompts, choices, outputs)
 
     async def _merged(
         self, prepared: _Prepared, paced: bool = False
@@ -489,36 +468,24 @@ class OpenAIIngress:
     async def _chat_response(self, prepared: _Prepared, request: ChatCompletionRequest) -> dict[str, Any]:
         results = await self._collect(prepared)
         usage = self._usage(prepared, sum(len(result.token_ids) for result in results))
-        return chat_completion_response(
-            prepared.request_id, prepared.model, prepared.created, results, usage, self.tokenizer,
-            want_logprobs=bool(request.logprobs),
-        )  # fmt: skip
+        response = ChatResponse(prepared.request_id, prepared.created, request, self.tokenizer)
+        return response.body(results, usage)
 
     async def _chat_chunks(
         self, prepared: _Prepared, request: ChatCompletionRequest
     ) -> AsyncIterator[dict[str, Any]]:
-        include_usage = request.include_usage
-        head = (prepared.request_id, prepared.model, prepared.created)
+        response = ChatResponse(prepared.request_id, prepared.created, request, self.tokenizer)
         for choice in prepared.choices:
-            yield chat_chunk(
-                *head, choice.index, {"role": "assistant", "content": ""}, None, None, include_usage
-            )
+            yield response.chunk(choice.index, {"role": "assistant", "content": ""})
         num_tokens = 0
         async for choice, output in self._merged(prepared, paced=True):
             num_tokens += len(output.new_token_ids)
-            logprobs = (
-                chat_logprobs_content(self.tokenizer, output.new_logprobs)
-                if request.logprobs and output.new_logprobs
-                else None
-            )
-            if output.new_text or logprobs:
-                yield chat_chunk(
-                    *head, choice.index, {"content": output.new_text}, None, logprobs, include_usage
-                )
+            if output.new_text or (request.logprobs and output.new_logprobs):
+                yield response.chunk(choice.index, {"content": output.new_text}, logprobs=output.new_logprobs)
             if output.finished:
-                yield chat_chunk(*head, choice.index, {}, output.finish_reason, None, include_usage)
-        if include_usage:
-            yield usage_chunk(*head, self._usage(prepared, num_tokens), "chat.completion.chunk")
+                yield response.chunk(choice.index, {}, output.finish_reason)
+        if request.include_usage:
+            yield response.usage_chunk(self._usage(prepared, num_tokens))
 
     async def _completion_response(self, prepared: _Prepared, request: CompletionRequest) -> dict[str, Any]:
         results = await self._collect(prepared)
@@ -526,33 +493,27 @@ class OpenAIIngress:
             for choice, result in zip(prepared.choices, results, strict=True):
                 result.text = self._echo(request, choice) + result.text
         usage = self._usage(prepared, sum(len(result.token_ids) for result in results))
-        return completion_response(
-            prepared.request_id, prepared.model, prepared.created, results, usage, self.tokenizer,
-            want_logprobs=request.logprobs is not None,
-        )  # fmt: skip
+        response = CompletionResponse(prepared.request_id, prepared.created, request, self.tokenizer)
+        return response.body(results, usage)
 
     async def _completion_chunks(
         self, prepared: _Prepared, request: CompletionRequest
     ) -> AsyncIterator[dict[str, Any]]:
-        include_usage = request.include_usage
-        head = (prepared.request_id, prepared.model, prepared.created)
+        response = CompletionResponse(prepared.request_id, prepared.created, request, self.tokenizer)
         text_offsets = [0] * len(prepared.choices)  # characters of each choice's text sent so far
         if request.echo:
             for choice in prepared.choices:
                 text = self._echo(request, choice)
-                yield completion_chunk(*head, choice.index, text, None, None, self.tokenizer, include_usage)
+                yield response.chunk(choice.index, text)
                 text_offsets[choice.index] = len(text)
         num_tokens = 0
         async for choice, output in self._merged(prepared, paced=True):
             num_tokens += len(output.new_token_ids)
-            logprobs = output.new_logprobs if request.logprobs is not None else None
-            yield completion_chunk(
-                *head, choice.index, output.new_text, output.finish_reason, logprobs, self.tokenizer,
-                include_usage, text_offset=text_offsets[choice.index],
-            )  # fmt: skip
+            logprobs, text_offset = output.new_logprobs, text_offsets[choice.index]
+            yield response.chunk(choice.index, output.new_text, output.finish_reason, logprobs, text_offset)
             text_offsets[choice.index] += len(output.new_text)
-        if include_usage:
-            yield usage_chunk(*head, self._usage(prepared, num_tokens), "text_completion")
+        if request.include_usage:
+            yield response.usage_chunk(self._usage(prepared, num_tokens))
 
     def _echo(self, request: CompletionRequest, choice: _Choice) -> str:
         return echo_text(request.prompt_list()[choice.prompt_index], self.tokenizer)

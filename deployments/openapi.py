@@ -1,9 +1,9 @@
 """The HTTP API's OpenAPI schema (`/openapi.json`): the request bodies the routes read and the responses
 they send, so that clients and schema-driven tools (client generators, schemathesis) can use it.
 
-The routes read their bodies themselves (deployments/protocol.py parses them, with OpenAI's errors), so
-FastAPI knows no request model: the request schemas are added to the components here. The response models
-describe what protocol.py's builders return; the hot path builds plain dicts, not these models. A
+The routes read their bodies themselves (deployments/request_parsing.py parses them, with OpenAI's errors),
+so FastAPI knows no request model: the request schemas are added to the components here. The response
+models describe what deployments/responses.py builds; the hot path builds plain dicts, not these models. A
 test (tests/test_openapi.py) sends schemathesis' requests to the running app and checks its responses
 against this schema.
 """
@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
-from deployments.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.requests import ChatCompletionRequest, CompletionRequest
 
 _REF = "#/components/schemas/{model}"
 

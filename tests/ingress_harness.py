@@ -15,7 +15,7 @@ from deployments.config import AppArgs
 from deployments.engine import EngineInfo
 from deployments.engine_loop import Delta
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TokenLogprob
 from engine.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m"
@@ -61,13 +61,15 @@ class _Method:
 
 
 class FakeEngine:
-    """The engine deployment's calls, as an EngineClient and the ingress make them. A request gets one
-    token and ends ("length"); `stalled` makes every call wait for ever (an engine replica restarting)."""
+    """The engine deployment's calls, as an EngineClient and the ingress make them. A request gets the
+    tokens of `reply` (one token unless set; at most max_tokens) in one output and ends ("length"), with
+    made-up logprobs when it asks for them; `stalled` makes every call wait for ever (an engine replica
+    restarting)."""
 
     REPLICA_ID = "fake"
 
     def __init__(self, token_id: int) -> None:
-        self.token_id = token_id
+        self.reply = [token_id]
         self.stalled = asyncio.Event()
         self.stalled.set()  # set: not stalled
         self.outputs_queue: asyncio.Queue[list[Delta]] = asyncio.Queue()
@@ -111,7 +113,11 @@ class FakeEngine:
                 continue
             refused.append(None)
             self.submitted.append((prompt, params))
-            self.outputs_queue.put_nowait([(request_id, [self.token_id], "length", None, None)])
+            token_ids = self.reply[: params.max_tokens]
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = [_logprob(token_id, params.logprobs) for token_id in token_ids]
+            self.outputs_queue.put_nowait([(request_id, token_ids, "length", logprobs, None)])
         return refused
 
     async def _abort(self, request_id: str, reason: str = "abort") -> None:
@@ -125,6 +131,11 @@ class FakeEngine:
         yield self.REPLICA_ID
         while True:
             yield await self.outputs_queue.get()
+
+
+def _logprob(token_id: int, num_top: int) -> TokenLogprob:
+    """Made up: the token was the likeliest, at -1.0; the ids after it follow, each 1.0 less likely."""
+    return TokenLogprob(token_id, -1.0, top=[(token_id + rank, -1.0 - rank) for rank in range(num_top)])
 
 
 class _Streaming:

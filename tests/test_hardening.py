@@ -23,7 +23,8 @@ from serving import API_KEY, Served
 from deployments import haproxy
 from deployments import ingress as ingress_module
 from deployments.config import API_KEY_ENV, parse_app_args
-from deployments.protocol import RETRY_AFTER_S, OpenAIError, json_body_of
+from deployments.errors import RETRY_AFTER_S, OpenAIError
+from deployments.request_parsing import json_body_of
 from engine.errors import CapacityError
 from engine.loader import load_tokenizer
 from engine.sampling import SamplingParams

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployments.protocol import ChatCompletionRequest, max_tokens_for
+from deployments.request_to_engine import max_tokens_for
+from deployments.requests import ChatCompletionRequest
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine import Engine, EngineConfig

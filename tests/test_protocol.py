@@ -1,10 +1,12 @@
-"""The OpenAI protocol layer: request validation, SamplingParams, errors and response shapes.
+"""The OpenAI protocol: request validation, SamplingParams, errors, logprobs and response shapes.
 
-Response shapes are checked against the official `openai` package's own types, with no unknown keys.
+Response shapes are checked against the official `openai` package's own types, with no unknown keys; the
+last tests send the official client's requests to the ingress's own HTTP app (tests/ingress_harness.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pickle
 from pathlib import Path
@@ -16,31 +18,16 @@ import openai.types
 import openai.types.chat
 import pydantic
 import pytest
+from ingress_harness import MODEL as SERVED_MODEL
+from ingress_harness import build
 
-from deployments.protocol import (
-    MAX_CHOICES,
-    SSE_DONE,
-    ChatCompletionRequest,
-    ChoiceResult,
-    CompletionRequest,
-    OpenAIError,
-    chat_chunk,
-    chat_completion_response,
-    chat_logprobs_content,
-    chat_messages_for_template,
-    completion_chunk,
-    completion_logprobs,
-    completion_response,
-    echo_text,
-    max_tokens_for,
-    openai_error_from,
-    parse_request,
-    sampling_params_for,
-    sse,
-    token_text,
-    usage,
-    usage_chunk,
-)
+from deployments.errors import OpenAIError, openai_error_from
+from deployments.logprobs import chat_logprobs_content, completion_logprobs, token_text
+from deployments.request_parsing import parse_request
+from deployments.request_to_engine import chat_messages_for_template, max_tokens_for, sampling_params_for
+from deployments.requests import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from deployments.responses import ChatResponse, ChoiceResult, CompletionResponse, echo_text, usage
+from deployments.sse import SSE_DONE, sse
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.gguf_loader import read_gguf
 from engine.sampling import SamplingParams, TokenLogprob
@@ -521,7 +508,7 @@ def test_chat_logprobs_with_partial_utf8_tokens(tokenizer: Tokenizer) -> None:
 
 def test_completion_logprobs_offsets_index_the_text(tokenizer: Tokenizer) -> None:
     token_ids = tokenizer.encode(MIXED_TEXT, add_special_tokens=False)
-    logprobs = completion_logprobs(tokenizer, fake_logprobs(token_ids))
+    logprobs = completion_logprobs(tokenizer, fake_logprobs(token_ids), skip_special_tokens=True)
     pieces = [tokenizer.token_bytes(token_id) for token_id in token_ids]
     # where each token starts: the characters completed by the tokens before it
     expected_offsets = [len(b"".join(pieces[:index]).decode(errors="ignore")) for index in range(len(pieces))]
@@ -533,8 +520,12 @@ def test_completion_logprobs_offsets_index_the_text(tokenizer: Tokenizer) -> Non
     assert logprobs["top_logprobs"][3] == {" café": -0.75, runner_up: -2.0}
     # the sampled token is always listed, also when it is not among the top N (here N = 0)
     unlikely = TokenLogprob(token_ids[3], -7.0, top=[])
-    assert completion_logprobs(tokenizer, [unlikely])["top_logprobs"] == [{" café": -7.0}]
-    streamed = completion_logprobs(tokenizer, fake_logprobs(token_ids[3:4]), text_offset=1)
+    assert completion_logprobs(tokenizer, [unlikely], skip_special_tokens=True)["top_logprobs"] == [
+        {" café": -7.0}
+    ]
+    streamed = completion_logprobs(
+        tokenizer, fake_logprobs(token_ids[3:4]), skip_special_tokens=True, text_offset=1
+    )
     assert streamed["text_offset"] == [1]
 
 
@@ -542,7 +533,7 @@ def test_unlikely_tokens_stay_valid_json(tokenizer: Tokenizer) -> None:
     item = TokenLogprob(token_id=100, logprob=float("-inf"), top=[(101, float("-inf"))])
     content = chat_logprobs_content(tokenizer, [item])
     assert content[0]["logprob"] == content[0]["top_logprobs"][0]["logprob"] == -9999.0
-    json.dumps(completion_logprobs(tokenizer, [item]), allow_nan=False)
+    json.dumps(completion_logprobs(tokenizer, [item], skip_special_tokens=True), allow_nan=False)
 
 
 # ---- response shapes against the openai package ------------------------------------------------
@@ -572,15 +563,8 @@ def test_chat_completion_response_shape(tokenizer: Tokenizer) -> None:
         ChoiceResult(0, MIXED_TEXT, token_ids, "stop", fake_logprobs(token_ids)),
         ChoiceResult(1, "😊", token_ids[:3], "length", fake_logprobs(token_ids[:3])),
     ]
-    body = chat_completion_response(
-        "chatcmpl-abc",
-        MODEL,
-        1700000000,
-        choices,
-        usage(12, len(token_ids) + 3),
-        tokenizer,
-        want_logprobs=True,
-    )
+    response = ChatResponse("chatcmpl-abc", 1700000000, chat(logprobs=True), tokenizer)
+    body = response.body(choices, usage(12, len(token_ids) + 3))
     parsed = openai_parse(openai.types.chat.ChatCompletion, body)
     assert (parsed.id, parsed.object, parsed.created, parsed.model) == (
         "chatcmpl-abc",
@@ -597,36 +581,36 @@ def test_chat_completion_response_shape(tokenizer: Tokenizer) -> None:
         18,
         30,
     )
-    plain = chat_completion_response("chatcmpl-abc", MODEL, 1, choices[:1], usage(1, 1), tokenizer, False)
+    plain = ChatResponse("chatcmpl-abc", 1, chat(), tokenizer).body(choices[:1], usage(1, 1))
     assert openai_parse(openai.types.chat.ChatCompletion, plain).choices[0].logprobs is None
 
 
 def test_chat_stream_chunk_shapes(tokenizer: Tokenizer) -> None:
     chunk_cls = openai.types.chat.ChatCompletionChunk
-    first = chat_chunk("chatcmpl-abc", MODEL, 5, 0, {"role": "assistant", "content": ""}, None, None, True)
+    request = chat(stream=True, stream_options={"include_usage": True}, logprobs=True)
+    response = ChatResponse("chatcmpl-abc", 5, request, tokenizer)
+    first = response.chunk(0, {"role": "assistant", "content": ""})
     parsed = openai_parse(chunk_cls, first)
     assert (parsed.object, parsed.choices[0].delta.role, parsed.usage) == (
         "chat.completion.chunk",
         "assistant",
         None,
     )
-    assert "usage" in first and "usage" not in chat_chunk("c", MODEL, 5, 0, {}, None, None)
+    without_usage = ChatResponse("c", 5, chat(stream=True), tokenizer)
+    assert "usage" in first and "usage" not in without_usage.chunk(0, {})
 
-    content = chat_logprobs_content(
-        tokenizer, fake_logprobs([tokenizer.encode("Hi", add_special_tokens=False)[0]])
-    )
-    middle = openai_parse(
-        chunk_cls, chat_chunk("chatcmpl-abc", MODEL, 5, 1, {"content": "Hi"}, None, content)
-    )
+    logprobs = fake_logprobs([tokenizer.encode("Hi", add_special_tokens=False)[0]])
+    middle = openai_parse(chunk_cls, response.chunk(1, {"content": "Hi"}, logprobs=logprobs))
     assert (middle.choices[0].index, middle.choices[0].delta.content) == (1, "Hi")
     assert middle.choices[0].logprobs.content[0].token == "Hi"
+    # logprobs only when asked for, and none for a chunk without tokens
+    assert without_usage.chunk(1, {"content": "Hi"}, logprobs=logprobs)["choices"][0]["logprobs"] is None
+    assert response.chunk(1, {"content": "Hi"})["choices"][0]["logprobs"] is None
 
-    last = openai_parse(chunk_cls, chat_chunk("chatcmpl-abc", MODEL, 5, 0, {}, "length", None))
+    last = openai_parse(chunk_cls, response.chunk(0, {}, "length"))
     assert (last.choices[0].finish_reason, last.choices[0].delta.content) == ("length", None)
 
-    totals = openai_parse(
-        chunk_cls, usage_chunk("chatcmpl-abc", MODEL, 5, usage(3, 4), "chat.completion.chunk")
-    )
+    totals = openai_parse(chunk_cls, response.usage_chunk(usage(3, 4)))
     assert (totals.choices, totals.usage.total_tokens, totals.object) == ([], 7, "chat.completion.chunk")
 
 
@@ -635,7 +619,8 @@ def test_completion_response_and_chunk_shapes(tokenizer: Tokenizer) -> None:
     choices = [
         ChoiceResult(index, MIXED_TEXT, token_ids, "stop", fake_logprobs(token_ids)) for index in range(2)
     ]
-    body = completion_response("cmpl-abc", MODEL, 9, choices, usage(4, 2 * len(token_ids)), tokenizer, True)
+    response = CompletionResponse("cmpl-abc", 9, completion(logprobs=1), tokenizer)
+    body = response.body(choices, usage(4, 2 * len(token_ids)))
     parsed = openai_parse(openai.types.Completion, body)
     assert (parsed.object, parsed.id, [choice.index for choice in parsed.choices]) == (
         "text_completion",
@@ -643,29 +628,25 @@ def test_completion_response_and_chunk_shapes(tokenizer: Tokenizer) -> None:
         [0, 1],
     )
     assert parsed.choices[0].logprobs.tokens[3] == " café"
-    assert (
-        parsed.choices[0].logprobs.text_offset
-        == completion_logprobs(tokenizer, choices[0].logprobs)["text_offset"]
-    )
-    plain = completion_response("cmpl-abc", MODEL, 9, choices, usage(4, 30), tokenizer, want_logprobs=False)
+    expected_offsets = completion_logprobs(tokenizer, choices[0].logprobs, skip_special_tokens=True)
+    assert parsed.choices[0].logprobs.text_offset == expected_offsets["text_offset"]
+    plain = CompletionResponse("cmpl-abc", 9, completion(), tokenizer).body(choices, usage(4, 30))
     assert openai_parse(openai.types.Completion, plain).choices[1].logprobs is None
 
+    request = completion(stream=True, stream_options={"include_usage": True}, logprobs=1)
+    streamed = CompletionResponse("cmpl-abc", 9, request, tokenizer)
     last_token = fake_logprobs(token_ids[3:4])  # " café", after the emoji already sent
-    last = completion_chunk(
-        "cmpl-abc", MODEL, 9, 0, " café", "stop", last_token, tokenizer, True, text_offset=1
-    )
-    parsed_last = openai_parse(openai.types.Completion, last)
+    parsed_last = openai_parse(openai.types.Completion, streamed.chunk(0, " café", "stop", last_token, 1))
     assert parsed_last.choices[0].text == " café" and parsed_last.usage is None
     assert (parsed_last.choices[0].logprobs.tokens, parsed_last.choices[0].logprobs.text_offset) == (
         [" café"],
         [1],
     )
     # OpenAI streams null finish_reason before the end, which its Completion type does not admit
-    middle = completion_chunk("cmpl-abc", MODEL, 9, 0, "mid", None, None, tokenizer)
+    middle = CompletionResponse("cmpl-abc", 9, completion(stream=True), tokenizer).chunk(0, "mid")
     assert middle["choices"] == [{"index": 0, "text": "mid", "logprobs": None, "finish_reason": None}]
-    totals = openai_parse(
-        openai.types.Completion, usage_chunk("cmpl-abc", MODEL, 9, usage(4, 5), "text_completion")
-    )
+    assert "usage" not in middle
+    totals = openai_parse(openai.types.Completion, streamed.usage_chunk(usage(4, 5)))
     assert (totals.object, totals.choices, totals.usage.completion_tokens) == ("text_completion", [], 5)
 
 
@@ -676,88 +657,91 @@ def test_sse_framing() -> None:
     assert sse("[DONE]") == SSE_DONE == b"data: [DONE]\n\n"
 
 
-# ---- the official client, end to end over an in-memory transport ------------------------------
+# ---- through the ingress's own HTTP app, on a stand-in engine (tests/ingress_harness.py) --------------
 
 
-def serve_in_memory(tokenizer: Tokenizer) -> tuple[openai.OpenAI, list[Any]]:
-    """An openai.OpenAI whose HTTP requests reach this module's functions; also the requests parsed."""
-    parsed_requests: list[Any] = []
+def sse_events(body: str) -> list[dict[str, Any]]:
+    """A stream's JSON events, checked to end with [DONE]."""
+    events = [line.removeprefix("data: ") for line in body.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
 
-    def answer(http_request: httpx.Request) -> httpx.Response:
-        body = json.loads(http_request.content)
-        model_cls = (
-            ChatCompletionRequest
-            if http_request.url.path.endswith("/chat/completions")
-            else CompletionRequest
+
+def test_official_client_round_trip(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The official client's requests reach the engine as the prompt and SamplingParams they ask for, and
+    the ingress's answers parse as its types."""
+    messages = [{"role": "developer", "content": "Be brief."}, *HELLO]
+    hi_there = tokenizer.encode("Hi there", add_special_tokens=False)
+
+    async def run() -> None:
+        http_client, engine = build(tokenizer, monkeypatch)
+        engine.reply = hi_there
+        client = openai.AsyncOpenAI(
+            api_key="test", base_url=http_client.base_url.join("/v1"), http_client=http_client, max_retries=0
         )
-        try:
-            request = parse_request(model_cls, body)
-        except OpenAIError as error:
-            return httpx.Response(error.status_code, json=error.body())
-        parsed_requests.append(request)
-        token_ids = tokenizer.encode("Hi there", add_special_tokens=False)
-        choice = ChoiceResult(0, "Hi there", token_ids, "length", fake_logprobs(token_ids))
-        totals = usage(5, len(token_ids))
-        if model_cls is CompletionRequest:
-            return httpx.Response(
-                200, json=completion_response("cmpl-1", MODEL, 1, [choice], totals, tokenizer, False)
+        async with http_client:
+            reply = await client.chat.completions.create(
+                model=SERVED_MODEL,
+                messages=messages,
+                max_completion_tokens=2,
+                seed=3,
+                logprobs=True,
+                top_logprobs=2,
+                user="someone",
+                extra_body={"top_k": 5, "chat_template_kwargs": {"enable_thinking": False}},
             )
-        if not request.stream:
-            body = chat_completion_response(
-                "chatcmpl-1", MODEL, 1, [choice], totals, tokenizer, request.logprobs
+            assert reply.choices[0].message.content == "Hi there"
+            assert [entry.token for entry in reply.choices[0].logprobs.content] == ["Hi", " there"]
+            assert [len(entry.top_logprobs) for entry in reply.choices[0].logprobs.content] == [2, 2]
+            prompt, params = engine.submitted[-1]
+            system_first = [{"role": "system", "content": "Be brief."}, *HELLO]
+            assert prompt == tokenizer.encode_chat(system_first, add_generation_prompt=True)
+            assert (params.max_tokens, params.seed, params.top_k, params.logprobs) == (2, 3, 5, 2)
+
+            stream = await client.chat.completions.create(
+                model=SERVED_MODEL, messages=HELLO, stream=True, stream_options={"include_usage": True}
             )
-            return httpx.Response(200, json=body)
-        events = [
-            chat_chunk("chatcmpl-1", MODEL, 1, 0, {"role": "assistant", "content": ""}, None, None, True)
-        ]
-        events += [
-            chat_chunk("chatcmpl-1", MODEL, 1, 0, {"content": word}, None, None, True)
-            for word in ("Hi", " there")
-        ]
-        events += [
-            chat_chunk("chatcmpl-1", MODEL, 1, 0, {}, "length", None, True),
-            usage_chunk("chatcmpl-1", MODEL, 1, totals, "chat.completion.chunk"),
-        ]
-        stream = b"".join(map(sse, events)) + SSE_DONE
-        return httpx.Response(200, content=stream, headers={"content-type": "text/event-stream"})
+            chunks = [chunk async for chunk in stream]
+            assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == (
+                "Hi there"
+            )
+            assert chunks[-1].usage.total_tokens == len(engine.submitted[-1][0]) + len(hi_there)
 
-    http_client = httpx.Client(transport=httpx.MockTransport(answer))
-    client = openai.OpenAI(
-        api_key="test", base_url="http://tileinfer.test/v1", http_client=http_client, max_retries=0
+            text = await client.completions.create(model=SERVED_MODEL, prompt=[[1, 2], [3]], max_tokens=2)
+            assert [choice.text for choice in text.choices] == ["Hi there", "Hi there"]
+            assert [prompt for prompt, _ in engine.submitted[-2:]] == [[1, 2], [3]]
+
+            with pytest.raises(openai.BadRequestError) as raised:
+                await client.chat.completions.create(model=SERVED_MODEL, messages=HELLO, tools=[TOOL])
+            assert raised.value.status_code == 400
+            assert (raised.value.param, raised.value.code) == ("tools", "unsupported_parameter")
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_logprobs_offsets_count_the_special_tokens_kept(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """With skip_special_tokens false the text holds the special tokens, and so must the offsets that
+    index it (the ingress once computed them as if they were skipped)."""
+    im_end = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert len(im_end) == 1 and tokenizer.is_special(im_end[0])
+
+    async def run() -> httpx.Response:
+        http_client, engine = build(tokenizer, monkeypatch)
+        engine.reply = im_end + tokenizer.encode(" hi there", add_special_tokens=False)
+        body = {"model": SERVED_MODEL, "prompt": "x", "logprobs": 0, "skip_special_tokens": False}
+        async with http_client:
+            return await http_client.post("/v1/completions", json={**body, "stream": stream})
+
+    response = asyncio.run(run())
+    assert response.status_code == 200, response.text
+    choices = (
+        [event["choices"][0] for event in sse_events(response.text)] if stream else response.json()["choices"]
     )
-    return client, parsed_requests
-
-
-def test_official_client_round_trip(tokenizer: Tokenizer) -> None:
-    client, parsed_requests = serve_in_memory(tokenizer)
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "developer", "content": "Be brief."}, *HELLO],
-        max_completion_tokens=2,
-        seed=3,
-        logprobs=True,
-        top_logprobs=2,
-        user="someone",
-        extra_body={"top_k": 5, "chat_template_kwargs": {"enable_thinking": False}},
-    )
-    assert reply.choices[0].message.content == "Hi there"
-    assert [entry.token for entry in reply.choices[0].logprobs.content] == ["Hi", " there"]
-    request = parsed_requests[-1]
-    assert (request.requested_max_tokens, request.seed, request.top_k, request.logprobs_count) == (2, 3, 5, 2)
-    assert request.chat_template_kwargs == {"enable_thinking": False}
-
-    stream = client.chat.completions.create(
-        model=MODEL, messages=HELLO, stream=True, stream_options={"include_usage": True}
-    )
-    chunks = list(stream)
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == "Hi there"
-    assert chunks[-1].usage.total_tokens == 7
-
-    text = client.completions.create(model=MODEL, prompt=[[1, 2], [3]], max_tokens=2)
-    assert text.choices[0].text == "Hi there"
-    assert parsed_requests[-1].prompt_list() == [[1, 2], [3]]
-
-    with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model=MODEL, messages=HELLO, tools=[TOOL])
-    assert raised.value.status_code == 400
-    assert (raised.value.param, raised.value.code) == ("tools", "unsupported_parameter")
+    text = "".join(choice["text"] for choice in choices)
+    tokens = [token for choice in choices for token in choice["logprobs"]["tokens"]]
+    offsets = [offset for choice in choices for offset in choice["logprobs"]["text_offset"]]
+    assert (text, tokens) == ("<|im_end|> hi there", ["<|im_end|>", " hi", " there"])
+    assert offsets == [0, len("<|im_end|>"), len("<|im_end|> hi")]

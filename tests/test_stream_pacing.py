@@ -28,7 +28,7 @@ def _prepared(tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> ingress_modul
     choice = ingress_module._Choice(0, 0, 3, TextStream(tokenizer, stop), engine_request_id="r0")
     outputs = Inbox()
     outputs.eager = bool(stop)  # as the ingress's _submit sets it: stop strings are looked for on arrival
-    return ingress_module._Prepared("cmpl-test", 0, "smollm2-135m", [[1, 2, 3]], [choice], outputs)
+    return ingress_module._Prepared("cmpl-test", 0, [[1, 2, 3]], [choice], outputs)
 
 
 def _ids(tokenizer: Tokenizer, text: str) -> list[int]:

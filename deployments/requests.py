@@ -1,0 +1,353 @@
+"""The OpenAI request models, field by field as the OpenAI API reference has them.
+
+A field is either
+- honoured (it changes the output as OpenAI documents),
+- accepted and ignored (it has no effect on the output: `user`, `metadata`, `store`, ...),
+- rejected with a 400 naming it unless it carries its no-effect value (`tools`, `logit_bias`, ...), or
+- unknown: rejected as OpenAI does ("Unrecognized request argument supplied: X").
+JSON null means "not given", as in OpenAI's API. deployments/request_parsing.py validates a body into a
+model, deployments/request_to_engine.py turns a model into what the engine takes.
+
+Extensions (vLLM's names and meanings): top_k, min_p, repetition_penalty, ignore_eos,
+skip_special_tokens, stop_token_ids; for chat also chat_template_kwargs and add_generation_prompt.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import typing
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from deployments.errors import OpenAIError
+from engine.sampling import MAX_LOGPROBS
+
+MAX_CHOICES = 128  # OpenAI's limit on n (for completions: prompts x n)
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
+MAX_TOP_K = 2**31 - 1  # the engine's buffers hold top_k as int32; any k past the vocabulary means "off"
+
+
+class _OpenAIModel(BaseModel):
+    """Strict JSON types (no "1" for 1; 1.0 is 1, as in JSON), unknown fields rejected, null taken as "not
+    given"."""
+
+    # allow_inf_nan: JSON has no NaN or Infinity, but 1e999 parses as inf
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    # field -> the values that leave the output unchanged; any other value is rejected as unsupported
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    # fields accepted and dropped: they have no effect on the output
+    ignored_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_and_check_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, harmless_values in cls.unsupported_fields.items():
+            value = data.get(name)
+            if value is not None and not any(_same_json(value, harmless) for harmless in harmless_values):
+                allowed = " or ".join(json.dumps(harmless) for harmless in harmless_values)
+                detail = f" (only {allowed} is accepted)" if allowed else ""
+                raise PydanticCustomError(
+                    "unsupported_parameter",
+                    "{field} is not supported by this server{detail}",
+                    {"field": name, "detail": detail},
+                )
+        dropped = cls.ignored_fields | cls.unsupported_fields.keys()  # the latter hold harmless values now
+        return {
+            name: _integral(value) if name in cls._int_fields() else value
+            for name, value in data.items()
+            if value is not None and name not in dropped
+        }
+
+    @classmethod
+    @functools.cache
+    def _int_fields(cls) -> frozenset[str]:
+        """Fields that hold integers (token ids among them), found once per model."""
+        return frozenset(name for name, field in cls.model_fields.items() if _holds_ints(field.annotation))
+
+
+def _holds_ints(annotation: Any) -> bool:
+    """Whether int appears in a type (int | None, list[int], a union of lists of them, ...)."""
+    return annotation is int or any(_holds_ints(argument) for argument in typing.get_args(annotation))
+
+
+def _integral(value: Any) -> Any:
+    """2.0 as 2, in lists too: JSON has one number type (JSON Schema's integer takes 2.0); 2.5 and "2"
+    stay refused."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    if type(value) is list:
+        return [_integral(item) for item in value]
+    return value
+
+
+def _same_json(value: Any, harmless: Any) -> bool:
+    # type-exact, so that 0 does not pass for False nor True for 1
+    return type(value) is type(harmless) and value == harmless
+
+
+class StreamOptions(_OpenAIModel):
+    include_usage: bool = False
+    ignored_fields: ClassVar[frozenset[str]] = frozenset({"include_obfuscation"})
+
+
+class TextPart(_OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    # Tool calling is not supported, so neither are the message fields that carry it.
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "tool_calls": ([],),
+        "function_call": (),
+        "tool_call_id": (),
+        "audio": (),
+    }
+    # what a previous response's message carries back when a client resends it as is
+    ignored_fields: ClassVar[frozenset[str]] = frozenset({"refusal", "annotations"})
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _only_text_parts(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") != "text":
+                    raise PydanticCustomError(
+                        "unsupported_content",
+                        "content parts of type {part_type} are not supported by this server (only 'text')",
+                        {"part_type": repr(part.get("type"))},
+                    )
+        return content
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)  # vLLM joins text parts the same way
+
+
+# What GenerationRequest._stop_sequences checks, in its schema
+_STOP_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_SEQUENCES},
+        {"type": "null"},
+    ]
+}
+
+
+class GenerationRequest(_OpenAIModel):
+    """The fields chat and completions share."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = Field(None, json_schema_extra=lambda schema: schema.update(_STOP_SCHEMA))
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    # extensions, as vLLM names them
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # 0 or -1: off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] = Field(
+        default_factory=list, json_schema_extra={"items": {"type": "integer", "minimum": 0}}
+    )
+
+    # the field a context-length error names
+    prompt_field: ClassVar[str]
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_sequences(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        sequences = [stop] if isinstance(stop, str) else stop or []
+        if len(sequences) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(sequences)}")
+        if any(sequence == "" for sequence in sequences):
+            raise ValueError("a stop sequence must not be empty")
+        return stop
+
+    @model_validator(mode="after")
+    def _usage_needs_stream(self) -> GenerationRequest:
+        if self.include_usage and not self.stream:
+            raise OpenAIError.invalid_request(
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                param="stream_options",
+            )
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """How many top alternatives the engine reports per token; None: no logprobs."""
+        raise NotImplementedError
+
+
+# Template variables that come from the request's own fields (tools: unsupported, see above).
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    # extensions: extra variables for the chat template (e.g. enable_thinking), and vLLM's switch
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    add_generation_prompt: bool = True
+
+    prompt_field: ClassVar[str] = "messages"
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "tools": ([],),
+        "tool_choice": ("none", "auto"),  # with no tools, both mean plain text
+        "functions": ([],),
+        "function_call": ("none", "auto"),
+        "response_format": ({"type": "text"},),
+        "logit_bias": ({},),
+        "audio": (),
+        "modalities": (["text"],),
+        "prediction": (),
+        "web_search_options": (),
+        "reasoning_effort": (),
+        "verbosity": (),
+        "moderation": (),
+    }
+    ignored_fields: ClassVar[frozenset[str]] = frozenset(
+        {
+            "user",
+            "metadata",
+            "store",
+            "service_tier",
+            "parallel_tool_calls",
+            "prompt_cache_key",
+            "prompt_cache_retention",
+            "prompt_cache_options",
+            "safety_identifier",
+        }
+    )
+
+    @model_validator(mode="after")
+    def _consistent_fields(self) -> ChatCompletionRequest:
+        both_limits = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both_limits and self.max_tokens != self.max_completion_tokens:
+            raise OpenAIError.invalid_request(
+                "max_tokens and max_completion_tokens differ; send only max_completion_tokens",
+                param="max_completion_tokens",
+            )
+        if reserved := sorted(_RESERVED_TEMPLATE_VARIABLES & self.chat_template_kwargs.keys()):
+            raise OpenAIError.invalid_request(
+                f"chat_template_kwargs must not set {reserved[0]!r}; the request itself sets it",
+                param=f"chat_template_kwargs.{reserved[0]}",
+            )
+        if self.top_logprobs > 0 and not self.logprobs:
+            raise OpenAIError.invalid_request("top_logprobs needs logprobs to be true", param="top_logprobs")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.top_logprobs if self.logprobs else None
+
+
+# The prompt's schema says what _non_empty_prompts checks: no empty list, no negative token id.
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        _TOKEN_IDS_SCHEMA,
+        {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1},
+    ]
+}
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        json_schema_extra=lambda schema: schema.update(_PROMPT_SCHEMA)
+    )
+    max_tokens: int = Field(16, ge=1)  # OpenAI's default for this endpoint
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+
+    prompt_field: ClassVar[str] = "prompt"
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {"logit_bias": ({},), "suffix": ("",)}
+    ignored_fields: ClassVar[frozenset[str]] = frozenset({"user"})
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty_prompts(
+        cls, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt or any(part == [] for part in prompt):
+            raise ValueError("a prompt must not be empty")
+        token_ids = [part for part in prompt if isinstance(part, int)]
+        token_ids += [token_id for part in prompt if isinstance(part, list) for token_id in part]
+        if any(token_id < 0 for token_id in token_ids):
+            raise ValueError("token ids must not be negative")
+        return prompt
+
+    @model_validator(mode="after")
+    def _consistent_fields(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError.unsupported("best_of", " unless it equals n")
+        if self.echo and self.logprobs is not None:
+            raise OpenAIError.unsupported("echo", " together with logprobs (prompt logprobs)")
+        if len(self.prompt_list()) * self.n > MAX_CHOICES:
+            raise OpenAIError.invalid_request(
+                f"prompts x n must be at most {MAX_CHOICES}, got {len(self.prompt_list())} x {self.n}",
+                param="n",
+            )
+        return self
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The batch of prompts, each text or token ids; the choices are n per prompt, in this order."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+
+RequestT = TypeVar("RequestT", bound=GenerationRequest)

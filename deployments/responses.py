@@ -1,0 +1,166 @@
+"""OpenAI's response bodies and stream chunks, built from the request they answer and its outputs.
+
+Plain dicts, in OpenAI's field order (a client that compares bytes sees the same ones each time); the
+ingress (deployments/ingress.py) collects the outputs and sends what these build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from deployments.logprobs import chat_logprobs_content, completion_logprobs
+from deployments.requests import ChatCompletionRequest, CompletionRequest
+from engine.sampling import TokenLogprob
+from engine.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class ChoiceResult:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" or "length"; None while streaming
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def echo_text(prompt: str | list[int], tokenizer: Tokenizer) -> str:
+    """The text a completion with echo starts with: the prompt, decoded when it came as token ids."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Response:
+    """What the body or every chunk of one response shares: its id and time, the request it answers
+    (the model, whether usage and logprobs were asked for) and the tokenizer that spells the logprobs."""
+
+    id: str
+    created: int  # Unix seconds, as OpenAI's `created`
+    request: ChatCompletionRequest | CompletionRequest
+    tokenizer: Tokenizer
+
+    body_object: ClassVar[str]
+    chunk_object: ClassVar[str]
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.request.logprobs_count is not None
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        """The last chunk of a stream with include_usage: no choices, the whole request's usage."""
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage}
+
+    def _head(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.request.model,
+            "system_fingerprint": None,
+        }
+
+    def _body(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._head(self.body_object), "choices": choices, "usage": usage}
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = {**self._head(self.chunk_object), "choices": [choice]}
+        if self.request.include_usage:
+            chunk["usage"] = None  # OpenAI: every chunk but the last carries a null usage
+        return chunk
+
+
+class ChatResponse(_Response):
+    body_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def body(self, choices: Sequence[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]:
+        return self._body(
+            [
+                {
+                    "index": choice.index,
+                    "message": {"role": "assistant", "content": choice.text},
+                    "logprobs": (
+                        {"content": chat_logprobs_content(self.tokenizer, choice.logprobs)}
+                        if self.wants_logprobs
+                        else None
+                    ),
+                    "finish_reason": choice.finish_reason,
+                }
+                for choice in choices
+            ],
+            usage,
+        )
+
+    def chunk(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish_reason: str | None = None,
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> dict[str, Any]:
+        """One streamed choice update; its logprobs object only when it has logprobs and they were asked for.
+
+        `delta` is {"role": "assistant", "content": ""} in a choice's first chunk, then {"content": text}.
+        """
+        formatted = None
+        if self.wants_logprobs and logprobs:
+            formatted = {"content": chat_logprobs_content(self.tokenizer, logprobs)}
+        return self._chunk(
+            {"index": index, "delta": delta, "logprobs": formatted, "finish_reason": finish_reason}
+        )
+
+
+class CompletionResponse(_Response):
+    body_object = chunk_object = "text_completion"
+
+    def body(self, choices: Sequence[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]:
+        """With echo, each ChoiceResult.text already starts with the prompt (see echo_text)."""
+        return self._body(
+            [
+                {
+                    "index": choice.index,
+                    "text": choice.text,
+                    "logprobs": self._logprobs(choice.logprobs) if self.wants_logprobs else None,
+                    "finish_reason": choice.finish_reason,
+                }
+                for choice in choices
+            ],
+            usage,
+        )
+
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        text_offset: int = 0,
+    ) -> dict[str, Any]:
+        """One streamed completion update; `logprobs` None: text without tokens (an echoed prompt).
+
+        `text_offset` is the length of this choice's text sent before `text`, so logprobs offsets index the
+        whole text, as in a non-streamed response.
+        """
+        formatted = None
+        if self.wants_logprobs and logprobs is not None:
+            formatted = self._logprobs(logprobs, text_offset)
+        return self._chunk(
+            {"index": index, "text": text, "logprobs": formatted, "finish_reason": finish_reason}
+        )
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+        return completion_logprobs(
+            self.tokenizer,
+            logprobs,
+            skip_special_tokens=self.request.skip_special_tokens,
+            text_offset=text_offset,
+        )
