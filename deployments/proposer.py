@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 # Ray leaves CUDA_VISIBLE_DEVICES alone in an actor whose environment sets this.
 SEE_ALL_GPUS = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+# What DFlash reads of the target (a tied LM head is the embedding): the rest stays off this GPU.
+DFLASH_TARGET_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def assigned_gpu_index(gpu_ids: list[int | str], visible: str | None) -> int:
@@ -57,10 +59,12 @@ class ProposerActor:
         if device == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)  # Ray sets one thread per reserved CPU
         config = args.engine_config(device, dtype)
-        # the draft model and DFlash proposers run (parts of) the target model; n-gram needs none of it
+        # the draft-model and DFlash proposers run parts of the target (DFlash only its embedding and LM
+        # head); n-gram needs none of it
         target = None
         if args.proposer != "ngram":
-            target = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
+            names = DFLASH_TARGET_WEIGHTS if args.proposer == "dflash" else None
+            target = load_model(args.model, config.torch_dtype(), config.torch_device(), names=names)
         self.proposer = build_proposer(config, target)
         warm_up = getattr(self.proposer, "warm_up", None)
         if warm_up is not None:  # before serving: a first step must not wait out first calls' set-up

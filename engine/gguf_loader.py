@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -355,14 +355,18 @@ def load_gguf_weights(
     device: str | torch.device = "cpu",
     int8: bool = False,
     keep_q8_0: bool = True,
+    names: Collection[str] | None = None,
 ) -> dict[str, LinearWeight]:
     """All weights under their canonical HF names, one tensor at a time. Q8_0 layer linears load as INT8
     as they are (kernels/int8.py: int8 values, group-32 scales), never dequantized (keep_q8_0 False:
     dequantized like the rest); a q/k/v or gate/up group that mixes them with other types is dequantized
     whole. The other tensors are dequantized into `dtype`. int8: every layer linear INT8, the others
     quantized one tensor at a time with a scale per row (for a quantized type a warning says so: those
-    weights are rounded twice), and so is a group that mixes Q8_0 with other types."""
+    weights are rounded twice), and so is a group that mixes Q8_0 with other types. names: only those of
+    the model's weights are read (one the model has not, such as a tied lm_head, is left out); every
+    tensor's name and shape are checked still."""
     wanted = weight_shapes(spec)
+    selected = wanted if names is None else {name: wanted[name] for name in names if name in wanted}
     weights: dict[str, LinearWeight] = {}
     requantized: set[str] = set()
     for tensor in reader.tensors:
@@ -378,6 +382,8 @@ def load_gguf_weights(
             raise ModelLoadError(
                 f"GGUF tensor {tensor.name!r} ({name}) has shape {shape}, expected {wanted[name]}"
             )
+        if name not in selected:
+            continue
         heads = None
         if spec.family in ("llama", "mistral") and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
             heads = spec.num_heads
@@ -400,8 +406,9 @@ def load_gguf_weights(
             continue
         weights[name] = weight.to(dtype).to(device)  # cast before the copy, so the device never holds float32
     if spec.mlp == "xielu":
-        weights |= _xielu_parameters(reader, spec, wanted, dtype, device)
-    missing = [name for name in wanted if name not in weights]
+        xielu = _xielu_parameters(reader, spec, wanted, dtype, device)
+        weights |= {name: parameter for name, parameter in xielu.items() if name in selected}
+    missing = [name for name in selected if name not in weights]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"GGUF file lacks weights the {spec.family} model needs: {shown}")

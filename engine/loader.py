@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ class LoadedModel:
     name: str  # what the user typed (or the alias)
     source: Path  # the folder or .gguf file actually read
     spec: ModelSpec
-    weights: dict[str, torch.Tensor]  # canonical HF-llama names (see engine.safetensors_loader)
+    weights: dict[str, torch.Tensor]  # canonical HF-llama names (engine.safetensors_loader): all, or as asked
     # None only for benchmark models; its eos ids may differ from the spec's, and the engine merges them
     tokenizer: Tokenizer | None
 
@@ -55,18 +56,22 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quantization: str | None = None,
+    names: Collection[str] | None = None,
 ) -> LoadedModel:
     """quantization "int8": the layers' linear weights load as INT8 (kernels/int8.py), one tensor at a
-    time. A GGUF's Q8_0 layer weights load as INT8 as they are either way (engine.gguf_loader)."""
+    time. A GGUF's Q8_0 layer weights load as INT8 as they are either way (engine.gguf_loader).
+    names: only those weights load (for a proposer that runs part of the model); one the model has not,
+    such as a tied lm_head, is left out."""
     source = resolve_model_source(model)
+    int8 = quantization == "int8"
     if source.is_dir():
-        spec, weights = load_safetensors_folder(source, dtype, device, int8=quantization == "int8")
+        spec, weights = load_safetensors_folder(source, dtype, device, int8=int8, names=names)
         tokenizer = Tokenizer.from_folder(source)
     else:
         reader = read_gguf(source)
         tokenizer = Tokenizer.from_gguf(reader)
         spec = spec_from_gguf(reader)
-        weights = load_gguf_weights(reader, spec, dtype, device, int8=quantization == "int8")
+        weights = load_gguf_weights(reader, spec, dtype, device, int8=int8, names=names)
     return LoadedModel(name=model, source=source, spec=spec, weights=weights, tokenizer=tokenizer)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -57,15 +58,22 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_safetensors_folder(
-    folder: Path, dtype: torch.dtype, device: str | torch.device = "cpu", int8: bool = False
+    folder: Path,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    int8: bool = False,
+    names: Collection[str] | None = None,
 ) -> tuple[ModelSpec, dict[str, LinearWeight]]:
     """int8: the layers' linear weights quantized to INT8 (kernels/int8.py) one tensor at a time, from
-    the file's values, so the float copies never pile up on the device."""
+    the file's values, so the float copies never pile up on the device. names: only those of the
+    model's weights are read (one the model has not, such as a tied lm_head, is left out)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder} is not a folder")
     spec = ModelSpec.from_config_file(folder / "config.json")
     expected_shapes = weight_shapes(spec)
+    if names is not None:
+        expected_shapes = {name: shape for name, shape in expected_shapes.items() if name in names}
     weights: dict[str, LinearWeight] = {}
     for path in safetensors_files(folder):
         weights.update(read_safetensors_file(path, expected_shapes, dtype, device, int8))

@@ -94,6 +94,33 @@ def test_smollm2_weights_equal_transformers(
     assert not torch.equal(file_rows, smollm2_weights["model.layers.0.self_attn.q_proj.weight"])
 
 
+def test_only_the_weights_asked_for(
+    smollm2_reader: gguf.GGUFReader, smollm2_weights: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    embedding_and_head = ("model.embed_tokens.weight", "lm_head.weight")
+    tied = load_gguf_weights(
+        smollm2_reader, spec_from_gguf(smollm2_reader), torch.float32, names=embedding_and_head
+    )
+    assert list(tied) == ["model.embed_tokens.weight"]  # its LM head is the embedding
+    assert torch.equal(tied["model.embed_tokens.weight"], smollm2_weights["model.embed_tokens.weight"])
+    tiny = Tiny(architecture="apertus")  # its own LM head, and xIELU parameters besides the tensors
+    original = hf_weights(tiny, tied=False)
+    xielu = {"alpha_p": 0.3, "alpha_n": 0.1, "beta": 0.5, "eps": -1e-6}
+
+    def metadata(writer: gguf.GGUFWriter) -> None:
+        keys = gguf.Keys.xIELU
+        for key, value in zip((keys.ALPHA_P, keys.ALPHA_N, keys.BETA, keys.EPS), xielu.values(), strict=True):
+            writer.add_float32(key, value)
+
+    reader = read_gguf(
+        write_gguf(tmp_path / "untied.gguf", tiny, float_tensors(gguf_layout(tiny, original)), metadata)
+    )
+    weights = load_gguf_weights(reader, spec_from_gguf(reader), torch.float32, names=embedding_and_head)
+    assert set(weights) == set(embedding_and_head)
+    for name, weight in weights.items():
+        assert torch.equal(weight, torch.from_numpy(original[name])), name
+
+
 def test_smollm2_bfloat16(smollm2_reader: gguf.GGUFReader, smollm2_weights: dict[str, torch.Tensor]) -> None:
     weights = load_gguf_weights(smollm2_reader, spec_from_gguf(smollm2_reader), torch.bfloat16)
     for name in ("model.embed_tokens.weight", "model.layers.29.self_attn.k_proj.weight", "model.norm.weight"):

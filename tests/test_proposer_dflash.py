@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import transformers
+from test_loader import save_tiny_tokenizer
 
 from bench import random_dflash
+from deployments import proposer as proposer_actor
+from deployments.config import AppArgs
 from engine.engine import Engine, EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
 from engine.spec import ModelSpec
 from proposers.base import DraftRequest, Proposer
@@ -453,3 +457,51 @@ def test_a_block_drafted_ahead_is_used_only_when_the_engine_took_all_of_its_assu
         # the next step drafts as without drafting ahead: the context took the real rows either way
         third = DraftRequest("r", second.token_ids + [7], num_drafts, torch.zeros(1, width))
         assert ahead.propose([third])[0] == plain.propose([third])[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# (e) the proposer actor (deployments/proposer.py)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_the_proposer_actor_reads_only_the_targets_embedding_and_head(
+    checkpoint: Path,
+    target: transformers.Qwen3ForCausalLM,
+    sequence: tuple[list[int], torch.Tensor],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The actor loads the target's embedding and LM head alone, and drafts what it drafted with the whole
+    target loaded."""
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)  # a safetensors folder, as the actor gets it
+    save_tiny_tokenizer(folder)  # 300 ids: each of the target's 160 rows gets logits
+    args = AppArgs.model_validate(
+        {"model": str(folder), "proposer": "dflash", "draft_model": str(checkpoint)}
+    )
+
+    def start(whole_target: bool) -> tuple[proposer_actor.ProposerActor, LoadedModel]:
+        loaded = []
+
+        def load(*args: Any, names: Any = None, **kwargs: Any) -> LoadedModel:
+            loaded.append(load_model(*args, names=None if whole_target else names, **kwargs))
+            return loaded[-1]
+
+        monkeypatch.setattr(proposer_actor, "load_model", load)
+        threads = torch.get_num_threads()
+        try:
+            return proposer_actor.ProposerActor(args, "cpu", "float32"), loaded[0]
+        finally:
+            torch.set_num_threads(threads)  # the actor takes every core (Ray gives it one)
+
+    actor, its_target = start(whole_target=False)
+    before, whole_target = start(whole_target=True)
+    assert set(its_target.weights) == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert len(whole_target.weights) > 2
+    token_ids, features = sequence
+    for num_tokens in (1, 9, 20):
+        request = DraftRequest(
+            f"r{num_tokens}", token_ids[:num_tokens], BLOCK_SIZE - 1, features[: num_tokens - 1]
+        )
+        drafts = actor.proposer.propose([request])[0]
+        assert drafts == before.proposer.propose([request])[0] and len(drafts) == BLOCK_SIZE - 1

@@ -44,6 +44,7 @@ TINY_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 # Sharded saves (an index file and several shards) for these.
 SHARDED = {"qwen2", "apertus"}
+EMBEDDING_AND_HEAD = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def save_tiny_model(name: str, folder: Path) -> dict[str, torch.Tensor]:
@@ -84,6 +85,17 @@ def test_weights_equal_transformers_state_dict(name: str, tiny_models) -> None:
     for key, tensor in expected.items():
         assert weights[key].dtype == torch.float32
         assert torch.equal(weights[key], tensor), key
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2"])  # an LM head of its own; tied, in shards
+def test_only_the_weights_asked_for(name: str, tiny_models) -> None:
+    folder, state_dict = tiny_models[name]
+    spec, weights = load_safetensors_folder(folder, torch.float32, names=EMBEDDING_AND_HEAD)
+    expected = canonical_state_dict(state_dict, spec.tie_word_embeddings)
+    assert set(weights) == set(EMBEDDING_AND_HEAD) & set(expected)
+    assert ("lm_head.weight" in weights) is (name == "qwen3")
+    for key, tensor in weights.items():
+        assert torch.equal(tensor, expected[key]), key
 
 
 def test_sharded_saves_have_an_index(tiny_models) -> None:
