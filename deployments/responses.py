@@ -57,22 +57,28 @@ class _Response:
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         """The last chunk of a stream with include_usage: no choices, the whole request's usage."""
-        return {**self._head(self.chunk_object), "choices": [], "usage": usage}
+        chunk = self._envelope(self.chunk_object, [])
+        chunk["usage"] = usage
+        return chunk
 
-    def _head(self, object_name: str) -> dict[str, Any]:
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """What every body and chunk holds, in OpenAI's order."""
         return {
             "id": self.id,
             "object": object_name,
             "created": self.created,
             "model": self.request.model,
             "system_fingerprint": None,
+            "choices": choices,
         }
 
     def _body(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
-        return {**self._head(self.body_object), "choices": choices, "usage": usage}
+        body = self._envelope(self.body_object, choices)
+        body["usage"] = usage
+        return body
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk = {**self._head(self.chunk_object), "choices": [choice]}
+        chunk = self._envelope(self.chunk_object, [choice])
         if self.request.include_usage:
             chunk["usage"] = None  # OpenAI: every chunk but the last carries a null usage
         return chunk
