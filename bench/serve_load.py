@@ -521,12 +521,9 @@ def engine_level(
     prompts: list[list[int]],
     concurrency: int,
     output_tokens: int,
-    step: Callable[[], list] | None = None,
 ) -> dict[str, Any]:
-    """step: what runs one engine step (default engine.step; bench/profile_steps.py times it)."""
     from engine.sampling import SamplingParams
 
-    step = step or engine.step
     params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
     pending = iter(prompts)
     state: dict[str, list] = {}  # request_id -> [start, first, last, tokens]
@@ -541,7 +538,7 @@ def engine_level(
     for _ in range(concurrency):
         add_next()
     while state:
-        outputs = step()
+        outputs = engine.step()
         now = time.perf_counter()
         for output in outputs:
             entry = state[output.request_id]
@@ -829,7 +826,7 @@ def level_prompts(
 
 
 def _mark(args: argparse.Namespace, phase: str) -> None:
-    """With --marks FILE: a line "<unix time> <phase>" where a phase begins (bench/cpu_sampler.py)."""
+    """With --marks FILE: a line "<unix time> <phase>" where a phase begins (for lining a profiler up)."""
     if args.marks:
         with open(args.marks, "a") as file:
             file.write(f"{time.time():.3f} {phase}\n")
@@ -1008,7 +1005,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--restart", action="store_true", help="then serve run once more: restart time")
     parser.add_argument("--no-engine-direct", action="store_true", help="with --serve-config: HTTP only")
     parser.add_argument("--ray-port", type=int, default=6390)
-    parser.add_argument("--marks", default=None, help="append where each phase begins (bench/cpu_sampler.py)")
+    parser.add_argument("--marks", default=None, help="append where each phase begins (for a profiler)")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
     shared = args.workload == "shared-prefix"
