@@ -15,7 +15,7 @@ GPU waits for the proposer's drafts in the ring. Every placement asks for
 drafts at every step (NUM_DRAFT, adapt_num_draft off), so that only the placement differs. Uses
 bench_spec's prompt sets. Needs two GPUs for the two-GPU rows (they are skipped on one); --device cpu
 runs the proposer in its own process on the CPU (a smoke run). --dflash: the proposer is DFlash with a
-random SmolLM2-shaped checkpoint (bench/random_dflash.py; its drafts are rejected, so it measures the
+random SmolLM2-shaped checkpoint (tests/random_dflash.py; its drafts are rejected, so it measures the
 path, not a speed-up), and the engine runs every step eagerly, capturing hidden states. Each row also
 gives the median times of the latest plain and verify steps and how long the host waited for ring drafts.
 Writes OUT_DIR/bench_placement*.json and prints one table.
@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.bench_spec import CODE_EDIT, OPEN_CHAT, run_set  # noqa: E402
-from bench.random_dflash import smollm2_135m_config, write_checkpoint  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from proposers.remote import ProposerServer, RemoteProposer, hidden_layout  # noqa: E402
+from tests.random_dflash import smollm2_135m_config, write_checkpoint  # noqa: E402
 
 CONTEXT = multiprocessing.get_context("spawn")
 NUM_DRAFT = 6

@@ -26,11 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.divergence import differences  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
 from engine.engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import LoadedModel, load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from tests.divergence import differences  # noqa: E402
 
 OPEN_CHAT = [
     "What is the capital of France, and why is it famous?",

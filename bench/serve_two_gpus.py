@@ -6,7 +6,7 @@ Starts Ray with two GPUs and serves two applications of SmolLM2-135M-Instruct (t
 TILEINFER_CACHE): `plain`, and `dflash`, whose proposer deployment takes a GPU of its own, sees the
 engine's GPU too (build_app sets RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES for it) and maps the
 engine's buffer of hidden rows as a peer. The DFlash checkpoint has random weights, shaped for
-SmolLM2 (bench/random_dflash.py): its drafts are mostly rejected, so this shows placement and
+SmolLM2 (tests/random_dflash.py): its drafts are mostly rejected, so this shows placement and
 exactness, not speed. Both engines take half of a GPU, so the proposer gets a whole one.
 
 Checks, for each prompt, that greedy chat completions of both applications are the same text, and reads
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from bench.bench_spec import CODE_EDIT, OPEN_CHAT  # noqa: E402
-from bench.random_dflash import smollm2_135m_config, write_checkpoint  # noqa: E402
+from tests.random_dflash import smollm2_135m_config, write_checkpoint  # noqa: E402
 
 PORT = 8000
 

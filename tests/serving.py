@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+from random_dflash import smollm2_135m_config, write_checkpoint
 
-from bench.random_dflash import smollm2_135m_config, write_checkpoint
 from deployments.launch import listening
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from divergence import describe
 
-from bench.divergence import describe
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingParams
 

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import random_dflash
 import torch
 import transformers
 from test_loader import save_tiny_tokenizer
 
-from bench import random_dflash
 from deployments import proposer as proposer_actor
 from deployments.config import AppArgs
 from engine.engine import Engine, EngineConfig

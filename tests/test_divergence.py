@@ -1,4 +1,4 @@
-"""bench/divergence.py: where two greedy outputs part, and the reference's top-2 logprob gap there (the
+"""tests/divergence.py: where two greedy outputs part, and the reference's top-2 logprob gap there (the
 GPU tests and bench_spec use it to tell a numerical near-tie from a bug)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from divergence import describe, first_difference, top2_gap
 
-from bench.divergence import describe, first_difference, top2_gap
 from engine.engine import Engine, EngineConfig
 from engine.sampling import SamplingParams
 
