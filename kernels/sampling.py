@@ -102,13 +102,6 @@ def seed_to_int64(seed: int) -> int:
     return seed - 2**64 if seed >= 2**63 else seed
 
 
-def update_token_counts(tensors: SamplingTensors, token_ids: torch.Tensor) -> None:
-    """In place, on the device: output_counts[b, t] += 1 and prompt_mask[b, t] = True for t = token_ids[b]."""
-    index = token_ids.to(torch.int64).unsqueeze(1)  # [B, 1]
-    tensors.output_counts.scatter_add_(1, index, torch.ones_like(index, dtype=tensors.output_counts.dtype))
-    tensors.prompt_mask.scatter_(1, index, True)
-
-
 def top_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

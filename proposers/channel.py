@@ -75,12 +75,9 @@ STATUS_OK, STATUS_ERROR = 0, 1
 HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_CODES = {name: code for code, name in enumerate(HIDDEN_DTYPES)}  # as the header records it
 
-# Waiting sides poll the counters in a busy loop first: even time.sleep(0) costs ~100 us of wake-up on a
-# loaded host, more than the whole hand-off. How long: SPIN_S; on a host with cores to spare, as long as
-# the last wait took (twice, up to MAX_SPIN_S), so that a steady decode loop is answered at once.
+# Waiting sides poll the counters in a busy loop for SPIN_S first: even time.sleep(0) costs ~100 us of
+# wake-up on a loaded host, more than the whole hand-off.
 SPIN_S = 200e-6
-MAX_SPIN_S = 20e-3
-SPARE_CORES = (os.cpu_count() or 1) >= 8
 POLL_SLEEP_S = 50e-6  # then sleep this long between polls
 IDLE_AFTER_S = 1.0  # a server with no step for this long...
 IDLE_SLEEP_S = 1e-3  # ...polls this rarely (the first step after a pause waits up to this much longer)
@@ -160,13 +157,6 @@ class ChannelStep:
 
     requests: list[ChannelRequest]
     forget_keys: list[int]
-
-
-def spin_window(last_wait_s: float) -> float:
-    """How long the next wait polls without sleeping, given how long the last one took."""
-    if not SPARE_CORES:
-        return SPIN_S
-    return min(max(SPIN_S, 2 * last_wait_s), MAX_SPIN_S)
 
 
 class _Layout:
@@ -260,7 +250,6 @@ class ChannelClient:
                 self._layout.set("ring_on_gpu", 1)
         self._layout.set("magic", MAGIC)  # last: a server that sees it sees the capacities too
         self._seq = 0
-        self._spin_s = SPIN_S
 
     @property
     def rows_in_gpu_memory(self) -> bool:
@@ -278,17 +267,9 @@ class ChannelClient:
             return self._gpu_ring
         return layout.ring if attached == RING_IN_HOST else None
 
-    def exchange(
-        self, requests: Sequence[ChannelRequest], forget_keys: Sequence[int], timeout_s: float
-    ) -> list[list[int]]:
-        """Send one step and wait for its drafts, one list per request. Raises ChannelCapacityError for
-        a step that does not fit, TimeoutError when no answer comes within timeout_s (the server is dead
-        or stalled: the channel must then be abandoned) and RemoteProposerError when the proposer raised."""
-        self.send(requests, forget_keys, timeout_s)
-        return self.receive(timeout_s)
-
     def receive(self, timeout_s: float) -> list[list[int]]:
-        """Wait for the drafts of the step just sent (not to the ring), one list per request."""
+        """Wait up to timeout_s for the drafts of the step just sent (not to the ring), one list per request
+        (TimeoutError and RemoteProposerError as for send)."""
         self._await_answer(self._seq, timeout_s)
         layout = self._layout
         lengths = layout.draft_lengths[: layout.get("num_requests")].tolist()
@@ -307,8 +288,10 @@ class ChannelClient:
         to_ring: bool = False,
     ) -> int:
         """Send one step without waiting for its answer; returns its number. to_ring: answered in the
-        ring (self.ring) rather than here. Waits first (up to timeout_s) for the last step's answer, and
-        raises as exchange does."""
+        ring (self.ring) rather than here. Waits first (up to timeout_s) for the last step's answer.
+        Raises ChannelCapacityError for a step that does not fit, TimeoutError when no answer comes within
+        timeout_s (the server is dead or stalled: the channel must then be abandoned) and
+        RemoteProposerError when the proposer raised."""
         self._check_fits(requests, forget_keys)
         layout = self._layout
         if layout.get("closed"):
@@ -347,7 +330,7 @@ class ChannelClient:
         return self._seq
 
     def _await_answer(self, seq: int, timeout_s: float) -> None:
-        """Wait up to timeout_s until the server answered step `seq` (raising as exchange does)."""
+        """Wait up to timeout_s until the server answered step `seq` (raising as send does)."""
         layout = self._layout
         deadline = time.monotonic() + timeout_s
         spin_until = time.monotonic() + SPIN_S
@@ -428,7 +411,6 @@ class ChannelServer:
         self._to_ring = False  # whether the step just read is answered in the ring
         self._seq = self._layout.get("response_seq")
         self._last_step_time = time.monotonic()
-        self._spin_s = SPIN_S
 
     def next_step(self, stop: threading.Event) -> ChannelStep | None:
         """Wait for the next step; None once the client closed the channel or `stop` is set."""
@@ -441,9 +423,7 @@ class ChannelServer:
             return None
         self._seq = layout.get("request_seq")
         self._to_ring = bool(layout.get("step_to_ring"))
-        now = time.monotonic()
-        self._spin_s = spin_window(now - self._last_step_time)
-        self._last_step_time = now
+        self._last_step_time = time.monotonic()
         requests, offset, row_offset = [], 0, 0
         rows_on_device = self._device_rows is not None and bool(layout.get("step_rows_on_device"))
         for index in range(layout.get("num_requests")):

@@ -383,7 +383,6 @@ class DFlashProposer:
             collections.OrderedDict()
         )
         self.retired_tokens = retired_tokens
-        self.contexts_reused = 0  # requests that took over a retired context
         # request id -> (its token count at the last call, that call's block predictions, drafts asked)
         self._last_blocks: dict[str, tuple[int, list[int], int]] = {}
         # request id -> (token count, the tokens assumed after it, predictions of the block drafted ahead)
@@ -473,7 +472,6 @@ class DFlashProposer:
         if best is not None and best_length >= hidden_start:
             _, cache = self._retired.pop(best)
             cache.truncate(best_length)
-            self.contexts_reused += 1
             return cache
         return self.drafter.new_cache()
 

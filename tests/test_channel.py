@@ -28,6 +28,14 @@ from proposers.remote import ProposerServer, ProposerUnavailableError, RemotePro
 CONTEXT = multiprocessing.get_context("spawn")
 
 
+def exchange(
+    client: ChannelClient, requests: list[ChannelRequest], forget_keys: list[int], timeout_s: float
+) -> list[list[int]]:
+    """One step as RemoteProposer sends it when it waits for the drafts: send, then receive."""
+    client.send(requests, forget_keys, timeout_s)
+    return client.receive(timeout_s)
+
+
 class MirrorReport:
     """A proposer whose drafts describe what it holds: [number of tokens, number of live requests,
     the last token]."""
@@ -142,12 +150,12 @@ def test_raw_steps_cross_with_their_layout() -> None:
             ([ChannelRequest(3, 1, [2**31 - 1], 5), ChannelRequest(4, 0, [0], 5)], [3, 4, 5]),
         ]
         for requests, forget_keys in steps:
-            answers = client.exchange(requests, forget_keys, timeout_s=60)
+            answers = exchange(client, requests, forget_keys, timeout_s=60)
             assert answers == [
                 [r.key, r.keep, len(r.new_tokens), sum(r.new_tokens), len(forget_keys)] for r in requests
             ]
         # drafts are cut at the request's num_drafts
-        assert client.exchange([ChannelRequest(1, 0, [4], 2)], [], timeout_s=60) == [[1, 0]]
+        assert exchange(client, [ChannelRequest(1, 0, [4], 2)], [], timeout_s=60) == [[1, 0]]
     finally:
         client.close()  # the server sees the closed flag and exits
         process.join(timeout=60)
@@ -164,9 +172,9 @@ def test_steps_beyond_the_capacity_raise_before_anything_crosses() -> None:
             ([], [1, 2], "2 forgotten sequences"),
         ]:
             with pytest.raises(ChannelCapacityError, match=what):
-                client.exchange(requests, forget_keys, timeout_s=0.01)
+                client.send(requests, forget_keys, timeout_s=0.01)
         with pytest.raises(TimeoutError):  # a step that fits, with no server: the deadline holds
-            client.exchange([ChannelRequest(0, 0, [1], 1)], [], timeout_s=0.05)
+            exchange(client, [ChannelRequest(0, 0, [1], 1)], [], timeout_s=0.05)
     finally:
         client.close()
 
@@ -214,7 +222,7 @@ def test_hidden_rows_cross_exactly_once(dtype: str, placement: str) -> None:
         for requests in steps:
             # steps sent before the server has mapped the GPU buffer cross in host memory
             mapped = client.rows_in_gpu_memory
-            answers = client.exchange(requests, [], timeout_s=60)
+            answers = exchange(client, requests, [], timeout_s=60)
             for request, answer in zip(requests, answers, strict=True):
                 # what the server read: the rows in the channel's dtype, bit for bit
                 sent = torch.empty(0) if not request.num_rows else request.hidden.to(getattr(torch, dtype))
@@ -223,13 +231,11 @@ def test_hidden_rows_cross_exactly_once(dtype: str, placement: str) -> None:
                 assert answer[1:] == sent.cpu().contiguous().view(torch.int32).flatten().tolist()
         assert client.rows_in_gpu_memory == (placement != "cpu")
         with pytest.raises(ChannelCapacityError, match="6 hidden rows"):
-            client.exchange(
-                [ChannelRequest(0, 5, [], 1, rows(3)), ChannelRequest(1, 1, [], 1, rows(3))], [], 60
-            )
+            client.send([ChannelRequest(0, 5, [], 1, rows(3)), ChannelRequest(1, 1, [], 1, rows(3))], [], 60)
         with pytest.raises(ChannelCapacityError, match="the channel's rows have 6 values"):
-            client.exchange([ChannelRequest(0, 5, [], 1, torch.zeros(1, width + 1))], [], 60)
+            client.send([ChannelRequest(0, 5, [], 1, torch.zeros(1, width + 1))], [], 60)
         zeros = torch.zeros(1, width, device=device)
-        assert client.exchange([ChannelRequest(0, 5, [], 2, zeros)], [], 60) == [[rows_seen_on, 0]]
+        assert exchange(client, [ChannelRequest(0, 5, [], 2, zeros)], [], 60) == [[rows_seen_on, 0]]
     finally:
         client.close()
         process.join(timeout=60)
@@ -239,7 +245,7 @@ def test_hidden_rows_cross_exactly_once(dtype: str, placement: str) -> None:
     plain = ChannelClient(ChannelCapacity(max_step_tokens=4))  # a channel without a hidden area
     try:
         with pytest.raises(ChannelCapacityError, match="rows have 0 values"):
-            plain.exchange([ChannelRequest(0, 0, [1], 1, torch.zeros(1, 4))], [], 0.01)
+            plain.send([ChannelRequest(0, 0, [1], 1, torch.zeros(1, 4))], [], 0.01)
     finally:
         plain.close()
 

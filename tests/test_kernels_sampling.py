@@ -20,7 +20,6 @@ from kernels.sampling import (
     sample_reference,
     sample_triton,
     top_logprobs,
-    update_token_counts,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -310,26 +309,7 @@ def test_kernel_draws_follow_the_distribution() -> None:
     assert_distribution(sample_triton(logits, tensors), params)
 
 
-# --- counts and logprobs --------------------------------------------------------------------------------
-
-
-def test_update_token_counts() -> None:
-    vocab_size = 30
-    params = [SamplingParams()] * 3
-    tensors = SamplingTensors.from_params(
-        params, [[1, 2], [], [5]], [[3, 3], [4], []], [0] * 3, [0] * 3, vocab_size
-    )
-    expected_counts = tensors.output_counts.clone()
-    expected_mask = tensors.prompt_mask.clone()
-    tensors = tensors.to(DEVICE)
-    for token_ids in ([3, 4, 29], [3, 0, 29]):
-        update_token_counts(tensors, torch.tensor(token_ids, device=DEVICE))
-        for row, token in enumerate(token_ids):
-            expected_counts[row, token] += 1
-            expected_mask[row, token] = True
-    assert torch.equal(tensors.output_counts.cpu(), expected_counts)
-    assert torch.equal(tensors.prompt_mask.cpu(), expected_mask)
-    assert expected_counts[0, 3] == 4 and expected_counts[2, 29] == 2
+# --- logprobs --------------------------------------------------------------------------------------------
 
 
 def test_top_logprobs_are_the_raw_log_softmax() -> None:
@@ -375,16 +355,12 @@ def test_gpu_sampling_replays_in_a_cuda_graph() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         sample_triton(logits, tensors, out=out, workspace=workspace)
-        update_token_counts(tensors, out)
     for step in range(3):
         tensors.step.fill_(step)
-        expected_counts = tensors.output_counts.clone()
         expected = sample_reference(logits, tensors)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
-        expected_counts[torch.arange(batch, device="cuda"), expected] += 1
-        assert torch.equal(tensors.output_counts, expected_counts)
 
 
 def test_four_bit_radix_search_as_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
