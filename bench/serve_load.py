@@ -10,7 +10,8 @@ same engine driven in process (engine-direct).
 Each of C clients streams `/v1/completions` with a prompt of token ids (--prompt-tokens random ids from
 a seeded RNG in --vocab LOW:HIGH, default the Qwen3 tokenizer's ordinary tokens within the model's
 vocabulary), --output-tokens tokens, ignore_eos, temperature 0, and sends its next request when the
-previous one ends, until --requests (default max(4 C, 32)) have run. Tokens are counted by the
+previous one ends, until --requests (default max(R C, 32), R = --requests-per-client, 4: profilers
+want longer levels than the 10 s that 256 clients take at R = 4) have run. Tokens are counted by the
 completion's usage (stream_options.include_usage); TTFT is from sending to the first event that
 carries a choice, TPOT per request (last event - first event) / (tokens - 1), so a server that sends
 several tokens per event is timed by when its tokens arrive. Errors: HTTP statuses other than 200, and
@@ -24,7 +25,9 @@ Engine.add_request / Engine.step; its TTFT is from add_request to the step that 
 ray.serve.scripts run`) on a copy of the config (its first application's args, with --model and the
 sizes below written in), waits for /health, runs the load, stops that Ray cluster (only that one: its
 head runs with --block), then runs engine-direct with the same args in this process (the GPU is free
-again) and prints both, with HTTP/engine-direct ratios.
+again) and prints both, with HTTP/engine-direct ratios. The app starts as `make run` starts it
+(deployments.launch: Ray Serve's HAProxy mode where ray[serve] brought HAProxy); --serve-proxy measures
+Serve's Python proxy instead, and --ingress-replicas N overrides num_ingress_replicas: auto.
 --model: a model_shapes name other than the default smollm2-135m becomes a folder of random weights of
 that shape with the real Qwen3 tokenizer (tests/assets.py); anything else is passed on as given.
 --restart then starts the app once more (Triton's kernels cached by then) to time a restart; the first
@@ -32,8 +35,9 @@ start's and the restart's times to a healthy app are in the JSON (ready_s), as a
 first 8 requests after ready and of the same 8 once warm (first_requests). --client-processes spreads a
 level's clients over several processes. --runs K runs each level K times in the same app (each run its own
 prompts): the tables take the run with the median output tok/s (for an even K the lower middle one) and
-the ratio from it; every run's tok/s is in the JSON. Results as JSON in --out (default $OUT, else
-bench_out); the last table printed is BENCH.md's (workload | model | TileInfer | peer | ...).
+the ratio from it; every run's tok/s is in the JSON (BENCH.md asks for the median of three: --runs 3).
+Results as JSON in --out (default $OUT, else bench_out); the last table printed is BENCH.md's (workload |
+model | TileInfer | peer | ...).
 
 Engine replicas (--serve-config): --engine-replicas N writes num_engine_replicas; on a GPU machine each
 replica then takes engine_num_gpus 1/N of the one GPU (ceil(N / GPUs) replicas to a GPU on several), unless

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU test suite on the lent H200, in parallel pytest shards, within one device call (600 s at most):
+# every test marked gpu, and every test of the files that run on CUDA when it is there
+# (`DEVICE = "cuda" if torch.cuda.is_available() ...`: the kernels' whole grids, compiled). From the root:
+#   bash bench/gpu_tests.sh                                  # the whole suite
+#   bash bench/gpu_tests.sh tests/test_kernels_linear.py ... # the GPU tests of these files
+#   SHARDS=8 LIMIT=300 bash bench/gpu_tests.sh ...           # shards (12), each one's limit in s (520)
+# Carry what bench/gpu_env.sh sets up: gguf's wheel (.whl/gguf-*.whl) and the default model's GGUF, which
+# the engine's GPU tests load (.assets/$GGUF.part*, one a call). Compiling is most of the time: a cold
+# Triton cache may not get through the whole suite in one call; the next call, carrying the
+# $OUT/triton_cache.txz this one wrote as .assets/triton_cache.txz, starts warm.
+# Prints the failures and each shard's summary; $OUT/gpu_tests.log holds every shard's log. Exits 1 when a
+# shard failed or ran out of time.
+set -u
+. "$(dirname "$0")/gpu_env.sh"
+shards=${SHARDS:-12} limit=${LIMIT:-520}
+[ $# -gt 0 ] || set -- tests/test_*.py
+marked=$(grep -l "pytest.mark.gpu" "$@")
+on_cuda=$(grep -l '^DEVICE = "cuda" if torch.cuda.is_available()' "$@")
+collect() { python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2> /dev/null | grep "::"; }
+{ [ -z "$marked" ] || collect -m gpu $marked; [ -z "$on_cuda" ] || collect $on_cuda; } | sort -u \
+    > /tmp/gpu_ids
+echo "== $(wc -l < /tmp/gpu_ids) tests in $shards shards (limit ${limit}s each)"
+rm -f /tmp/gpu_shard.*
+split -n "r/$shards" -d /tmp/gpu_ids /tmp/gpu_shard.
+pids=()
+for ids in /tmp/gpu_shard.??; do  # one node id a line: ids may hold spaces
+    [ -s "$ids" ] || continue
+    xargs -r -d '\n' -a "$ids" timeout "$limit" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider \
+        > "$ids.log" 2>&1 &
+    pids+=($!)
+done
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+cat /tmp/gpu_shard.??.log > "$OUT/gpu_tests.log"
+grep -h -E "^(FAILED|ERROR) " /tmp/gpu_shard.??.log
+grep -h -E "^=+ .*(passed|failed|error|skipped).* in [0-9.]+s" /tmp/gpu_shard.??.log
+for log in $(grep -L -E " in [0-9.]+s" /tmp/gpu_shard.??.log); do
+    done=$(grep -c -E " (PASSED|FAILED|ERROR|SKIPPED)" "$log")
+    echo "cut at ${limit}s: ${log%.log}, $done of its $(wc -l < "${log%.log}") tests done"
+done
+tar -cJf "$OUT/triton_cache.txz" -C "$TILEINFER_CACHE" triton 2> /dev/null  # for the next call's .assets
+exit "$failed"
