@@ -22,7 +22,7 @@ import numpy
 import torch
 
 from engine.block_manager import BlockCopy
-from engine.kv_calibration import calibrate_key_smoothing, calibration_ids
+from engine.kv_cache import allocate_kv_cache, copy_blocks
 from engine.model import Decoder
 from engine.sampling import TokenLogprob, filtered_probs, sample
 from engine.scheduler import ScheduledSequence
@@ -30,7 +30,6 @@ from engine.sequence import Sequence
 from engine.speculative import verify_greedy, verify_sampled
 from engine.step_graphs import StepGraphs, StepInputs, capture_graph
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
-from kernels.kv_cache import Int8KVCache, KVCache, copy_kv_blocks
 from kernels.sampling import (
     SamplingTensors,
     SamplingWorkspace,
@@ -116,8 +115,8 @@ class ModelRunner:
         max_num_batched_tokens tokens and max_logit_rows logit rows (default: one per sequence).
         capture_layers: decoder layers whose output stream every step keeps in captured_hidden (DFlash);
         their steps run from the step graphs (which capture them too) or eagerly, never from DecodeGraphs.
-        kv_cache_dtype "int8": an INT8 cache (kernels/kv_cache.py), whose key smoothing comes from a forward
-        pass over calibration_tokens (engine/kv_calibration.py) before any graph is captured."""
+        kv_cache_dtype "int8": an INT8 cache, whose key smoothing comes from a forward pass over
+        calibration_tokens before any graph is captured (engine/kv_cache.py)."""
         spec = decoder.spec
         self.decoder = decoder
         self.spec = spec
@@ -126,19 +125,10 @@ class ModelRunner:
         self.device = decoder.model.embed_tokens.weight.device
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache: KVCache
-        if kv_cache_dtype == "int8":
-            self.kv_cache = Int8KVCache.allocate(
-                spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, self.device
-            )
-            tokens = calibration_tokens or calibration_ids(None, self.logit_vocab_size)
-            max_context = self.max_blocks_per_seq * block_size
-            calibrate_key_smoothing(self.kv_cache, decoder, tokens, dtype, max_context)
-        else:
-            self.kv_cache = torch.zeros(
-                spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-                dtype=dtype, device=self.device,
-            )  # fmt: skip
+        self.kv_cache = allocate_kv_cache(
+            decoder, num_blocks, block_size, dtype, self.max_blocks_per_seq * block_size, kv_cache_dtype,
+            calibration_tokens,
+        )  # fmt: skip
         self.seeds: dict[str, int] = {}  # request id -> the seed its device-side noise is keyed by
         self.capture_layers = capture_layers
         self.captured_hidden: torch.Tensor | None = None  # [num_tokens, len(layers) * hidden], packed
@@ -154,8 +144,7 @@ class ModelRunner:
             )  # fmt: skip
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
-        for copy in copies:
-            copy_kv_blocks(self.kv_cache, copy.src_block, copy.dst_block, copy.num_slots)
+        copy_blocks(self.kv_cache, copies)
 
     def forget(self, request_id: str) -> None:
         self.seeds.pop(request_id, None)
