@@ -20,7 +20,7 @@ cuBLASLt (torch._scaled_mm; x padded to 16 rows): a speed reference at 1 byte a 
 
 --sweep also times every candidate tile configuration per shape (GEMV block sizes and warps, the skinny
 GEMM's tiles and K splits, the GEMM candidate tiles) and reports the heuristic's pick beside the fastest,
-to tune kernels/linear.py.
+to tune the linear kernels (kernels/linear_*.py).
 
 The last thing printed is the table; the full results go to OUT_DIR/bench_linear.json (OUT_DIR: the
 argument, else $OUT, else ./bench_out).
@@ -29,6 +29,7 @@ argument, else $OUT, else ./bench_out).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -44,8 +45,11 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import linear  # noqa: E402
+from kernels import linear, linear_gemm, linear_gemv, linear_skinny, linear_tuned  # noqa: E402
 from kernels.int8 import quantize_int8, split  # noqa: E402
+from kernels.linear import LinearWorkspace  # noqa: E402
+from kernels.linear_dequant import DequantWorkspace  # noqa: E402
+from kernels.linear_skinny import SplitKScratch  # noqa: E402
 
 # Layer shapes per model: (out_features, in_features); gate_up is [2 * intermediate, hidden].
 MODELS: dict[str, dict[str, tuple[int, int]]] = {
@@ -141,9 +145,20 @@ class Case:
     """One layer shape at one M: its weight copies, input and output buffers, and the calls to time."""
 
     def __init__(
-        self, model: str, layer: str, n_rows: int, k: int, m: int, int8: bool = False, swapped: bool = False
+        self,
+        model: str,
+        layer: str,
+        n_rows: int,
+        k: int,
+        m: int,
+        int8: bool = False,
+        swapped: bool = False,
+        workspace: LinearWorkspace | None = None,
     ) -> None:
+        """workspace: what our kernels draw on, as a decoder's (split-K scratch, dequantization buffers);
+        None: none (K unsplit, INT8 weights multiplied as stored)."""
         self.model, self.layer, self.n_rows, self.k, self.m = model, layer, n_rows, k, m
+        self.workspace = workspace
         self.gate_up = layer == "gate_up"
         self.n_out = n_rows // 2 if self.gate_up else n_rows
         weight_bytes = n_rows * k * DTYPE.itemsize
@@ -163,8 +178,10 @@ class Case:
     def triton_call(self, config: TileConfig | None = None) -> Callable[[int], object]:
         if config is None:
             fn = linear.gate_up_silu_triton if self.gate_up else linear.linear_triton
-            return lambda i: fn(self.x, self.ours[i], out=self.out)
+            return lambda i: fn(self.x, self.ours[i], out=self.out, workspace=self.workspace)
         launch = LAUNCHES[type(config)]
+        if isinstance(config, linear_skinny.SkinnyConfig) and self.workspace is not None:
+            launch = functools.partial(launch, scratch=self.workspace.split_k)
 
         def call(i: int) -> None:
             values, scale, scale_group, mma_order = split(self.ours[i])
@@ -206,27 +223,27 @@ class Case:
         if near and self.m <= linear.GEMV_MAX_M:
             picked = self.heuristic()
             return [
-                linear.GemvConfig(block_n, block_k, num_warps, num_stages=num_stages)
+                linear_gemv.GemvConfig(block_n, block_k, num_warps, num_stages=num_stages)
                 for block_n in {max(1, picked.block_n // 2), picked.block_n, picked.block_n * 2}
                 for block_k in (picked.block_k // 2, picked.block_k, picked.block_k * 2)
                 for num_warps in (4, 8)
                 for num_stages in (1, 2, 3, 4, 6)
                 if block_k >= 16
             ]
-        if self.swapped and self.m > linear.SKINNY_MAX_M:  # weight rows x warps, K step, stages
+        if self.swapped and self.m > linear_skinny.SKINNY_MAX_M:  # weight rows x warps, K step, stages
             return [
-                linear.SkinnyConfig(block_n, block_k, 1, num_warps, num_stages)
+                linear_skinny.SkinnyConfig(block_n, block_k, 1, num_warps, num_stages)
                 for block_n, num_warps in ((64, 4), (128, 4), (128, 8), (256, 8))
                 for block_k in (64, 128)
                 for num_stages in (3, 4)
             ]
-        if linear.GEMV_MAX_M < self.m <= linear.SKINNY_MAX_M:
+        if linear.GEMV_MAX_M < self.m <= linear_skinny.SKINNY_MAX_M:
             # INT8 weights: as many bytes a K step in 256 or 512 columns
             block_ks = (256, 512) if self.int8 else (128, 256)
             k_tiles = {block_k: -(-self.k // block_k) for block_k in block_ks}
             # stages: 4 of 128 K columns, or 3 of 256 (the 128-row tile's 4 x 64 KiB would not fit)
             return [
-                linear.SkinnyConfig(block_n, block_k, split_k, 4, 4 if block_k == block_ks[0] else 3)
+                linear_skinny.SkinnyConfig(block_n, block_k, split_k, 4, 4 if block_k == block_ks[0] else 3)
                 for block_n in (16, 32, 64, 128)
                 for block_k in block_ks
                 for split_k in ((1,) if block_n == 128 else (1, 2, 4))
@@ -239,15 +256,15 @@ class Case:
                 for num_warps in (4, 8):
                     for block_k in (128, 256, 512, 1024, 2048, 4096):
                         registers = gemv_elements_per_thread(
-                            linear.GemvConfig(block_n, block_k, num_warps), self.gate_up
+                            linear_gemv.GemvConfig(block_n, block_k, num_warps), self.gate_up
                         )
                         if block_k > k_cap or not 8 <= registers <= 128:
                             continue
                         for num_stages in (1, 3):
-                            configs.append(linear.GemvConfig(block_n, block_k, num_warps, num_stages))
+                            configs.append(linear_gemv.GemvConfig(block_n, block_k, num_warps, num_stages))
             return configs
         cap = max(16, triton.next_power_of_2(self.m))
-        table = linear.GATE_UP_CANDIDATES if self.gate_up else linear.GEMM_CANDIDATES
+        table = linear_gemm.GATE_UP_CANDIDATES if self.gate_up else linear_gemm.GEMM_CANDIDATES
         configs = []
         for config, _ in table:
             for num_stages in (3, 4):
@@ -258,41 +275,41 @@ class Case:
             for block_n in (16, 32, 64):
                 for block_k in (64, 128, 256):
                     for num_warps in (2, 4):
-                        candidate = linear.GemmConfig(cap, block_n, block_k, num_warps, 3)
+                        candidate = linear_gemm.GemmConfig(cap, block_n, block_k, num_warps, 3)
                         if candidate not in configs and block_k <= max(64, triton.next_power_of_2(self.k)):
                             configs.append(candidate)
         return configs
 
     def heuristic(self) -> TileConfig:
-        if self.swapped and self.m > linear.SKINNY_MAX_M:
-            return linear.skinny_config(self.m, self.n_out, self.k, self.gate_up, "int8")
+        if self.swapped and self.m > linear_skinny.SKINNY_MAX_M:
+            return linear_skinny.skinny_config(self.m, self.n_out, self.k, self.gate_up, "int8")
         return heuristic_config(self.m, self.n_out, self.k, self.gate_up, "int8" if self.int8 else "float")
 
 
-TileConfig = linear.GemvConfig | linear.SkinnyConfig | linear.GemmConfig
+TileConfig = linear_gemv.GemvConfig | linear_skinny.SkinnyConfig | linear_gemm.GemmConfig
 
 
-def gemv_elements_per_thread(config: linear.GemvConfig, gate_up: bool) -> int:
+def gemv_elements_per_thread(config: linear_gemv.GemvConfig, gate_up: bool) -> int:
     """Weight tile elements a thread holds each K step (gate/up: both tiles): its fp32 accumulators."""
     tiles = 2 if gate_up else 1
     return config.block_n * tiles * config.block_k // (32 * config.num_warps)
 
 
 LAUNCHES = {
-    linear.GemvConfig: linear._launch_gemv,
-    linear.SkinnyConfig: linear._launch_skinny,
-    linear.GemmConfig: linear._launch_gemm,
+    linear_gemv.GemvConfig: linear_gemv.launch_gemv,
+    linear_skinny.SkinnyConfig: linear_skinny.launch_skinny,
+    linear_gemm.GemmConfig: linear_gemm.launch_gemm,
 }
-KINDS = {linear.GemvConfig: "gemv", linear.SkinnyConfig: "skinny", linear.GemmConfig: "gemm"}
+KINDS = {linear_gemv.GemvConfig: "gemv", linear_skinny.SkinnyConfig: "skinny", linear_gemm.GemmConfig: "gemm"}
 
 
 def heuristic_config(m: int, n: int, k: int, gate_up: bool, weights: str = "float") -> TileConfig:
     """The tiles kernels/linear.py picks for this call (its kernel follows from M)."""
     if m <= linear.GEMV_MAX_M:
-        return linear.gemv_config(m, n, k, gate_up, weights)
-    if m <= linear.SKINNY_MAX_M:
-        return linear.skinny_config(m, n, k, gate_up, weights)
-    return linear.gemm_config(m, n, k, gate_up, weights=weights)
+        return linear_gemv.gemv_config(m, n, k, gate_up, weights)
+    if m <= linear_skinny.SKINNY_MAX_M:
+        return linear_skinny.skinny_config(m, n, k, gate_up, weights)
+    return linear_gemm.gemm_config(m, n, k, gate_up, weights=weights)
 
 
 def run_record(bandwidth: float, replays: int) -> dict:
@@ -309,13 +326,13 @@ def run_record(bandwidth: float, replays: int) -> dict:
 
 
 def tuned_rows(sweeps: list[dict], int8: bool = False) -> list[dict]:
-    """The fastest candidate of each swept shape, in kernels/linear.py's tuned-table format."""
+    """The fastest candidate of each swept shape, in kernels/linear_tuned.py's table format."""
     rows = []
     for sweep in sweeps:
         if sweep["timings"]:
             rows.append({
                 "kind": sweep["kind"],
-                "m": linear.tuned_m(sweep["kind"], sweep["M"]),
+                "m": linear_tuned.tuned_m(sweep["kind"], sweep["M"]),
                 "n": sweep["n"],
                 "k": sweep["k"],
                 "gate_up": sweep["gate_up"],
@@ -328,9 +345,9 @@ def tuned_rows(sweeps: list[dict], int8: bool = False) -> list[dict]:
 
 def merge_tuned(path: Path, rows: list[dict]) -> list[dict]:
     """The table at path (if any) with rows for the same kernel, shape and weights replaced by these."""
-    fresh = {linear.tuned_key(row) for row in rows}
+    fresh = {linear_tuned.tuned_key(row) for row in rows}
     table = json.loads(path.read_text()) if path.exists() else []
-    kept = [row for row in table if linear.tuned_key(row) not in fresh]
+    kept = [row for row in table if linear_tuned.tuned_key(row) not in fresh]
     return kept + rows
 
 
@@ -364,9 +381,12 @@ def main() -> None:
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the linear benchmark needs a GPU"
 
+    device = torch.device("cuda", torch.cuda.current_device())
+    dequant = None
     if args.int8 and not args.no_dequant:  # prefill rows dequantize each weight into it (one buffer)
         largest = max(rows * k for model in args.models.split(",") for rows, k in MODELS[model].values())
-        linear.reserve_dequant_workspace(torch.device("cuda", torch.cuda.current_device()), 2 * largest)
+        dequant = DequantWorkspace(device, 2 * largest, num_buffers=1)
+    workspace = LinearWorkspace(SplitKScratch.allocate(device), dequant)
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (2 GiB device-to-device, read + write)", flush=True)
     rows, sweeps = [], []
@@ -376,7 +396,8 @@ def main() -> None:
                 continue
             for m in map(int, args.m.split(",")):
                 started = time.perf_counter()
-                case = Case(model, layer, n_rows, k, m, args.int8, swapped=args.int8 and args.no_dequant)
+                swapped = args.int8 and args.no_dequant
+                case = Case(model, layer, n_rows, k, m, args.int8, swapped, workspace)
                 error = case.relative_error()
                 ours = time_in_graph(case.triton_call(), case.copies, args.replays)
                 theirs = time_in_graph(case.cublas_call(), case.copies, args.replays)

@@ -42,7 +42,8 @@ from bench.bench_linear import (  # noqa: E402
 )
 from kernels import norm_linear  # noqa: E402
 from kernels.int8 import split  # noqa: E402
-from kernels.linear import GEMV_MAX_M, GemvConfig, gate_up_silu_triton, linear_triton  # noqa: E402
+from kernels.linear import GEMV_MAX_M, gate_up_silu_triton, linear_triton  # noqa: E402
+from kernels.linear_gemv import GemvConfig  # noqa: E402
 from kernels.rmsnorm import add_rms_norm_triton  # noqa: E402
 
 LAYERS = ("qkv", "gate_up", "lm_head")  # the linears that follow a norm

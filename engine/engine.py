@@ -19,10 +19,10 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import TextStream
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.kv_budget import (
+    dequant_buffer_bytes,
     engine_free_bytes,
     kv_bytes_per_token,
     kv_cache_tokens_from_memory,
-    largest_dequantized_linear,
     step_reserve_bytes,
 )
 from engine.kv_calibration import calibration_ids
@@ -36,7 +36,6 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import Speculator
 from kernels.int8 import Int8Weight
 from kernels.kv_cache import KV_CACHE_DTYPES
-from kernels.linear import prefetch_order, reserve_dequant_workspace
 
 if TYPE_CHECKING:
     from proposers.base import Proposer
@@ -193,17 +192,18 @@ class Engine:
         # a verify step needs the logits of every draft position, plain steps one row a sequence
         max_logit_rows = config.max_num_seqs * (1 + config.num_draft if proposer is not None else 1)
         max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)
-        grouped = any(isinstance(w, Int8Weight) and w.scale.dim() == 2 for w in model.weights.values())
-        dequantized = largest_dequantized_linear(model.spec, group_scales=grouped)
-        if self.quantization == "int8" and self.device.type == "cuda" and dequantized:
-            # prefill steps dequantize the narrower INT8 layer weights into one of two buffers for the
-            # float GEMM (kernels/linear.py); taken before the KV cache is sized from what is left
-            reserve_dequant_workspace(self.device, dequantized * config.torch_dtype().itemsize, num_buffers=2)
+        dequant_bytes = 0
+        if self.quantization == "int8" and self.device.type == "cuda":
+            # the decoder's prefill steps dequantize its narrower INT8 layer weights into buffers of its
+            # own (kernels/linear.py), allocated after the KV cache is sized: not left to the cache
+            grouped = any(isinstance(w, Int8Weight) and w.scale.dim() == 2 for w in model.weights.values())
+            dequant_bytes = dequant_buffer_bytes(model.spec, config.torch_dtype(), group_scales=grouped)
         kv_cache_tokens = config.kv_cache_tokens
         if kv_cache_tokens is None and self.device.type == "cuda":
             # the weights (and an in-process proposer) are on the device already: the cache takes the rest
             kv_cache_tokens = kv_cache_tokens_from_memory(
-                engine_free_bytes(self.device, config.gpu_memory_share), config.gpu_memory_utilization,
+                engine_free_bytes(self.device, config.gpu_memory_share) - dequant_bytes,
+                config.gpu_memory_utilization,
                 kv_bytes_per_token(model.spec, config.torch_dtype(), config.kv_cache_dtype),
                 step_reserve_bytes(
                     model.spec, config.max_num_batched_tokens, max_logit_rows, self.logit_vocab_size
@@ -221,7 +221,6 @@ class Engine:
             model.spec, model.weights, self.max_model_len, ops_for(self.device), self.logit_vocab_size,
             quantization=config.quantization,
         )  # fmt: skip
-        prefetch_order(decoder.layer_linears())  # each INT8 prefill GEMM's next weight, dequantized ahead
         self.runner = ModelRunner(
             decoder, num_blocks, config.block_size, config.torch_dtype(), config.max_num_seqs,
             self.max_model_len, use_cuda_graphs=config.cuda_graphs, step_graphs=config.step_graphs,

@@ -13,7 +13,7 @@ from engine.errors import InvalidRequestError
 from engine.spec import ModelSpec
 from kernels.int8 import fits_mma_order
 from kernels.kv_cache import kv_bytes_per_slot
-from kernels.linear import dequantized_at_prefill
+from kernels.linear_dequant import DEQUANT_BUFFERS, dequantized_at_prefill
 
 # cuBLAS and Triton workspaces, the CUDA graphs' own bookkeeping, the decode attention's split partials
 # and the allocator's fragmentation: beyond what the shapes below account for.
@@ -54,9 +54,9 @@ def layer_linear_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
 
 
 def largest_dequantized_linear(spec: ModelSpec, group_scales: bool = False) -> int:
-    """Elements of the largest INT8 layer weight that a prefill dequantizes (kernels/linear.py); 0 if
-    every one takes the swapped-operand GEMM. group_scales: the weights hold a scale for each group of
-    inputs (Q8_0), which keeps them out of the MMA order (kernels/int8.py)."""
+    """Elements of the largest INT8 layer weight that a prefill dequantizes (kernels/linear_dequant.py);
+    0 if every one takes the swapped-operand GEMM. group_scales: the weights hold a scale for each group
+    of inputs (Q8_0), which keeps them out of the MMA order (kernels/int8.py)."""
     return max(
         (
             rows * k
@@ -65,6 +65,13 @@ def largest_dequantized_linear(spec: ModelSpec, group_scales: bool = False) -> i
         ),
         default=0,
     )
+
+
+def dequant_buffer_bytes(spec: ModelSpec, dtype: torch.dtype, group_scales: bool = False) -> int:
+    """What the decoder's LinearWorkspace (kernels/linear.py) allocates for INT8 layer weights that a
+    prefill dequantizes: DEQUANT_BUFFERS buffers, each the largest such weight in the activations' dtype.
+    The decoder is built once the KV cache is sized, so the budget keeps these bytes out of it."""
+    return DEQUANT_BUFFERS * largest_dequantized_linear(spec, group_scales) * dtype.itemsize
 
 
 def engine_free_bytes(device: torch.device, gpu_share: float = 1.0) -> int:

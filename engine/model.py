@@ -2,7 +2,8 @@
 
 Module names mirror HF llama's, so the canonical weight dict loads with strict checking; then q/k/v
 and gate/up are fused into one weight each, so a layer runs five matrix products. The ops (torch
-references or Triton kernels, engine/ops.py) are chosen once, when the decoder is built.
+references or Triton kernels, engine/ops.py) are chosen once, when the decoder is built; Triton's linears
+then draw on a LinearWorkspace of the decoder's own (kernels/linear.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from engine.spec import ModelSpec
 from kernels.activation import xielu_reference
 from kernels.attention import AttentionMetadata
 from kernels.int8 import Int8Weight, LinearWeight, quantize_int8, stack_rows
+from kernels.linear import LinearWorkspace
 
 QUANTIZATIONS = ("int8",)  # weight-only INT8 of every decoder layer's linears (kernels/int8.py)
 # The layers' linear weights (HF names after "model.layers.N."), in the groups fuse() joins
@@ -222,6 +224,7 @@ class Decoder(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.max_positions = max_positions
         self.cos_sin_cache = torch.empty(0)
+        self.linear_workspace: LinearWorkspace | None = None  # what the ops' linears draw on (from_weights)
 
     def layer_linears(self) -> list[LinearWeight]:
         """The decoder layers' weights in the order a forward multiplies by them."""
@@ -244,7 +247,9 @@ class Decoder(nn.Module):
         """Build on the meta device, take the given tensors as parameters, then fuse q/k/v and gate/up.
         Layer linears given as Int8Weight (as the loaders give them with quantization int8) stay INT8.
         quantization "int8": the float layer linears given are quantized first, as the loaders quantize
-        them (a scale per row); the embedding and the LM head keep their dtype."""
+        them (a scale per row); the embedding and the LM head keep their dtype. Ops that take a linear
+        workspace (Triton's) get one of the decoder's own, allocated here, before any CUDA graph is captured:
+        split-K scratch, and buffers for the INT8 weights that a prefill dequantizes, in forward order."""
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         if quantization == "int8":
@@ -270,8 +275,12 @@ class Decoder(nn.Module):
                 {n.split(".")[1]: w for n, w in taken.items() if n.startswith("self_attn.")}
             )
             layer.mlp.take_int8({n.split(".")[1]: w for n, w in taken.items() if n.startswith("mlp.")})
-        device = decoder.model.embed_tokens.weight.device
+        embedding = decoder.model.embed_tokens.weight
+        device = embedding.device
         decoder.cos_sin_cache = rope_cos_sin_cache(spec, max_positions, device)
+        if ops.takes_linear_workspace:
+            workspace = LinearWorkspace.for_weights(decoder.layer_linears(), embedding.dtype, device)
+            decoder.linear_workspace, decoder.ops = workspace, ops.bind(workspace)
         return decoder.eval().requires_grad_(False)
 
     @property

@@ -1,16 +1,18 @@
 """The two sets of ops the decoder runs: torch references (CPU, and the ground truth) and Triton
-kernels (CUDA). Each pair shares a signature (kernels/*.py); the engine picks a set once, by device."""
+kernels (CUDA). Each pair shares a signature (kernels/*.py); the engine picks a set once, by device. The
+Triton linears also take a LinearWorkspace, which each decoder binds its own of (Ops.bind)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
 
 from kernels.attention import paged_attention_reference, paged_decode_attention_triton
 from kernels.embedding import embedding_reference, embedding_triton
-from kernels.linear import linear_reference, linear_triton
+from kernels.linear import LinearWorkspace, linear_reference, linear_triton
 from kernels.norm_linear import add_rms_norm_linear_reference, add_rms_norm_linear_triton
 from kernels.prefill_attention import paged_prefill_attention_triton
 from kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
@@ -24,6 +26,17 @@ class Ops:
     qkv_epilogue: Callable  # q/k RMSNorm + RoPE + paged KV write, after the fused QKV projection
     attention: Callable  # any number of query tokens per sequence (prefill, mixed batches)
     decode_attention: Callable | None  # one query token per sequence; None: `attention` serves
+    takes_linear_workspace: bool = False  # the linears need a workspace bound (bind) before they run
+
+    def bind(self, workspace: LinearWorkspace) -> Ops:
+        """These ops with their linears (norm-fused too) drawing on workspace: one decoder's."""
+        assert self.takes_linear_workspace, "these ops take no workspace, or have one bound already"
+        return dataclasses.replace(
+            self,
+            add_rms_norm_linear=functools.partial(self.add_rms_norm_linear, workspace=workspace),
+            linear=functools.partial(self.linear, workspace=workspace),
+            takes_linear_workspace=False,
+        )
 
 
 REFERENCE_OPS = Ops(
@@ -42,6 +55,7 @@ TRITON_OPS = Ops(
     qkv_epilogue=qkv_epilogue_triton,
     attention=paged_prefill_attention_triton,
     decode_attention=paged_decode_attention_triton,
+    takes_linear_workspace=True,
 )
 
 

@@ -10,7 +10,7 @@ normed row is rounded to the activation dtype, before and after the norm weight,
 with the LM head's weight is the final norm + LM head.
 
 Batch-1 decode (M <= GEMV_MAX_M rows) on a weight of up to FUSED_GEMV_MAX_WEIGHTS elements: one GEMV
-launch, tiles from kernels/linear.py's gemv_config, one pass over K (larger weights: as several rows).
+launch, tiles from kernels/linear_gemv.py's gemv_config, one pass over K (larger weights: as several rows).
 rstd is one scalar for the row, so each program sums w[n, k] * summed[k] * norm_weight[k] and the
 squares of summed in the same loop and multiplies the sums by rstd at the end: the normed row is never
 rounded (fp32 throughout, within bf16 noise of the chain), and no statistics pass goes before the weight
@@ -29,6 +29,7 @@ unfused chain: an add, rms_norm_triton, linear_triton, then SwiGLU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -39,20 +40,17 @@ from kernels.activation import silu_and_mul_reference
 from kernels.int8 import MMA_CHUNK, LinearWeight, split
 from kernels.linear import (
     GEMV_MAX_M,
-    SKINNY_MAX_M,
-    GemvConfig,
+    LinearWorkspace,
     _launch,
     gate_up_silu_reference,
     gate_up_silu_triton,
-    gemv_config,
-    group_scales,
     linear_reference,
     linear_triton,
-    load_stored_order,
-    stored_inputs,
-    weights_kind,
-    widen,
 )
+from kernels.linear_gemv import GemvConfig, gemv_config
+from kernels.linear_skinny import SKINNY_MAX_M
+from kernels.linear_tiles import group_scales, load_stored_order, stored_inputs, widen
+from kernels.linear_tuned import weights_kind
 from kernels.rmsnorm import add_rms_norm_into_triton, rms_norm_reference, rms_norm_triton
 
 # One row takes the fused GEMV up to this many weight elements (rows x K), and a norm launch, then the
@@ -304,6 +302,7 @@ def _norm_then_linear(
     gate_up: bool,
     out: torch.Tensor,
     residual_out: torch.Tensor | None,
+    workspace: LinearWorkspace | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Several rows: the add and the norm in one launch, then the skinny GEMM (a few rows) or the tiled
     GEMM, straight into out (fp32 logits too)."""
@@ -314,7 +313,7 @@ def _norm_then_linear(
     else:
         summed = residual_out if residual_out is not None else torch.empty_like(hidden)
         add_rms_norm_into_triton(hidden, residual, norm_weight, eps, normed, summed)
-    _launch(normed, weight, bias, out, gate_up)  # linear.py's choice of the skinny or the tiled GEMM
+    _launch(normed, weight, bias, out, gate_up, workspace)  # linear.py's choice: skinny or tiled GEMM
     return out, summed
 
 
@@ -334,12 +333,14 @@ def add_rms_norm_linear_triton(
     gate_up: bool = False,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    workspace: LinearWorkspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As add_rms_norm_linear_reference. One row on a weight of up to FUSED_GEMV_MAX_WEIGHTS elements
     (M <= GEMV_MAX_M): one launch, no host sync, no allocation when out (and residual_out, unless
     residual is None) are given (past that size: two launches and a scratch row); residual_out must not
     overlap hidden or residual. More rows: the add and norm in one launch into a scratch buffer, then the
-    skinny or tiled GEMM (see the module docstring)."""
+    skinny or tiled GEMM (see the module docstring). workspace: the caller's (a decoder's) scratch for
+    the GEMMs (kernels/linear.py)."""
     values, scale, scale_group, mma_order = split(weight)
     assert hidden.dim() == 2 and values.dim() == 2, (hidden.shape, values.shape)
     m, k = hidden.shape
@@ -365,16 +366,21 @@ def add_rms_norm_linear_triton(
         assert all(residual_out.data_ptr() != t.data_ptr() for t in sources), "residual_out aliases an input"
 
     if m > GEMV_MAX_M and k > 0 and n > 0 and (m <= SKINNY_MAX_M or not (gate_up and bias is not None)):
-        return _norm_then_linear(hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out)
+        return _norm_then_linear(
+            hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out, workspace
+        )
     if m > GEMV_MAX_M or k == 0:
         return _chain(
             hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out,
-            rms_norm_triton, linear_triton, gate_up_silu_triton,
+            rms_norm_triton, functools.partial(linear_triton, workspace=workspace),
+            functools.partial(gate_up_silu_triton, workspace=workspace),
         )  # fmt: skip
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(hidden)
     if m > 0 and n > 0 and values.shape[0] * k > FUSED_GEMV_MAX_WEIGHTS:
-        return _norm_then_linear(hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out)
+        return _norm_then_linear(
+            hidden, residual, norm_weight, eps, weight, bias, gate_up, out, residual_out, workspace
+        )
     if m > 0 and n > 0:
         _launch_gemv(
             hidden, residual, norm_weight, eps, values, bias, gate_up, out, residual_out, scale=scale,

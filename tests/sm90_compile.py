@@ -46,6 +46,9 @@ from engine.sequence import Sequence  # noqa: E402
 from kernels import linear, norm_linear  # noqa: E402
 from kernels.attention import AttentionMetadata, DecodeWorkspace, paged_decode_attention_triton  # noqa: E402
 from kernels.int8 import quantize_int8  # noqa: E402
+from kernels.linear_dequant import INT8_DEQUANT_MIN_M, DequantWorkspace  # noqa: E402
+from kernels.linear_gemv import GemvConfig, launch_gemv  # noqa: E402
+from kernels.linear_skinny import SplitKScratch  # noqa: E402
 from kernels.prefill_attention import allocate_prefill_workspace, paged_prefill_attention_triton  # noqa: E402
 from kernels.sampling import SamplingTensors, sample_triton  # noqa: E402
 from kernels.triton_common import H200_SHARED_MEMORY_PER_BLOCK  # noqa: E402
@@ -173,21 +176,25 @@ def run_engine_kernels() -> None:
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="mistral", sliding_window=24), 40)
     run_decoder(QWEN3_0_6B, 100, kv_cache_dtype="int8")  # the INT8 KV cache's write and attention
     run_decoder(QWEN3_0_6B, 100, quantization="int8")  # INT8 weights in every linear kernel
+    # as a decoder's linears run: with split-K scratch (and dequantization buffers where given)
+    workspace = linear.LinearWorkspace(SplitKScratch.allocate(torch.device("cpu")))
     # fp32 activations on INT8 weights in the skinny GEMM at 64 rows (SmolLM2's gate/up: shared memory)
     x = torch.empty(40, 576, dtype=torch.float32)
-    linear.gate_up_silu_triton(x, quantize_int8(torch.zeros(3072, 576)), out=torch.empty(40, 1536))
+    out = torch.empty(40, 1536)
+    linear.gate_up_silu_triton(x, quantize_int8(torch.zeros(3072, 576)), out=out, workspace=workspace)
     # a Q8_0 GGUF's group-32 scales in the GEMV, the skinny GEMM (16 and 64 rows) and the GEMM, at
     # Qwen3-4B's widths (64 gate/up rows in 4 stages passed the H200's shared memory); then a prefill
     # long enough to dequantize the weight first, with group and per-row scales
     for rows, gate_up, group_size in ((6144, False, 32), (19456, True, 32), (6144, False, None)):
         weight = quantize_int8(torch.zeros(rows, 2560), group_size=group_size)
-        for m in (1, 5, 40, 100, linear.INT8_DEQUANT_MIN_M) if group_size else (linear.INT8_DEQUANT_MIN_M,):
-            if m >= linear.INT8_DEQUANT_MIN_M:
-                linear.reserve_dequant_workspace(torch.device("cpu"), rows * 2560 * 2)
+        for m in (1, 5, 40, 100, INT8_DEQUANT_MIN_M) if group_size else (INT8_DEQUANT_MIN_M,):
+            if m >= INT8_DEQUANT_MIN_M:
+                workspace.dequant = DequantWorkspace(torch.device("cpu"), rows * 2560 * 2, num_buffers=1)
             x = torch.empty(m, 2560, dtype=torch.bfloat16)
             out = torch.empty(m, rows // 2 if gate_up else rows, dtype=torch.bfloat16)
-            (linear.gate_up_silu_triton if gate_up else linear.linear_triton)(x, weight, out=out)
-            linear._dequant_workspaces.clear()
+            call = linear.gate_up_silu_triton if gate_up else linear.linear_triton
+            call(x, weight, out=out, workspace=workspace)
+            workspace.dequant = None
     # the norm-fused GEMV with one K tile wider than the row, as tuned tiles on the GPU pick it
     hidden = torch.empty(1, 1024, dtype=torch.bfloat16)
     for gate_up in (False, True):
@@ -195,7 +202,7 @@ def run_engine_kernels() -> None:
             hidden, torch.empty_like(hidden), torch.empty(1024, dtype=torch.bfloat16), 1e-6,
             torch.empty(4096, 1024, dtype=torch.bfloat16), None, gate_up,
             torch.empty(1, 2048 if gate_up else 4096, dtype=torch.bfloat16), torch.empty_like(hidden),
-            linear.GemvConfig(block_n=2, block_k=1024, num_warps=4),
+            GemvConfig(block_n=2, block_k=1024, num_warps=4),
         )  # fmt: skip
     # INT8 GEMVs with pipelined K loops (as tuned tiles on the GPU pick them), at Qwen3-4B's widths
     hidden = torch.empty(1, 2560, dtype=torch.bfloat16)
@@ -205,12 +212,12 @@ def run_engine_kernels() -> None:
             hidden, torch.empty_like(hidden), torch.empty(2560, dtype=torch.bfloat16), 1e-6, values, None,
             gate_up, torch.empty(1, 9728 if gate_up else 19456, dtype=torch.bfloat16),
             torch.empty_like(hidden),
-            linear.GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=4), scale=scale,
+            GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=4), scale=scale,
         )  # fmt: skip
-    linear._launch_gemv(
+    launch_gemv(
         torch.empty(1, 9728, dtype=torch.bfloat16), torch.empty(2560, 9728, dtype=torch.int8), None,
         torch.empty(1, 2560, dtype=torch.bfloat16), False,
-        linear.GemvConfig(block_n=4, block_k=2048, num_warps=8, num_stages=4), scale=torch.empty(2560),
+        GemvConfig(block_n=4, block_k=2048, num_warps=8, num_stages=4), scale=torch.empty(2560),
     )  # fmt: skip
     # split decode attention, as a CUDA graph sized for a 32k block table runs it
     query = torch.empty(2, 32, 128, dtype=torch.bfloat16)

@@ -14,7 +14,7 @@ from engine.engine import Engine, EngineConfig
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSequence
-from kernels import linear
+from kernels.linear_dequant import INT8_DEQUANT_MIN_M
 from proposers.base import DraftRequest
 
 pytestmark = pytest.mark.gpu
@@ -86,13 +86,14 @@ def test_step_graph_equals_eager(prompt_lens: list[int], quantization: str | Non
         difference = (eager - from_graph).abs().max().item()
         print(f"max |eager - step graph| = {difference:.3e}")
         assert difference <= 1e-4 * eager.abs().max().item()
-        if quantization and sum(prompt_lens) >= linear.INT8_DEQUANT_MIN_M:
-            workspaces = dict(linear._dequant_workspaces)
-            linear._dequant_workspaces.clear()
+        if quantization and sum(prompt_lens) >= INT8_DEQUANT_MIN_M:
+            workspace = runner.decoder.linear_workspace
+            assert workspace is not None and workspace.dequant is not None
+            dequant, workspace.dequant = workspace.dequant, None
             runner.step_graphs = None
             int8_gemm = runner.forward_eager(batch.scheduled, num_logits=num_logits)
             runner.step_graphs = step_graphs
-            linear._dequant_workspaces.update(workspaces)
+            workspace.dequant = dequant
             assert (int8_gemm - eager).abs().max().item() <= 1e-4 * eager.abs().max().item()
     for seq in seqs:
         graphed.abort(seq.request_id)

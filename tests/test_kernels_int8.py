@@ -5,8 +5,8 @@ weight. On the CPU the kernels run in Triton's interpreter."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import linear
+from kernels import linear_gemm, linear_gemv, linear_skinny
 from kernels.int8 import (
     Int8Weight,
     dequantize,
@@ -25,14 +25,17 @@ from kernels.int8 import (
     values_in_input_order,
 )
 from kernels.linear import (
-    GemmConfig,
-    GemvConfig,
-    SkinnyConfig,
+    LinearWorkspace,
     gate_up_silu_reference,
     gate_up_silu_triton,
     linear_reference,
     linear_triton,
 )
+from kernels.linear_dequant import INT8_DEQUANT_MIN_M, SWAPPED_MIN_ROWS, DequantWorkspace
+from kernels.linear_gemm import GemmConfig
+from kernels.linear_gemv import GemvConfig
+from kernels.linear_skinny import SkinnyConfig, SplitKScratch
+from kernels.linear_tiles import widen
 from kernels.norm_linear import add_rms_norm_linear_reference, add_rms_norm_linear_triton
 from tests.test_kernels_linear import tolerance
 
@@ -124,6 +127,15 @@ def test_int8_linear_matches_dequantized_product(
     torch.testing.assert_close(reference.double(), expected_reference, **tolerance(dtype))
 
 
+def launch(kind: str) -> Callable[..., None]:
+    """The kernel's launch; the skinny GEMM's with split-K scratch."""
+    if kind == "skinny":
+        return functools.partial(
+            linear_skinny.launch_skinny, scratch=SplitKScratch.allocate(torch.device(DEVICE))
+        )
+    return {"gemv": linear_gemv.launch_gemv, "gemm": linear_gemm.launch_gemm}[kind]
+
+
 # several programs and K steps with a ragged last one; K split 3 ways (the partials carry unscaled sums)
 FORCED = [
     ("gemv", 1, GemvConfig(block_n=4, block_k=32, num_warps=4)),
@@ -143,10 +155,9 @@ def test_int8_forced_tiles(case: tuple, gate_up: bool, group_size: int | None) -
     n, k, dtype = 37, 96 if group_size else 100, torch.bfloat16
     x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=len(kind) + gate_up, group_size=group_size)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
-    launch = {"gemv": linear._launch_gemv, "skinny": linear._launch_skinny, "gemm": linear._launch_gemm}[kind]
     values, scale, scale_group, mma_order = split(weight)
     assert not mma_order  # K = 96 or 100: not a multiple of 64
-    launch(x, values, None, out, gate_up, config, scale=scale, scale_group=scale_group)
+    launch(kind)(x, values, None, out, gate_up, config, scale=scale, scale_group=scale_group)
     torch.testing.assert_close(out.double(), _expected(x, weight, None, gate_up), **tolerance(dtype))
 
 
@@ -190,50 +201,40 @@ def test_int8_mma_order_forced_tiles(case: tuple, gate_up: bool) -> None:
     x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=m + gate_up)
     assert weight.mma_order
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
-    launch = {"gemv": linear._launch_gemv, "skinny": linear._launch_skinny, "gemm": linear._launch_gemm}[kind]
     values, scale, scale_group, mma_order = split(weight)
-    launch(x, values, None, out, gate_up, config, scale=scale, scale_group=scale_group, mma_order=mma_order)
+    launch(kind)(
+        x, values, None, out, gate_up, config, scale=scale, scale_group=scale_group, mma_order=mma_order
+    )
     torch.testing.assert_close(out.double(), _expected(x, weight, None, gate_up), **tolerance(dtype))
 
 
-@contextlib.contextmanager
-def own_dequant_workspace(num_bytes: int, num_buffers: int = 1) -> Iterator[linear.DequantWorkspace]:
-    """A dequantization workspace of this size on DEVICE for the block; then the one before it, or none
-    (an engine's, whose captured graphs may read it, comes back as it was)."""
-    device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device(DEVICE)
-    previous = linear._dequant_workspaces.pop(device, None)
-    linear.reserve_dequant_workspace(device, num_bytes, num_buffers)
-    try:
-        yield linear._dequant_workspaces[device]
-    finally:
-        del linear._dequant_workspaces[device]
-        if previous is not None:
-            linear._dequant_workspaces[device] = previous
-
-
-@pytest.fixture
-def dequant_workspace() -> Iterator[torch.Tensor]:
-    """A 64 KiB workspace's one buffer, for the test only (the other tests run the INT8 GEMM)."""
-    with own_dequant_workspace(1 << 16) as workspace:
-        yield workspace.buffers[0]
+def dequant_workspace(
+    num_bytes: int, num_buffers: int = 1, order: Sequence[Int8Weight] = ()
+) -> LinearWorkspace:
+    """A decoder's workspace on DEVICE whose dequantization buffers take num_bytes each, with a forward's
+    order of weights; split-K scratch beside them."""
+    device = torch.device(DEVICE)
+    return LinearWorkspace(
+        SplitKScratch.allocate(device), DequantWorkspace(device, num_bytes, num_buffers, order)
+    )
 
 
 @pytest.mark.parametrize("k", [96, 192], ids=["input-order", "mma-order"])
 @pytest.mark.parametrize("group_size", [None, 32], ids=["per-row", "group32"])
 @pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
-def test_int8_prefill_dequantizes_then_multiplies(
-    dequant_workspace: torch.Tensor, gate_up: bool, group_size: int | None, k: int
-) -> None:
+def test_int8_prefill_dequantizes_then_multiplies(gate_up: bool, group_size: int | None, k: int) -> None:
     """From INT8_DEQUANT_MIN_M rows the weight is dequantized into the workspace (in input order, group
     scales applied, rounded to x's dtype; per-row scales left to the GEMM's columns), then the float GEMM
     runs on it."""
     n, dtype = 37, torch.bfloat16
-    m = linear.INT8_DEQUANT_MIN_M + 5
+    m = INT8_DEQUANT_MIN_M + 5
     x, weight = _inputs(m, 2 * n if gate_up else n, k, dtype, seed=11 + gate_up, group_size=group_size)
-    dequant_workspace.zero_()
-    result = gate_up_silu_triton(x, weight) if gate_up else linear_triton(x, weight)
+    own = dequant_workspace(1 << 16)  # 64 KiB: one buffer
+    buffer = own.dequant.buffers[0].zero_()
+    call = gate_up_silu_triton if gate_up else linear_triton
+    result = call(x, weight, workspace=own)
     torch.testing.assert_close(result.double(), _expected(x, weight, None, gate_up), **tolerance(dtype))
-    dense = dequant_workspace[: weight.values.numel() * 2].view(dtype).view(weight.shape)
+    dense = buffer[: weight.values.numel() * 2].view(dtype).view(weight.shape)
     assert weight.mma_order == (k % 64 == 0 and group_size is None)
     expected_dense = dequantize(weight, dtype) if group_size else values_in_input_order(weight).to(dtype)
     # exact on the GPU; the interpreter truncates fp32 to bf16 where the GPU rounds (one bf16 step)
@@ -242,7 +243,7 @@ def test_int8_prefill_dequantizes_then_multiplies(
     # too large for the workspace: the INT8 GEMM, the same product
     _, wide = _inputs(m, 1 << 10, k, dtype, seed=3, group_size=group_size)
     torch.testing.assert_close(
-        linear_triton(x, wide).double(), _expected(x, wide, None, False), **tolerance(dtype)
+        linear_triton(x, wide, workspace=own).double(), _expected(x, wide, None, False), **tolerance(dtype)
     )
 
 
@@ -251,38 +252,38 @@ def test_int8_prefill_of_a_wide_mma_order_weight_takes_the_swapped_gemm(group_si
     """An MMA-order weight (a scale per row) of SWAPPED_MIN_ROWS rows or more is multiplied as stored by
     the skinny kernel in tiles of SWAPPED_BLOCK_M rows of x, though the workspace would hold it: none is
     dequantized. With group scales (input order) it is dequantized."""
-    n, k, dtype = linear.SWAPPED_MIN_ROWS, 64, torch.bfloat16
-    m = linear.INT8_DEQUANT_MIN_M + 3
+    n, k, dtype = SWAPPED_MIN_ROWS, 64, torch.bfloat16
+    m = INT8_DEQUANT_MIN_M + 3
     x, weight = _inputs(m, n, k, dtype, seed=21, group_size=group_size)
     assert weight.mma_order == (group_size is None)
-    with own_dequant_workspace(n * k * 2) as workspace:
-        workspace.buffers[0].zero_()
-        result = linear_triton(x, weight)
-        assert workspace.buffers[0].any() == (group_size is not None)
+    own = dequant_workspace(n * k * 2)
+    buffer = own.dequant.buffers[0].zero_()
+    result = linear_triton(x, weight, workspace=own)
+    assert buffer.any() == (group_size is not None)
     torch.testing.assert_close(result.double(), _expected(x, weight, None, False), **tolerance(dtype))
 
 
 def test_int8_prefill_dequantizes_the_next_weight_ahead_into_the_other_buffer() -> None:
-    """Three weights in a forward's order (prefetch_order): each prefill dequantizes the next into the
+    """Three weights in a forward's order (the workspace's): each prefill dequantizes the next into the
     other buffer before its own GEMM reads its buffer (on a GPU, on a side stream), and the next prefill
     finds it there; out of order, a weight is dequantized where it is needed. Every product is right."""
-    k, dtype, m = 64, torch.bfloat16, linear.INT8_DEQUANT_MIN_M
+    k, dtype, m = 64, torch.bfloat16, INT8_DEQUANT_MIN_M
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     weights = [
         _inputs(1, rows, k, dtype, seed=rows, group_size=group)[1]
         for rows, group in ((40, None), (24, 32), (32, 16))
     ]
-    with own_dequant_workspace(40 * k * 2, num_buffers=2) as workspace:
-        linear.prefetch_order(weights)
-        for order in ((0, 1, 2), (0, 2, 1), (1, 2, 0)):
-            for position, index in enumerate(order):
-                gate_up = index == 2
-                call = gate_up_silu_triton if gate_up else linear_triton
-                result = call(x, weights[index])
-                expected = _expected(x, weights[index], None, gate_up)
-                torch.testing.assert_close(result.double(), expected, **tolerance(dtype))
-                following = weights[index + 1].values.data_ptr() if index < 2 else None
-                assert (workspace.pending and workspace.pending.values_ptr) == following, (order, position)
+    own = dequant_workspace(40 * k * 2, num_buffers=2, order=weights)
+    for order in ((0, 1, 2), (0, 2, 1), (1, 2, 0)):
+        for position, index in enumerate(order):
+            gate_up = index == 2
+            call = gate_up_silu_triton if gate_up else linear_triton
+            result = call(x, weights[index], workspace=own)
+            expected = _expected(x, weights[index], None, gate_up)
+            torch.testing.assert_close(result.double(), expected, **tolerance(dtype))
+            following = weights[index + 1].values.data_ptr() if index < 2 else None
+            pending = own.dequant.pending
+            assert (pending and pending.values_ptr) == following, (order, position)
 
 
 @pytest.mark.parametrize("group_size", [None, 16], ids=["per-row", "group16"])
@@ -315,8 +316,8 @@ def test_int8_norm_linear_matches_reference(
 def _widen_kernel(src, out_fp32, out_bf16, ROWS: tl.constexpr, N: tl.constexpr):
     offs = tl.arange(0, ROWS)[:, None] * N + tl.arange(0, N)[None, :]
     w = tl.load(src + offs)
-    tl.store(out_fp32 + offs, linear.widen(w, tl.float32))
-    tl.store(out_bf16 + offs, linear.widen(w, tl.bfloat16))
+    tl.store(out_fp32 + offs, widen(w, tl.float32))
+    tl.store(out_bf16 + offs, widen(w, tl.bfloat16))
 
 
 @pytest.mark.parametrize("rows", [1, 16])  # 2 weights a thread (fewer than PTX takes at once), and 32

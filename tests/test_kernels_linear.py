@@ -9,18 +9,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import linear
+from kernels import linear_gemm, linear_gemv, linear_skinny
 from kernels.linear import (
-    GemmConfig,
-    GemvConfig,
-    SkinnyConfig,
+    LinearWorkspace,
     gate_up_silu_reference,
     gate_up_silu_triton,
     linear_reference,
     linear_triton,
 )
+from kernels.linear_gemm import GemmConfig
+from kernels.linear_gemv import GemvConfig
+from kernels.linear_skinny import SkinnyConfig, SplitKScratch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def workspace() -> LinearWorkspace:
+    """A decoder's split-K scratch, which the tests share as an engine's linears do."""
+    return LinearWorkspace(SplitKScratch.allocate(torch.device(DEVICE)))
+
 
 # (M, N, K): M = 1 takes the GEMV, 2 <= M <= 64 the skinny GEMM, M > 64 the tiled GEMM.
 SHAPES = [
@@ -80,7 +88,9 @@ def _gate_up64(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
-def test_linear_matches_reference(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+def test_linear_matches_reference(
+    shape: tuple[int, int, int], dtype: torch.dtype, workspace: LinearWorkspace
+) -> None:
     m, n, k = shape
     index = SHAPES.index(shape)
     with_bias, with_out, x_pad = index % 2 == 0, index % 3 != 1, 3 * (index % 2)
@@ -90,11 +100,11 @@ def test_linear_matches_reference(shape: tuple[int, int, int], dtype: torch.dtyp
 
     if with_out:
         buffer, out = _poisoned_out(m, n, dtype, pad=5)
-        result = linear_triton(x, weight, bias, out=out)
+        result = linear_triton(x, weight, bias, out=out, workspace=workspace)
         assert result.data_ptr() == out.data_ptr()
         assert buffer[:, n:].isnan().all(), "wrote past the output columns"
     else:
-        result = linear_triton(x, weight, bias)
+        result = linear_triton(x, weight, bias, workspace=workspace)
     assert result.shape == (m, n) and result.dtype == dtype
     assert torch.isfinite(result).all(), "an output element was not written"
     torch.testing.assert_close(result.double(), expected, **tolerance(dtype))
@@ -105,7 +115,9 @@ def test_linear_matches_reference(shape: tuple[int, int, int], dtype: torch.dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"M{m}-I{n}-K{k}" for m, n, k in SHAPES])
-def test_gate_up_silu_matches_reference(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+def test_gate_up_silu_matches_reference(
+    shape: tuple[int, int, int], dtype: torch.dtype, workspace: LinearWorkspace
+) -> None:
     m, intermediate, k = shape
     index = SHAPES.index(shape)
     with_out, x_pad = index % 2 == 1, 2 * (index % 3)
@@ -114,11 +126,11 @@ def test_gate_up_silu_matches_reference(shape: tuple[int, int, int], dtype: torc
 
     if with_out:
         buffer, out = _poisoned_out(m, intermediate, dtype, pad=3)
-        result = gate_up_silu_triton(x, weight, out=out)
+        result = gate_up_silu_triton(x, weight, out=out, workspace=workspace)
         assert result.data_ptr() == out.data_ptr()
         assert buffer[:, intermediate:].isnan().all(), "wrote past the output columns"
     else:
-        result = gate_up_silu_triton(x, weight)
+        result = gate_up_silu_triton(x, weight, workspace=workspace)
     assert result.shape == (m, intermediate) and result.dtype == dtype
     assert torch.isfinite(result).all(), "an output element was not written"
     torch.testing.assert_close(result.double(), expected, **tolerance(dtype))
@@ -143,29 +155,31 @@ FORCED = [
 
 @pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
 @pytest.mark.parametrize("case", FORCED, ids=[f"{c[0]}-M{c[1]}-N{c[2]}-K{c[3]}" for c in FORCED])
-def test_forced_tiles(case: tuple, gate_up: bool) -> None:
+def test_forced_tiles(case: tuple, gate_up: bool, workspace: LinearWorkspace) -> None:
     kind, m, n, k, config = case
     dtype = torch.bfloat16
     x, weight, bias = _inputs(m, 2 * n if gate_up else n, k, dtype, _seed("forced", case, gate_up), x_pad=1)
     bias = None if gate_up else bias
     buffer, out = _poisoned_out(m, n, dtype, pad=2)
-    launch = {"gemv": linear._launch_gemv, "skinny": linear._launch_skinny, "gemm": linear._launch_gemm}[kind]
-    launch(x, weight, bias, out, gate_up, config)
-    if kind == "skinny" and config.split_k > 1:  # every counter is left at zero for the next launch
-        assert not linear._skinny_workspace(x.device)[1].any()
+    if kind == "skinny":
+        linear_skinny.launch_skinny(x, weight, bias, out, gate_up, config, scratch=workspace.split_k)
+        assert not workspace.split_k.counters.any()  # every counter is left at zero for the next launch
+    else:
+        launch = {"gemv": linear_gemv.launch_gemv, "gemm": linear_gemm.launch_gemm}[kind]
+        launch(x, weight, bias, out, gate_up, config)
     expected = _gate_up64(x, weight) if gate_up else _linear64(x, weight, bias)
     assert buffer[:, n:].isnan().all() and torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_skinny_widens_into_float32_out(split_k: int) -> None:
+def test_skinny_widens_into_float32_out(split_k: int, workspace: LinearWorkspace) -> None:
     """Logits: bf16 operands, an fp32 out holding the bf16-rounded result (as the reference chain)."""
     m, n, k = 4, 40, 64
     x, weight, _ = _inputs(m, n, k, torch.bfloat16, _seed("widen", split_k))
     out = torch.full((m, n), float("nan"), dtype=torch.float32, device=DEVICE)
     config = SkinnyConfig(block_n=16, block_k=16, split_k=split_k, num_warps=4, num_stages=2)
-    linear._launch_skinny(x, weight, None, out, False, config)
+    linear_skinny.launch_skinny(x, weight, None, out, False, config, scratch=workspace.split_k)
     expected = _linear64(x, weight, None)
     torch.testing.assert_close(out.double(), expected, **tolerance(torch.bfloat16))
     assert torch.equal(out, out.bfloat16().float()), "not rounded to bf16 before widening"
@@ -192,21 +206,23 @@ REAL_LAYERS = [(model, layer, *shape) for model, layers in MODELS.items() for la
 
 def test_heuristics_fill_an_h200(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the real shapes the tile choices fill 132 SMs and keep 16-byte loads along K."""
-    monkeypatch.setattr(linear, "num_sms", lambda: 132)
-    monkeypatch.setattr(linear, "tuned_config", lambda *args: None)  # the heuristics, on the GPU too
+    for module in (linear_gemv, linear_gemm):
+        monkeypatch.setattr(module, "num_sms", lambda: 132)
+    for module in (linear_gemv, linear_skinny, linear_gemm):
+        monkeypatch.setattr(module, "tuned_config", lambda *args: None)  # the heuristics, on the GPU too
     for _, layer, n_rows, k in REAL_LAYERS:
         gate_up = layer == "gate_up"
         n = n_rows // 2 if gate_up else n_rows
-        config = linear.gemv_config(1, n, k, gate_up)
+        config = linear_gemv.gemv_config(1, n, k, gate_up)
         assert -(-n // config.block_n) >= 4 * 132, (layer, config)
         assert config.block_k >= 256 and config.block_k % 8 == 0, (layer, config)
         for m in (32, 64):  # past the tuned table's 16-row tiles: the heuristic
-            skinny = linear.skinny_config(m, n, k, gate_up)
+            skinny = linear_skinny.skinny_config(m, n, k, gate_up)
             programs = -(-n // skinny.block_n) * skinny.split_k
             assert programs >= 96 or skinny.block_n == 16, (layer, skinny)
             assert skinny.split_k <= -(-k // skinny.block_k), (layer, skinny)
             assert skinny.block_k >= 64 and skinny.block_n >= 16, (layer, m, skinny)
-        config = linear.gemm_config(512, n, k, gate_up)
+        config = linear_gemm.gemm_config(512, n, k, gate_up)
         stage_bytes = 2 * config.block_k * (config.block_m + config.block_n * (2 if gate_up else 1))
         assert stage_bytes * config.num_stages <= 200 * 1024, (layer, config)
         assert config.block_m >= 64 and config.block_n >= (32 if gate_up else 64), (layer, config)
@@ -215,7 +231,7 @@ def test_heuristics_fill_an_h200(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 8, 24, 64, 512])
 @pytest.mark.parametrize("layer", REAL_LAYERS, ids=[f"{r[0]}-{r[1]}" for r in REAL_LAYERS])
-def test_real_shapes_bf16_gpu(layer: tuple[str, str, int, int], m: int) -> None:
+def test_real_shapes_bf16_gpu(layer: tuple[str, str, int, int], m: int, workspace: LinearWorkspace) -> None:
     _, name, n_rows, k = layer
     gen = torch.Generator(device="cuda").manual_seed(_seed("real", layer, m))
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
@@ -223,13 +239,13 @@ def test_real_shapes_bf16_gpu(layer: tuple[str, str, int, int], m: int) -> None:
     if name == "gate_up":
         intermediate = n_rows // 2
         out = torch.full((m, intermediate), float("nan"), dtype=torch.bfloat16, device="cuda")
-        gate_up_silu_triton(x, weight, out=out)
+        gate_up_silu_triton(x, weight, out=out, workspace=workspace)
         gate_up = F.linear(x.float(), weight.float())
         expected = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
     else:
         bias = torch.randn(n_rows, device="cuda", generator=gen).bfloat16() if name == "qkv" else None
         out = torch.full((m, n_rows), float("nan"), dtype=torch.bfloat16, device="cuda")
-        linear_triton(x, weight, bias, out=out)
+        linear_triton(x, weight, bias, out=out, workspace=workspace)
         expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     result = out.float()
     assert torch.isfinite(result).all()
@@ -240,7 +256,7 @@ def test_real_shapes_bf16_gpu(layer: tuple[str, str, int, int], m: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 64, 128])
-def test_cuda_graph_replay_gpu(m: int) -> None:
+def test_cuda_graph_replay_gpu(m: int, workspace: LinearWorkspace) -> None:
     """Captured once with out= buffers, replayed on new inputs: no allocation, no sync, same bits."""
     k, n_rows, intermediate = 1024, 4096, 3072
     gen = torch.Generator(device="cuda").manual_seed(m)
@@ -251,8 +267,8 @@ def test_cuda_graph_replay_gpu(m: int) -> None:
     mlp_out = torch.empty(m, intermediate, dtype=torch.bfloat16, device="cuda")
 
     def step() -> None:
-        linear_triton(x, weight, out=out)
-        gate_up_silu_triton(x, gate_up_weight, out=mlp_out)
+        linear_triton(x, weight, out=out, workspace=workspace)
+        gate_up_silu_triton(x, gate_up_weight, out=mlp_out, workspace=workspace)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()

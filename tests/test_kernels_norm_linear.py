@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from kernels import norm_linear
-from kernels.linear import GemvConfig
+from kernels.linear import LinearWorkspace
+from kernels.linear_gemv import GemvConfig
+from kernels.linear_skinny import SplitKScratch
 from kernels.norm_linear import (
     _launch_gemv,
     add_rms_norm_linear_reference,
@@ -227,6 +229,12 @@ MODELS = {
 REAL_LAYERS = [(model, layer, *shape) for model, layers in MODELS.items() for layer, shape in layers.items()]
 
 
+@pytest.fixture(scope="module")
+def workspace() -> LinearWorkspace:
+    """A decoder's split-K scratch, as the engine's several-row steps have it."""
+    return LinearWorkspace(SplitKScratch.allocate(torch.device("cuda")))
+
+
 def _real_inputs(
     n_rows: int, k: int, m: int, seed: int, with_bias: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -246,7 +254,7 @@ def _real_inputs(
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 8])
 @pytest.mark.parametrize("layer", REAL_LAYERS, ids=[f"{r[0]}-{r[1]}" for r in REAL_LAYERS])
-def test_real_shapes_bf16_gpu(layer: tuple[str, str, int, int], m: int) -> None:
+def test_real_shapes_bf16_gpu(layer: tuple[str, str, int, int], m: int, workspace: LinearWorkspace) -> None:
     _, name, n_rows, k = layer
     gate_up = name == "gate_up"
     n = n_rows // 2 if gate_up else n_rows
@@ -259,8 +267,9 @@ def test_real_shapes_bf16_gpu(layer: tuple[str, str, int, int], m: int) -> None:
     out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
     residual_out = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device="cuda")
     add_rms_norm_linear_triton(
-        hidden, residual, norm_weight, EPS, weight, bias, gate_up, out=out, residual_out=residual_out
-    )
+        hidden, residual, norm_weight, EPS, weight, bias, gate_up, out=out, residual_out=residual_out,
+        workspace=workspace,
+    )  # fmt: skip
     expected, expected_sum = add_rms_norm_linear_reference(
         hidden, residual, norm_weight, EPS, weight, bias, gate_up
     )
@@ -274,7 +283,7 @@ def test_real_shapes_bf16_gpu(layer: tuple[str, str, int, int], m: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4])
-def test_cuda_graph_replay_gpu(m: int) -> None:
+def test_cuda_graph_replay_gpu(m: int, workspace: LinearWorkspace) -> None:
     """A decode layer's two fused ops (Qwen3-0.6B shapes) and the final norm + LM head, captured once with
     out= buffers and replayed on new inputs: no allocation, no sync, same bits on every replay."""
     k, qkv_rows, gate_up_rows, vocab = 1024, 4096, 6144, 151936
@@ -289,13 +298,14 @@ def test_cuda_graph_replay_gpu(m: int) -> None:
 
     def step() -> None:
         add_rms_norm_linear_triton(
-            hidden, residual, norm_weight, EPS, qkv_weight, out=qkv, residual_out=sums[0]
+            hidden, residual, norm_weight, EPS, qkv_weight, out=qkv, residual_out=sums[0], workspace=workspace
         )
         add_rms_norm_linear_triton(
-            hidden, sums[0], norm_weight, EPS, gate_up_weight, gate_up=True, out=mlp, residual_out=sums[1]
-        )
+            hidden, sums[0], norm_weight, EPS, gate_up_weight, gate_up=True, out=mlp, residual_out=sums[1],
+            workspace=workspace,
+        )  # fmt: skip
         add_rms_norm_linear_triton(
-            hidden, sums[1], norm_weight, EPS, lm_head, out=logits, residual_out=sums[2]
+            hidden, sums[1], norm_weight, EPS, lm_head, out=logits, residual_out=sums[2], workspace=workspace
         )
 
     step()  # compile outside the capture

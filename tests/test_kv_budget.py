@@ -12,14 +12,16 @@ from bench.capacity import capacity
 from bench.model_shapes import QWEN3_0_6B, QWEN3_SIZES, TINY, random_weights
 from engine.errors import InvalidRequestError
 from engine.kv_budget import (
+    dequant_buffer_bytes,
     kv_bytes_per_token,
     kv_cache_tokens_from_memory,
     largest_dequantized_linear,
     step_reserve_bytes,
 )
 from engine.model import Decoder, weight_shapes
+from engine.ops import TRITON_OPS
 from kernels.int8 import Int8Weight
-from kernels.linear import dequantized_at_prefill
+from kernels.linear_dequant import dequantized_at_prefill
 
 GIB = 1 << 30
 
@@ -56,10 +58,11 @@ def test_the_reserve_grows_with_the_step_and_the_logits() -> None:
 def test_the_dequantization_workspace_holds_the_largest_int8_layer_weight(mlp: str) -> None:
     """INT8 prefill dequantizes the layer weights that do not take the swapped-operand GEMM into one
     workspace, sized from the spec before the decoder is built: the largest such INT8 weight (q/k/v and
-    gate/up fused) the built decoder holds. Qwen3-4B's are all wide enough: no workspace, unless they
-    hold group scales."""
+    gate/up fused) the built decoder holds, in each of the buffers the decoder (Triton's ops) allocates.
+    Qwen3-4B's are all wide enough: no workspace, unless they hold group scales."""
     spec = dataclasses.replace(TINY, mlp=mlp)
-    decoder = Decoder.from_weights(spec, random_weights(spec, torch.float32, "cpu"), 64, quantization="int8")
+    weights = random_weights(spec, torch.float32, "cpu")
+    decoder = Decoder.from_weights(spec, weights, 64, TRITON_OPS, quantization="int8")
     int8_weights = [
         value
         for module in decoder.modules()
@@ -70,6 +73,8 @@ def test_the_dequantization_workspace_holds_the_largest_int8_layer_weight(mlp: s
     assert all(weight.mma_order == (weight.shape[1] % 64 == 0) for weight in int8_weights)  # K 64 or 160
     dequantized = [w.values.numel() for w in int8_weights if dequantized_at_prefill(w.shape[0], w.mma_order)]
     assert largest_dequantized_linear(spec) == max(dequantized) > 0
+    buffers = decoder.linear_workspace.dequant.buffers
+    assert sum(buffer.numel() for buffer in buffers) == dequant_buffer_bytes(spec, torch.float32)
     qwen3_4b = QWEN3_SIZES["Qwen3-4B"]
     assert largest_dequantized_linear(qwen3_4b) == 0  # and Q8_0's group scales dequantize every weight:
     assert largest_dequantized_linear(qwen3_4b, group_scales=True) == 2 * 9728 * 2560
