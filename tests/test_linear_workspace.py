@@ -1,8 +1,9 @@
 """Each decoder's Triton linears draw on a LinearWorkspace of its own (kernels/linear.py): split-K scratch,
 and the buffers its INT8 weights are dequantized into for prefill, the next one ahead. Two INT8 decoders
 of different weights and widths in one process, their forwards interleaved, compute exactly what each
-computes alone. On the CPU in Triton's interpreter; on a GPU (marked gpu) with the side stream's prefetch,
-and then two engines with their CUDA graphs."""
+computes alone: on a GPU (marked gpu) with the side stream's prefetch, and then two engines with their CUDA
+graphs. On the CPU (a 260-token prefill in Triton's interpreter costs a minute) only that each decoder's
+workspace is its own."""
 
 from __future__ import annotations
 
@@ -63,15 +64,18 @@ def _steps(decoder: Decoder, seed: int) -> Iterator[torch.Tensor]:
     yield runner.forward_eager([ScheduledSequence(seq, 5)], num_logits={seq: 5}).clone()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_two_decoders_interleaved_compute_what_each_computes_alone(device: str) -> None:
-    # one layer each (the interpreter is slow); the first one's down projection reads K = 1024, which the
-    # skinny GEMM splits
+def _two_decoders(device: str) -> list[Decoder]:
+    # one layer each; the first one's down projection reads K = 1024, which the skinny GEMM splits
     specs = (
         dataclasses.replace(TINY, num_layers=1, intermediate_size=1024),
         dataclasses.replace(TINY, num_layers=1),
     )
-    decoders = [_decoder(spec, seed, device) for seed, spec in enumerate(specs)]
+    return [_decoder(spec, seed, device) for seed, spec in enumerate(specs)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_decoder_owns_its_workspace(device: str) -> None:
+    decoders = _two_decoders(device)
     first, second = (decoder.linear_workspace for decoder in decoders)
     assert first.split_k.partials.data_ptr() != second.split_k.partials.data_ptr()
     for decoder in decoders:  # dequantization buffers and a prefetch order of its own weights
@@ -82,6 +86,10 @@ def test_two_decoders_interleaved_compute_what_each_computes_alone(device: str) 
         assert dequant.successor and set(dequant.successor) <= own
     assert first.dequant.buffers[0].numel() > second.dequant.buffers[0].numel()
 
+
+@pytest.mark.gpu
+def test_two_decoders_interleaved_compute_what_each_computes_alone() -> None:
+    decoders = _two_decoders("cuda")
     alone = [list(_steps(decoder, seed)) for seed, decoder in enumerate(decoders)]
     interleaved: list[list[torch.Tensor]] = [[], []]
     runs = [_steps(decoder, seed) for seed, decoder in enumerate(decoders)]
