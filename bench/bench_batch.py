@@ -47,7 +47,8 @@ from bench.bench_engine import (  # noqa: E402
 )
 from bench.model_shapes import DISPLAY_NAMES, MODELS, kv_bytes_per_token, random_weights, weight_bytes  # noqa: E402
 from bench.peer import PeerModel, compile_greedy_step, greedy_step  # noqa: E402
-from engine.engine import DTYPES, Engine, EngineConfig  # noqa: E402
+from engine.config import DTYPES, EngineConfig, torch_dtype  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.loader import LoadedModel  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.spec import ModelSpec  # noqa: E402
@@ -98,7 +99,7 @@ def build_engine(name: str, spec: ModelSpec, weights: dict[str, torch.Tensor], s
     per_sequence = settings.prompt_len + settings.output_len + 16  # + a block of slack
     config = EngineConfig(
         device=str(settings.device),
-        dtype={dtype: text for text, dtype in DTYPES.items()}[settings.dtype],
+        dtype=str(settings.dtype).removeprefix("torch."),
         max_model_len=min(max(1024, per_sequence), spec.max_position_embeddings),
         kv_cache_tokens=-(-max_batch * per_sequence // 1024) * 1024,
         max_num_seqs=max_batch,
@@ -388,7 +389,7 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     settings = Settings(
         device=torch.device(args.device),
-        dtype=DTYPES[args.dtype],
+        dtype=torch_dtype(args.dtype),
         tiny=args.tiny,
         batches=args.batches or batches,
         peer_batches=args.peer_batches if args.peer_batches is not None else peer_batches,

@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import limits  # noqa: E402
 from bench.model_shapes import DISPLAY_NAMES, MODELS, random_weights  # noqa: E402
 from bench.peer import PeerModel, compile_greedy_step, greedy_step  # noqa: E402
-from engine.engine import DTYPES, Engine, EngineConfig  # noqa: E402
+from engine.config import DTYPES, EngineConfig, torch_dtype  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.loader import LoadedModel  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.spec import ModelSpec  # noqa: E402
@@ -129,7 +130,7 @@ def build_engine(name: str, spec: ModelSpec, weights: dict[str, torch.Tensor], s
     max_model_len = min(max(4096, longest), spec.max_position_embeddings)
     config = EngineConfig(
         device=str(settings.device),
-        dtype={dtype: text for text, dtype in DTYPES.items()}[settings.dtype],
+        dtype=str(settings.dtype).removeprefix("torch."),
         max_model_len=max_model_len,
         kv_cache_tokens=max(8192, max_model_len),
         max_num_seqs=8,
@@ -508,7 +509,7 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     settings = Settings(
         device=torch.device(args.device),
-        dtype=DTYPES[args.dtype],
+        dtype=torch_dtype(args.dtype),
         tiny=args.tiny,
         prompt_len=prompt_len,
         steps=args.steps or steps,

@@ -41,7 +41,7 @@ from bench.bench_engine import (  # noqa: E402
     random_prompt,
 )
 from bench.model_shapes import MODELS, random_weights  # noqa: E402
-from engine.engine import DTYPES  # noqa: E402
+from engine.config import DTYPES, torch_dtype  # noqa: E402
 from engine.kv_budget import kv_bytes_per_token  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.spec import ModelSpec  # noqa: E402
@@ -184,7 +184,7 @@ def main() -> None:
         parser.error(f"--modes: base and any of {', '.join(MODES)}; got {args.modes}")
     settings = Settings(
         device=torch.device(args.device),
-        dtype=DTYPES[args.dtype],
+        dtype=torch_dtype(args.dtype),
         tiny=tiny,
         prompt_len=args.cached + 1 if args.cached else 64 if tiny else 1024,
         steps=8 if tiny else 200,

@@ -12,7 +12,7 @@ GPUs"; the process sees both GPUs, as the actor does, so that it maps the engine
 with draft-ahead it drafts the next block while the engine verifies. "host drafts": the engine's host
 waits for the drafts and sends them with the step; "ring": it launches the verify step at once, and the
 GPU waits for the proposer's drafts in the ring. Every placement asks for
-drafts at every step (NUM_DRAFT, adapt_num_draft off), so that only the placement differs. Uses
+drafts at every step (NUM_DRAFT, the speculator not adaptive), so that only the placement differs. Uses
 bench_spec's prompt sets. Needs two GPUs for the two-GPU rows (they are skipped on one); --device cpu
 runs the proposer in its own process on the CPU (a smoke run). --dflash: the proposer is DFlash with a
 random SmolLM2-shaped checkpoint (tests/random_dflash.py; its drafts are rejected, so it measures the
@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.bench_spec import CODE_EDIT, OPEN_CHAT, run_set  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from proposers.remote import ProposerServer, RemoteProposer, hidden_layout  # noqa: E402
 from tests.random_dflash import smollm2_135m_config, write_checkpoint  # noqa: E402
@@ -156,8 +157,9 @@ def main() -> None:
                 continue
             with remote_proposer(proposer_config, gpu, draft_ahead, use_ring) as (remote, ahead):
                 # every placement asks for NUM_DRAFT drafts at every step: the placement is what differs
-                config = EngineConfig(**{**vars(base), "num_draft": NUM_DRAFT, "adapt_num_draft": False})
+                config = EngineConfig(**{**vars(base), "num_draft": NUM_DRAFT})
                 engine = Engine(model, config, proposer=remote)
+                engine.speculator.adaptive = False
                 for set_name, prompts in sets.items():
                     run_set(plain_engine, prompts[:1], 16)  # warm-up (compiles, captures)
                     run_set(engine, prompts[:1], 16)

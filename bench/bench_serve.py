@@ -26,7 +26,8 @@ def _summary(ttfts: list[float], tpots: list[float]) -> dict[str, float]:
 
 
 def measure_direct(args: argparse.Namespace, device: str) -> dict[str, float]:
-    from engine.engine import Engine, EngineConfig
+    from engine.config import EngineConfig
+    from engine.engine import Engine
     from engine.sampling import SamplingParams
 
     dtype = "bfloat16" if device == "cuda" else "float32"

@@ -26,8 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.config import EngineConfig  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
-from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.loader import LoadedModel, load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from tests.divergence import differences  # noqa: E402
@@ -189,10 +190,9 @@ def main() -> None:
         run_set(plain_engine, prompts[:1], 16)  # warm-up (compiles, captures)
         plain = run_set(plain_engine, prompts, args.max_tokens)
         for proposer_name, settings in proposers.items():
-            config = EngineConfig(
-                **{**base.__dict__, "num_draft": args.num_draft, "step_cost": args.step_cost, **settings}
-            )
+            config = EngineConfig(**{**base.__dict__, "num_draft": args.num_draft, **settings})
             engine = Engine(model, config)
+            engine.speculator.fixed_step_cost = args.step_cost
             run_set(engine, prompts[:1], 16)
             timer = CallTimer()
             timer.wrap(engine.speculator, "plan")

@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.engine import Engine, EngineConfig  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.loader import LoadedModel, load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.scheduler import ScheduledSequence  # noqa: E402

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from engine.config import (
+    CPU_DEFAULTS,
+    GPU_DEFAULTS,
+    Device,
+    Dtype,
+    EngineConfig,
+    KVCacheDtype,
+    ProposerName,
+    Quantization,
+    device_defaults,
+)
 from engine.default_model import DEFAULT_MODEL_ALIAS
-from engine.engine import EngineConfig
 
-# Defaults that depend on the device (AppArgs.for_device): a GPU decodes many sequences at once, and its
-# KV cache takes what the free memory holds (kv_cache_tokens null); the CPU's stay small.
-GPU_MAX_NUM_SEQS = 256
-CPU_MAX_NUM_SEQS = 64
-CPU_KV_CACHE_TOKENS = 16384
 # num_ingress_replicas auto: one ingress replica per CPUS_PER_INGRESS of the cluster's CPUs, at most
 # MAX_AUTO_INGRESS (each serves HTTP and detokenizes on one core; BENCHMARKS.md, Serve-load).
 CPUS_PER_INGRESS = 4
@@ -30,28 +36,30 @@ class AppArgs(BaseModel):
 
     model: str = Field(DEFAULT_MODEL_ALIAS, description="a folder, a .gguf file, a hub id, or smollm2-135m")
     served_model_name: str | None = Field(None, description="the `model` clients name; default: model")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on a GPU, else float32
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when the Ray cluster has one
-    quantization: Literal["int8"] | None = Field(
+    dtype: Literal["auto", Dtype] = "auto"  # auto: bfloat16 on a GPU, else float32
+    device: Literal["auto", Device] = "auto"  # auto: the GPU when the Ray cluster has one
+    quantization: Quantization | None = Field(
         None, description="int8: weight-only INT8 linears, quantized at load; default: the weights' dtype"
     )
-    kv_cache_dtype: Literal["auto", "int8"] = Field(
+    kv_cache_dtype: KVCacheDtype = Field(
         "auto", description="int8: keys and values in int8 with a scale per token and head; auto: the dtype"
     )
     max_model_len: int | None = Field(
         None, ge=2, description="context length; default: the model's; never more than the KV cache holds"
     )
     kv_cache_tokens: int | None = Field(
-        None, ge=16, description="KV cache capacity; default: from the free memory on a GPU, 16384 on the CPU"
-    )
+        None, ge=16, description="KV cache capacity; default: from the free memory on a GPU, "
+        f"{CPU_DEFAULTS.kv_cache_tokens} on the CPU",
+    )  # fmt: skip
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="on a GPU, the share of the memory free after loading the weights that "
         "the engine takes (for the KV cache, less a reserve for the steps)",
     )  # fmt: skip
     block_size: int = Field(16, ge=1, le=1024)
     max_num_seqs: int | None = Field(
-        None, ge=1, description="sequences decoded together; default: 256 on a GPU, 64 on the CPU"
-    )
+        None, ge=1, description="sequences decoded together; default: "
+        f"{GPU_DEFAULTS.max_num_seqs} on a GPU, {CPU_DEFAULTS.max_num_seqs} on the CPU",
+    )  # fmt: skip
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed in one step")
     long_prefill_token_threshold: int | None = Field(
         None, ge=1, description="a prompt with more tokens to compute is long: it takes at most this many "
@@ -96,7 +104,7 @@ class AppArgs(BaseModel):
     )  # fmt: skip
     # Speculative decoding: the proposer runs as its own deployment beside the engine (or in the engine's
     # process with proposer_in_process) and hands its drafts over through shared memory.
-    proposer: Literal["ngram", "draft", "dflash"] | None = None
+    proposer: ProposerName | None = None
     draft_model: str | None = Field(None, description="draft: a smaller model; dflash: a DFlash checkpoint")
     draft_layers: int | None = Field(None, ge=1, description="self-draft: the target's first layers")
     num_draft: int = Field(4, ge=1, le=16, description="drafts verified per step, at most")
@@ -169,11 +177,7 @@ class AppArgs(BaseModel):
         """These args with the cluster's defaults in place of null and auto (build_app resolves them once,
         so every deployment sees numbers): max_num_seqs, on the CPU kv_cache_tokens (on a GPU it stays
         null: the engine sizes its cache from the free memory), and num_ingress_replicas."""
-        on_gpu = device == "cuda"
-        defaults = {
-            "max_num_seqs": GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS,
-            "kv_cache_tokens": None if on_gpu else CPU_KV_CACHE_TOKENS,
-        }
+        defaults = dataclasses.asdict(device_defaults(device))
         unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
         if self.num_ingress_replicas == "auto":
             unset["num_ingress_replicas"] = min(

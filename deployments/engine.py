@@ -53,7 +53,8 @@ from deployments.engine_loop import ENGINE_SWITCH_INTERVAL_S, Delta, EngineLoop,
 from deployments.proposer import ProposerActor
 from deployments.routing import cached_block_keys
 from deployments.serve_logs import route_to_serve
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.errors import TileInferError
 from engine.loader import load_model
 from engine.sampling import SamplingParams

@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
 from deployments.requests import ChatCompletionRequest, CompletionRequest
+from engine.config import KVCacheDtype, Quantization
 
 _REF = "#/components/schemas/{model}"
 
@@ -132,8 +133,8 @@ class Model(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
-    quantization: Literal["int8"] | None  # weight-only INT8 linears; None: the weights' dtype
-    kv_cache_dtype: Literal["auto", "int8"]  # int8: the INT8 KV cache; auto: the dtype's
+    quantization: Quantization | None  # weight-only INT8 linears; None: the weights' dtype
+    kv_cache_dtype: KVCacheDtype  # int8: the INT8 KV cache; auto: the dtype's
 
 
 class ModelList(BaseModel):

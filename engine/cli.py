@@ -16,6 +16,15 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from engine.config import (
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PROPOSERS,
+    QUANTIZATIONS,
+    EngineConfig,
+    device_defaults,
+)
 from engine.errors import InvalidRequestError, TileInferError
 
 if TYPE_CHECKING:
@@ -43,19 +52,17 @@ def _positive(text: str) -> int:
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default="float32", help="(default: float32)"
-    )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default: cpu)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="(default: float32)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="(default: cpu)")
     parser.add_argument(
         "--quantization",
-        choices=["int8"],
+        choices=QUANTIZATIONS,
         default=None,
         help="int8: weight-only INT8 linears, quantized at load (default: the weights' dtype)",
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "int8"],
+        choices=KV_CACHE_DTYPES,
         default="auto",
         help="int8: keys and values in int8, a scale per token and head (default auto: the dtype)",
     )
@@ -69,7 +76,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding (the output is what plain decoding gives)")
     group.add_argument(
         "--proposer",
-        choices=["ngram", "draft", "dflash"],
+        choices=PROPOSERS,
         help="prompt lookup, a draft model (default: the model's own first layers), or DFlash",
     )
     group.add_argument(
@@ -165,10 +172,13 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def _load_engine(args: argparse.Namespace) -> Engine:
     # the engine (and torch) is imported only here, so usage errors and --help answer at once
-    from engine.engine import Engine, EngineConfig
+    from engine.engine import Engine
 
+    # Serving's device defaults for the sequences decoded together (256 on a GPU); the KV cache holds the
+    # model's context (one request at a time), where a CPU server's holds 16384 tokens for all its users.
     config = EngineConfig(
-        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, proposer=args.proposer,
+        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=device_defaults(args.device).max_num_seqs, proposer=args.proposer,
         draft_model=args.draft_model, draft_layers=args.draft_layers, num_draft=args.num_draft,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip

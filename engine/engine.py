@@ -13,9 +13,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.detokenizer import TextStream
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.kv_budget import (
@@ -27,7 +26,7 @@ from engine.kv_budget import (
 )
 from engine.kv_calibration import calibration_ids
 from engine.loader import LoadedModel, load_model
-from engine.model import QUANTIZATIONS, Decoder
+from engine.model import Decoder
 from engine.ops import ops_for
 from engine.runner import PENDING_TOKEN, Launch, ModelRunner, Verification, is_decode_step
 from engine.sampling import SamplingParams, TokenLogprob, make_generator
@@ -35,88 +34,9 @@ from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import Speculator
 from kernels.int8 import Int8Weight
-from kernels.kv_cache import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from proposers.base import Proposer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclasses.dataclass
-class EngineConfig:
-    block_size: int = 16
-    # KV cache capacity in tokens; default: on a GPU what gpu_memory_utilization of the free memory holds
-    # (engine/kv_budget.py), on the CPU max_model_len
-    kv_cache_tokens: int | None = None
-    # default: the model's max_position_embeddings; never more than the KV cache holds
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9  # of the device memory free once the weights are loaded
-    # The share of its GPU this engine owns (Ray's fractional num_gpus: engine replicas that share a GPU);
-    # its KV cache is sized within that share of the memory (kv_budget.engine_free_bytes).
-    gpu_memory_share: float = 1.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    # A prompt with more tokens than this left to compute is long: it takes at most this many of a step
-    # until the step's other prompts have had theirs, so a prompt sent during a long prefill starts in the
-    # next step (engine/scheduler.py). What they leave goes back to it, so steps are as full as without
-    # the cap. None: a quarter of the step budget (512 of 2,048), which leaves three quarters of a step to
-    # the prompts beside a long one, whatever the context. vLLM's default, 4 % of max_model_len, would
-    # tie it to the context instead: 1,638 tokens of 2,048 for a 40k context, 82 for a 2k one.
-    long_prefill_token_threshold: int | None = None
-    # How many long prompts are prefilled at once; more wait, and short ones start past them. (vLLM's
-    # max_long_partial_prefills. Its max_num_partial_prefills, which counts short prompts too, has no
-    # knob here: a short prompt is prefilled in one step whenever the budget holds it.)
-    max_long_partial_prefills: int = 1
-    dtype: str = "float32"
-    device: str = "cpu"
-    # "int8": weight-only INT8 linears in every decoder layer (kernels/int8.py); None: the weights' dtype
-    quantization: str | None = None
-    # "int8": keys and values stored as int8 with a scale per token and KV head, keys smoothed per channel
-    # (kernels/kv_cache.py); "auto": the dtype's
-    kv_cache_dtype: str = "auto"
-    cuda_graphs: bool = True  # on a GPU, replay decode steps from CUDA graphs
-    # On a GPU, also replay prefill, mixed and verify steps from CUDA graphs (one per token-count bucket).
-    step_graphs: bool = True
-    # Launch step n+1 before reading step n's tokens (the host works while the GPU runs): decode steps,
-    # and mixed ones (prompt chunks beside decoding sequences) that step graphs run.
-    # None: on a GPU only; on the CPU it only delays each token by a step, but exercises the same path.
-    run_ahead: bool | None = None
-    # Speculative decoding: "ngram", "draft" (draft_model, or the target's first draft_layers layers),
-    # "dflash" (draft_model: a DFlash checkpoint folder); at most num_draft drafts a step.
-    proposer: str | None = None
-    draft_model: str | None = None
-    draft_layers: int | None = None
-    num_draft: int = 4
-    # One more draft as a share of a plain decode step, for choosing how many to ask for; None: from the
-    # proposer (proposers.factory.draft_cost). A proposer that drafts ahead on its own GPU costs ~0.
-    draft_cost: float | None = None
-    # False: ask for num_draft drafts every step (within the cache's and each request's limits) instead
-    # of the count the measured acceptance and step cost pay best for (a benchmark's fixed setting).
-    adapt_num_draft: bool = True
-    # A step with drafts over a plain decode step, for the same choice; None: measured as steps run (a
-    # benchmark sets it to replay another machine's ratio).
-    step_cost: float | None = None
-    # False: outputs carry token ids only (new_text ""), and stop strings are the caller's to find: the
-    # engine deployment, whose ingress replicas detokenize. EOS, stop token ids and max_tokens still end
-    # requests here.
-    detokenize: bool = True
-
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        return DTYPES[self.dtype]
-
-    def torch_device(self) -> torch.device:
-        try:
-            device = torch.device(self.device)
-        except RuntimeError as error:
-            raise InvalidRequestError(f"device must be cpu or cuda, got {self.device!r}") from error
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidRequestError("device cuda was asked for, but this machine has no usable CUDA GPU")
-        if device.type not in ("cpu", "cuda"):
-            raise InvalidRequestError(f"device must be cpu or cuda, got {self.device!r}")
-        return device
 
 
 @dataclasses.dataclass(slots=True)  # one per request per step: slots make it cheaper to build
@@ -146,27 +66,12 @@ class Engine:
         """proposer: drafts for speculative decoding (e.g. a client of a proposer actor); by default the
         one config.proposer names is built in process."""
         config = config or EngineConfig()
+        config.validate()
         self.config = config
         self.spec = model.spec
         self.tokenizer = model.tokenizer
         self.model_name = model.name
         self.device = config.torch_device()
-        if config.quantization is not None and config.quantization not in QUANTIZATIONS:
-            raise InvalidRequestError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {config.quantization!r}"
-            )
-        if config.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidRequestError(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {config.kv_cache_dtype!r}"
-            )
-        if config.long_prefill_token_threshold is not None and config.long_prefill_token_threshold < 1:
-            raise InvalidRequestError(
-                f"long_prefill_token_threshold must be at least 1, got {config.long_prefill_token_threshold}"
-            )
-        if config.max_long_partial_prefills < 1:  # 0 would keep every long prompt waiting
-            raise InvalidRequestError(
-                f"max_long_partial_prefills must be at least 1, got {config.max_long_partial_prefills}"
-            )
         # what the layer linears run in: as asked, or INT8 where the file held it (a GGUF's Q8_0)
         held_int8 = any(isinstance(weight, Int8Weight) for weight in model.weights.values())
         self.quantization = config.quantization or ("int8" if held_int8 else None)
@@ -186,9 +91,7 @@ class Engine:
             cost = config.draft_cost
             if cost is None:
                 cost = draft_cost(config, model.spec.num_layers)
-            self.speculator = Speculator(
-                proposer, config.num_draft, cost, adaptive=config.adapt_num_draft, step_cost=config.step_cost
-            )
+            self.speculator = Speculator(proposer, config.num_draft, cost)
         # a verify step needs the logits of every draft position, plain steps one row a sequence
         max_logit_rows = config.max_num_seqs * (1 + config.num_draft if proposer is not None else 1)
         max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)
@@ -249,6 +152,7 @@ class Engine:
     @classmethod
     def load(cls, model: str, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
+        config.validate()  # before the model loads
         loaded = load_model(model, config.torch_dtype(), config.torch_device(), config.quantization)
         return cls(loaded, config)
 

@@ -19,7 +19,6 @@ from kernels.attention import AttentionMetadata
 from kernels.int8 import Int8Weight, LinearWeight, quantize_int8, stack_rows
 from kernels.linear import LinearWorkspace
 
-QUANTIZATIONS = ("int8",)  # weight-only INT8 of every decoder layer's linears (kernels/int8.py)
 # The layers' linear weights (HF names after "model.layers.N."), in the groups fuse() joins
 FUSED_LINEARS = (
     ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -246,12 +245,11 @@ class Decoder(nn.Module):
     ) -> Decoder:
         """Build on the meta device, take the given tensors as parameters, then fuse q/k/v and gate/up.
         Layer linears given as Int8Weight (as the loaders give them with quantization int8) stay INT8.
-        quantization "int8": the float layer linears given are quantized first, as the loaders quantize
-        them (a scale per row); the embedding and the LM head keep their dtype. Ops that take a linear
-        workspace (Triton's) get one of the decoder's own, allocated here, before any CUDA graph is captured:
-        split-K scratch, and buffers for the INT8 weights that a prefill dequantizes, in forward order."""
-        if quantization is not None and quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        quantization "int8" (engine/config.py QUANTIZATIONS, checked by EngineConfig.validate): the float
+        layer linears given are quantized first, as the loaders quantize them (a scale per row); the
+        embedding and the LM head keep their dtype. Ops that take a linear workspace (Triton's) get one of
+        the decoder's own, allocated here, before any CUDA graph is captured: split-K scratch, and buffers
+        for the INT8 weights that a prefill dequantizes, in forward order."""
         if quantization == "int8":
             weights = {
                 name: quantize_int8(weight)

@@ -68,17 +68,16 @@ class Speculator:
         proposer: Proposer,
         max_drafts: int,
         draft_cost: float = 0.1,
-        adaptive: bool = True,
-        step_cost: float | None = None,
     ) -> None:
-        """draft_cost: one more draft, as a share of a plain decode step (DraftLengthController).
-        adaptive=False: max_drafts drafts every step (within the limits), whatever they pay.
-        step_cost: a fixed step_cost instead of the measured one."""
+        """draft_cost: one more draft, as a share of a plain decode step (DraftLengthController)."""
         self.proposer = proposer
         self.max_drafts = max_drafts
-        self.adaptive = adaptive
         self.draft_cost = draft_cost
-        self.fixed_step_cost = step_cost
+        # A benchmark's fixed settings: adaptive False asks for max_drafts drafts every step (within the
+        # cache's and each request's limits), whatever they pay; fixed_step_cost replaces the measured
+        # step_cost (to replay another machine's ratio).
+        self.adaptive = True
+        self.fixed_step_cost: float | None = None
         # the latest wall times of steps that verified drafts, and of plain decode steps
         self._step_seconds: dict[bool, collections.deque[float]] = {
             kind: collections.deque(maxlen=STEP_TIME_WINDOW) for kind in (True, False)

@@ -16,8 +16,6 @@ from collections.abc import Iterator
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
-
 
 @dataclasses.dataclass
 class Int8KVCache:

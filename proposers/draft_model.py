@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Sequence as TokenIds
 
 from engine.block_manager import BlockManager, common_prefix_length
-from engine.engine import EngineConfig
+from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.loader import LoadedModel
 from engine.model import Decoder

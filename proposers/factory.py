@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from engine.engine import EngineConfig
+from engine.config import PROPOSERS, EngineConfig, check_one_of
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel, load_model
 from proposers.base import Proposer
 
-PROPOSERS = ("ngram", "draft", "dflash")
 # One more draft in a verify step that runs anyway: a token more in a graph bucket that holds it already.
 VERIFY_COST_PER_DRAFT = 0.02
 DEFAULT_DRAFT_COST = 0.1  # a separate draft model, whose size against the target is not known here
@@ -33,6 +32,7 @@ def build_proposer(config: EngineConfig, target: LoadedModel) -> Proposer:
     config.draft_layers layers (self-draft). dflash: the DFlash checkpoint folder config.draft_model,
     using the target's embedding and LM head."""
     name = config.proposer
+    check_one_of("proposer", name, PROPOSERS)
     if name == "ngram":
         from proposers.ngram import NgramProposer
 
@@ -51,15 +51,13 @@ def build_proposer(config: EngineConfig, target: LoadedModel) -> Proposer:
             return DraftModelProposer.self_draft(target, layers, draft_config)
         draft = load_model(config.draft_model, dtype=config.torch_dtype(), device=config.torch_device())
         return DraftModelProposer(draft, target.logit_vocab_size, draft_config)
-    if name == "dflash":
-        from proposers.dflash import DFlashProposer
+    from proposers.dflash import DFlashProposer
 
-        if config.draft_model is None:
-            raise InvalidRequestError("the dflash proposer needs --draft-model: a DFlash checkpoint folder")
-        head = target.weights.get("lm_head.weight", target.weights["model.embed_tokens.weight"])
-        head = head[: target.logit_vocab_size]  # the rows the target's own logits have (Decoder)
-        return DFlashProposer.from_checkpoint(
-            config.draft_model, target.weights["model.embed_tokens.weight"], head,
-            max_positions=draft_config.max_model_len, dtype=config.torch_dtype(),
-        )  # fmt: skip
-    raise InvalidRequestError(f"proposer must be one of {', '.join(PROPOSERS)}, got {name!r}")
+    if config.draft_model is None:
+        raise InvalidRequestError("the dflash proposer needs --draft-model: a DFlash checkpoint folder")
+    head = target.weights.get("lm_head.weight", target.weights["model.embed_tokens.weight"])
+    head = head[: target.logit_vocab_size]  # the rows the target's own logits have (Decoder)
+    return DFlashProposer.from_checkpoint(
+        config.draft_model, target.weights["model.embed_tokens.weight"], head,
+        max_positions=draft_config.max_model_len, dtype=config.torch_dtype(),
+    )  # fmt: skip

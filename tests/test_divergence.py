@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from divergence import describe, first_difference, top2_gap
 
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.sampling import SamplingParams
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
 from proposers.base import DraftRequest
@@ -189,11 +190,12 @@ def test_an_engine_with_ring_drafts_decodes_what_plain_decoding_does(
 ) -> None:
     """Every step asks for 4 drafts; the ring holds 0 to 4 of them (n-gram), and the step verifies only
     those."""
-    config = EngineConfig(num_draft=4, adapt_num_draft=False, max_model_len=1024, kv_cache_tokens=4096)
+    config = EngineConfig(num_draft=4, max_model_len=1024, kv_cache_tokens=4096)
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": CODE_EDIT}])
     remote, servers = _served(RingNgram(), timeout_s=30)
     try:
         engine = Engine(model, config, proposer=remote)
+        engine.speculator.adaptive = False
         got = engine.generate(prompt, params)[0]
         stats = engine.speculator.stats
         assert stats.ring_steps > 0 and stats.drafts_accepted > 0 and stats.proposer_failures == 0
@@ -206,13 +208,14 @@ def test_an_engine_with_ring_drafts_decodes_what_plain_decoding_does(
 
 
 def test_a_stalled_ring_proposer_costs_only_speed(model: LoadedModel) -> None:
-    config = EngineConfig(num_draft=4, adapt_num_draft=False, max_model_len=1024, kv_cache_tokens=4096)
+    config = EngineConfig(num_draft=4, max_model_len=1024, kv_cache_tokens=4096)
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": CODE_EDIT}])
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     proposer = StallingRingNgram()
     remote, servers = _served(proposer, timeout_s=0.3)
     try:
         engine = Engine(model, config, proposer=remote)
+        engine.speculator.adaptive = False
         assert engine.generate(prompt, params)[0] == Engine(model, config).generate(prompt, params)[0]
         assert engine.speculator.stats.proposer_failures >= 1 and proposer.calls >= 3
     finally:

@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers
 
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.loader import load_model
 from engine.sampling import SamplingParams

@@ -9,7 +9,8 @@ import pytest
 import torch
 from divergence import describe
 
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.model_shapes import TINY, random_weights
 from deployments.engine_loop import EngineLoop, UnknownSubscriberError
 from deployments.metrics import exposition
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from engine.speculator import SpeculationStats

@@ -123,7 +123,8 @@ def test_safetensors_load_as_int8_one_tensor_at_a_time(tmp_path: Path) -> None:
 def test_q8_0_serves_as_int8_unasked_and_mixed_groups_dequantize(tmp_path: Path) -> None:
     """Without int8: the Q8_0 layer weights are the same INT8 blocks; q/k/v, where k is Q4_1, and the
     Q4_1 down_proj are dequantized (no second rounding); the engine reports INT8."""
-    from engine.engine import Engine, EngineConfig
+    from engine.config import EngineConfig
+    from engine.engine import Engine
     from engine.loader import load_model
 
     tiny = Tiny(architecture="qwen2", num_kv_heads=1)

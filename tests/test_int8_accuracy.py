@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from bench.int8_accuracy import CHAT_PROMPTS, compare
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel, load_model
 from kernels.int8 import Int8Weight, quantize_int8

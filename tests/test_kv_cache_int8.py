@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from bench.model_shapes import SMOLLM2_135M, random_weights
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.loader import LoadedModel
 from engine.rope import rope_cos_sin_cache
 from engine.sampling import SamplingParams

@@ -16,8 +16,9 @@ import torch
 from deployments.request_to_engine import max_tokens_for
 from deployments.requests import ChatCompletionRequest
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine import Engine, EngineConfig
+from engine.engine import Engine
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
@@ -233,8 +234,8 @@ def test_verified_and_drafted_tokens_are_the_tokenizers(padded: LoadedModel) -> 
     vocab_size = padded.tokenizer.vocab_size
     # repeats, so that n-gram drafts are proposed and verified
     repeated = prompt(padded, 0, 6) * 3
-    config = EngineConfig(kv_cache_tokens=256, proposer="ngram", num_draft=3, adapt_num_draft=False)
-    engine = Engine(padded, config)
+    engine = Engine(padded, EngineConfig(kv_cache_tokens=256, proposer="ngram", num_draft=3))
+    engine.speculator.adaptive = False
     token_ids, _, _ = engine.generate(repeated, greedy(8))
     assert engine.speculator.stats.drafts_proposed > 0
     assert len(token_ids) == 8 and all(token < vocab_size for token in token_ids)

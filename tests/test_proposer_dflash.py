@@ -15,7 +15,8 @@ from test_loader import save_tiny_tokenizer
 
 from deployments import proposer as proposer_actor
 from deployments.config import AppArgs
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams

@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine, EngineConfig, RequestOutput
+from engine.config import EngineConfig
+from engine.engine import Engine, RequestOutput
 from engine.loader import LoadedModel, load_model
 from engine.runner import PENDING_TOKEN
 from engine.sampling import SamplingParams

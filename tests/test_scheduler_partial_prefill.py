@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
@@ -206,7 +207,8 @@ def test_speculation_beside_a_long_prefill_equals_plain_decoding(
     model: LoadedModel, prompts: dict[str, list[int]], alone: dict[str, list[int]]
 ) -> None:
     """A request verifying n-gram drafts decodes while a long prompt is prefilled in chunks beside it."""
-    engine = Engine(model, _config(proposer="ngram", num_draft=4, adapt_num_draft=False))
+    engine = Engine(model, _config(proposer="ngram", num_draft=4))
+    engine.speculator.adaptive = False
     ids = {
         "repeating": engine.add_request(prompts["repeating"], DRAFTED),
         "long": engine.add_request(prompts["long"], GREEDY),

@@ -16,7 +16,8 @@ import torch
 import transformers
 
 import engine.runner
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.spec import ModelSpec

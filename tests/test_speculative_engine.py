@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
 from engine.speculator import Speculator
@@ -63,8 +64,9 @@ def test_greedy_speculation_equals_plain_decoding(
 ) -> None:
     # every step drafts (a 24-layer self-draft costs 0.82 of a decode step a draft, and at its
     # acceptance the adaptive count would rightly draft only now and then)
-    engine = Engine(model, EngineConfig(num_draft=4, adapt_num_draft=False, **settings))
+    engine = Engine(model, EngineConfig(num_draft=4, **settings))
     assert engine.speculator is not None and not engine.run_ahead
+    engine.speculator.adaptive = False
     assert [engine.generate(prompt, GREEDY)[0] for prompt in prompts] == plain
     assert run_batch(engine, prompts, GREEDY) == plain  # both in one batch
     stats = engine.speculator.stats
@@ -136,9 +138,10 @@ def test_speculation_with_run_ahead_equals_plain_decoding(
     """With run-ahead on (the GPU's default), a step that drafts first reads the launched step's tokens,
     and a step without drafts launches ahead; the output stays plain decoding's. When a verify step costs
     3 plain steps (held there), drafting pays only now and then, and most steps run ahead."""
-    engine = Engine(model, EngineConfig(proposer="ngram", num_draft=4, run_ahead=True, step_cost=verify_cost))
+    engine = Engine(model, EngineConfig(proposer="ngram", num_draft=4, run_ahead=True))
     speculator = engine.speculator
     assert speculator is not None and engine.run_ahead
+    speculator.fixed_step_cost = verify_cost
     tokens, launched = _batch_counting_launches(engine, prompts)
     assert tokens == plain
     if verify_cost is None:
@@ -152,12 +155,13 @@ def test_a_fixed_draft_count_drafts_every_step(
     model: LoadedModel, prompts: list[list[int]], plain: list[list[int]]
 ) -> None:
     """A self-draft of all 30 layers is the target itself: its drafts are all accepted, but each costs a
-    whole decode step, so the adaptive count drafts only on its probes; adapt_num_draft=False asks for
+    whole decode step, so the adaptive count drafts only on its probes; adaptive False asks for
     num_draft drafts at every step anyway (the placement benchmark's setting)."""
     settings = {"proposer": "draft", "draft_layers": model.spec.num_layers, "num_draft": 4}
     adaptive = Engine(model, EngineConfig(**settings))
     assert run_batch(adaptive, prompts[1:], GREEDY) == plain[1:]
-    fixed = Engine(model, EngineConfig(**settings, adapt_num_draft=False))
+    fixed = Engine(model, EngineConfig(**settings))
+    fixed.speculator.adaptive = False
     assert run_batch(fixed, prompts[1:], GREEDY) == plain[1:]
     adaptive_stats, fixed_stats = adaptive.speculator.stats, fixed.speculator.stats
     assert adaptive_stats.drafts_proposed <= 4

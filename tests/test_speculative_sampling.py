@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import EngineConfig
+from engine.config import EngineConfig
 from engine.sampling import exponential_race
 from engine.speculative import PAD_TOKEN_ID, DraftLengthController, Verified, verify_greedy, verify_sampled
 from proposers.factory import draft_cost
