@@ -16,7 +16,8 @@ import torch
 
 from bench.model_shapes import SMOLLM2_135M, TINY, random_weights
 from engine.block_manager import BlockManager
-from engine.engine import Engine, EngineConfig
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.loader import LoadedModel
 from engine.model import Decoder
 from engine.ops import TRITON_OPS
