@@ -29,11 +29,12 @@ from engine.loader import LoadedModel, load_model
 from engine.model import Decoder
 from engine.ops import ops_for
 from engine.runner import PENDING_TOKEN, Launch, ModelRunner, Verification, is_decode_step
-from engine.sampling import SamplingParams, TokenLogprob, make_generator
+from engine.sampling import SamplingParams, TokenLogprob
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import Speculator
 from kernels.int8 import Int8Weight
+from kernels.triton_common import specialization_sizes
 
 if TYPE_CHECKING:
     from proposers.base import Proposer
@@ -197,9 +198,7 @@ class Engine:
         request_id = request_id or f"req-{next(self._request_counter)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        # the CPU's host sampler draws from a torch generator; the device sampler keys Philox by the seed
-        generator = make_generator(params.seed, self.device) if self.device.type == "cpu" else None
-        seq = Sequence(request_id, list(prompt_token_ids), params, generator)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
         text = None
         if self.tokenizer is not None and self.config.detokenize:
             text = TextStream(self.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens)
@@ -460,9 +459,9 @@ class Engine:
         through add_request/step to the end, then leave the engine as built (no requests, every block
         free, nothing in the prefix cache, no preemptions, no speculation stats). Returns the seconds.
 
-        The CUDA graphs compiled their kernels at capture; what compiles later are eager launches. The
-        sampling of a step's logit rows (prefills, verify steps' plain rows, DFlash decodes) compiles one
-        variant per chunking of the row count (kernels/sampling.py), so one batch runs per variant;
+        The CUDA graphs compiled their kernels at capture; what compiles later are eager launches. Those
+        sized by a step's row count (prefills, verify steps' plain rows, DFlash decodes) compile one
+        variant per specialization of it (kernels/triton_common.py), so one batch runs per variant;
         sampling parameters are per-row values there, but each variant (greedy, temperature, top-k/p,
         min-p, seeds, penalties, logprobs) takes its own host path, so each runs alone once; a prompt
         longer than the token budget has chunks without logits, which run eagerly; and with a speculator,
@@ -484,12 +483,10 @@ class Engine:
         ]  # fmt: skip
         # (prompt length, params) per request; a negative length: one phrase repeated (n-gram drafts)
         batches: list[list[tuple[int, SamplingParams]]] = [[(1, params)] for params in variants]
-        # More rows at once: the sampler's kernels compile once for any row count (kernels/sampling.py);
-        # launches indexed by row count compile per specialization of it: 1 (above), divisible by 16, other.
+        # More rows at once: one batch per variant that launches sized by the row count compile.
         most_rows = min(config.max_num_seqs, self.max_num_batched_tokens)
-        for rows in (2, 16):
-            if rows <= most_rows:
-                batches.append([(1, variants[row % len(variants)]) for row in range(rows)])
+        for rows in specialization_sizes(most_rows)[1:]:  # one row ran above
+            batches.append([(1, variants[row % len(variants)]) for row in range(rows)])
         long_prompt = self.max_num_batched_tokens + 1  # first chunks of the whole budget, and of it less 2
         if long_prompt <= self.max_prompt_tokens:
             batches += [[(long_prompt, greedy)], [(2, greedy), (long_prompt, greedy)]]

@@ -1,9 +1,9 @@
 """Runs one step of the model and samples: owns the KV cache, builds the step's inputs, returns tokens.
 
-On the CPU every step runs eagerly with the torch reference ops and the host sampler. On a GPU the
-decoder runs Triton kernels and samples on the device; a step that only decodes (one new token per
-sequence) replays a CUDA graph captured for its batch-size bucket, whose inputs are written into
-static buffers, so the step costs the GPU's time and not the host's.
+On the CPU every step runs eagerly with the torch reference ops and sampler. On a GPU the decoder runs
+Triton kernels and samples on the device (engine/sampler.py: the same tokens for the same logits); a step
+that only decodes (one new token per sequence) replays a CUDA graph captured for its batch-size bucket,
+whose inputs are written into static buffers, so the step costs the GPU's time and not the host's.
 
 A step can also be launched ahead (launch): a decode step (a decode-graph replay) or a mixed one
 (prompt chunks beside decoding sequences: a step-graph replay, then sampling on the device). Its input
@@ -15,7 +15,6 @@ reads tokens back one step later.
 from __future__ import annotations
 
 import dataclasses
-import random
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy
@@ -24,19 +23,14 @@ import torch
 from engine.block_manager import BlockCopy
 from engine.kv_cache import allocate_kv_cache, copy_blocks
 from engine.model import Decoder
-from engine.sampling import TokenLogprob, filtered_probs, sample
+from engine.sampler import Sampler
+from engine.sampling import TokenLogprob
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
-from engine.speculative import verify_greedy, verify_sampled
+from engine.speculative import verify_greedy
 from engine.step_graphs import StepGraphs, StepInputs, capture_graph
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
-from kernels.sampling import (
-    SamplingTensors,
-    SamplingWorkspace,
-    sample_triton,
-    seed_to_int64,
-    top_logprobs,
-)
+from kernels.sampling import SamplingTensors, SamplingWorkspace, sample_triton, top_logprobs
 from proposers.draft_ring import RingRead
 
 if TYPE_CHECKING:
@@ -90,10 +84,6 @@ class Feedback(NamedTuple):
     samples: torch.Tensor  # the previous launch's tokens: DecodeGraphs.token_ids (its host copy on the CPU)
 
 
-def _random_seed() -> int:
-    return random.getrandbits(63)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -129,7 +119,7 @@ class ModelRunner:
             decoder, num_blocks, block_size, dtype, self.max_blocks_per_seq * block_size, kv_cache_dtype,
             calibration_tokens,
         )  # fmt: skip
-        self.seeds: dict[str, int] = {}  # request id -> the seed its device-side noise is keyed by
+        self.sampler = Sampler(self.logit_vocab_size, self.device)
         self.capture_layers = capture_layers
         self.captured_hidden: torch.Tensor | None = None  # [num_tokens, len(layers) * hidden], packed
         self.graphs: DecodeGraphs | None = None
@@ -147,14 +137,9 @@ class ModelRunner:
         copy_blocks(self.kv_cache, copies)
 
     def forget(self, request_id: str) -> None:
-        self.seeds.pop(request_id, None)
+        self.sampler.forget(request_id)
         if self.graphs is not None:
             self.graphs.forget(request_id)
-
-    def seed_of(self, seq: Sequence) -> int:
-        if seq.request_id not in self.seeds:
-            self.seeds[seq.request_id] = seq.params.seed if seq.params.seed is not None else _random_seed()
-        return self.seeds[seq.request_id]
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> list[SampledToken]:
@@ -213,7 +198,8 @@ class ModelRunner:
             if seq.params.is_greedy:
                 greedy.append((seq, row))
             else:
-                verifications.append(self._verify_sampled(seq, logits[row : row + count], drafts[seq]))
+                token_ids, num_accepted = self.sampler.verify(seq, logits[row : row + count], drafts[seq])
+                verifications.append(Verification(seq, token_ids, num_accepted))
             row += count
         if greedy:
             verifications += self._verify_greedy(greedy, logits, drafts)
@@ -284,22 +270,6 @@ class ModelRunner:
             Verification(seq, tokens[: count + 1], count)
             for (seq, _), tokens, count in zip(greedy, emitted, accepted, strict=True)
         ]
-
-    def _verify_sampled(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> Verification:
-        """Rejection sampling; logits [k + 1, vocab]: the target at the last token and at each draft."""
-        device = logits.device
-        draft_ids = torch.tensor([drafts], dtype=torch.int64, device=device)
-        num_drafts = torch.tensor([len(drafts)], device=device)
-        probs = filtered_probs(logits, [seq.params] * logits.shape[0])[None]
-        generator = seq.generator
-        if generator is None and seq.params.seed is not None:  # device sampling: keyed by seed and step
-            generator = torch.Generator(device=device)
-            generator.manual_seed(hash((self.seed_of(seq), seq.num_tokens)) & (2**63 - 1))
-        accept_uniforms = torch.rand(1, len(drafts), generator=generator, device=device)
-        final_uniforms = torch.rand(1, logits.shape[1], generator=generator, device=device)
-        verified = verify_sampled(probs, None, draft_ids, num_drafts, accept_uniforms, final_uniforms)
-        num_accepted = int(verified.num_accepted[0])
-        return Verification(seq, verified.output_token_ids[0, : num_accepted + 1].tolist(), num_accepted)
 
     def can_launch_ahead(self, scheduled: list[ScheduledSequence]) -> bool:
         """Whether this step can run before the host has read the previous launch's tokens: a decode-graph
@@ -446,39 +416,11 @@ class ModelRunner:
 
     def _sample_eager(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The next token of each row, on the host (int64)."""
-        if self.device.type != "cuda":
-            token_ids, _ = sample(
-                logits,
-                [seq.params for seq in seqs],
-                [seq.prompt_token_ids for seq in seqs],
-                [seq.output_token_ids for seq in seqs],
-                [seq.generator for seq in seqs],
-            )
-            return torch.tensor(token_ids)
         if self.graphs is not None and len(seqs) <= self.graphs.max_bs:
             launch = self.graphs.sample_rows(logits, seqs)
             launch.read()
             return launch.token_ids.clone()  # the pinned buffer is reused two launches later
-        return sample_triton(logits, self.sampling_tensors(seqs)).cpu()
-
-    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        """Per-row parameters on the device; the token counts only for rows that use penalties."""
-        has_penalties = [seq.params.has_penalties for seq in seqs]
-        return SamplingTensors.from_params(
-            [seq.params for seq in seqs],
-            [
-                seq.prompt_token_ids if penalized else []
-                for seq, penalized in zip(seqs, has_penalties, strict=True)
-            ],
-            [
-                seq.output_token_ids if penalized else []
-                for seq, penalized in zip(seqs, has_penalties, strict=True)
-            ],
-            [self.seed_of(seq) for seq in seqs],
-            [seq.num_output_tokens for seq in seqs],
-            self.logit_vocab_size,
-            self.device,
-        )
+        return self.sampler.sample(logits, seqs).cpu()
 
     def _results(
         self, seqs: list[Sequence], token_ids: torch.Tensor, logits: torch.Tensor
@@ -522,7 +464,7 @@ class DecodeGraphs:
         # from a pinned host copy of the same shape with one transfer per step.
         self.ints = torch.zeros(
             6, max_bs, dtype=torch.int64, device=device
-        )  # ids, positions, slots, seeds, steps, source rows
+        )  # ids, positions, slots, seeds, draw positions, source rows
         self.int32s = torch.zeros(2, max_bs, dtype=torch.int32, device=device)  # seq lens, top-k
         self.floats = torch.tensor(_NEUTRAL_FLOATS, device=device)[:, None].repeat(1, max_bs)
         self.block_tables = torch.zeros(max_bs, runner.max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -553,7 +495,7 @@ class DecodeGraphs:
             **dict(zip(_FLOAT_FIELDS, self.floats, strict=True)),
             top_k=self.int32s[1],
             seeds=self.ints[3],
-            step=self.ints[4],
+            positions=self.ints[4],
             output_counts=torch.zeros(max_bs, vocab, dtype=torch.int32, device=device),
             prompt_mask=torch.zeros(max_bs, vocab, dtype=torch.bool, device=device),
         )
@@ -671,13 +613,13 @@ class DecodeGraphs:
         return self._read_back(seqs)
 
     def _stage_sampling(self, seqs: list[Sequence]) -> None:
-        """Write the rows' sampling parameters (seeds, draw counts, top-k, the float fields) into this
-        launch's pinned staging buffers."""
+        """Write the rows' sampling parameters (seeds, draw positions, top-k, the float fields) into this
+        launch's pinned staging buffers: graph inputs, refreshed every step."""
         ints, int32s, floats, _ = self.staging_arrays[self.parity]
         constants = [self._row_constants(seq) for seq in seqs]
         num_seqs = len(seqs)
         ints[3, :num_seqs] = [row.seed for row in constants]
-        ints[4, :num_seqs] = [seq.num_output_tokens for seq in seqs]  # which draw of the request
+        ints[4, :num_seqs] = [seq.num_tokens for seq in seqs]  # the drawn token's index (run-ahead too)
         int32s[1, :num_seqs] = [row.top_k for row in constants]
         floats[:, :num_seqs] = numpy.array([row.floats for row in constants], dtype=numpy.float32).T
 
@@ -696,7 +638,7 @@ class DecodeGraphs:
         if constants is None or constants.seq is not seq:
             params = seq.params
             constants = _RowConstants(
-                seq, seed_to_int64(self.runner.seed_of(seq)), max(params.top_k, 0),
+                seq, self.runner.sampler.key_of(seq), max(params.top_k, 0),
                 tuple(getattr(params, field) for field in _FLOAT_FIELDS),
             )  # fmt: skip
             self._constants[seq.request_id] = constants
@@ -724,7 +666,7 @@ class DecodeGraphs:
         """Token counts for the rows that use penalties (and zeros where a row used them last step);
         a step without penalties touches nothing here."""
         target = self.sampling
-        device = target.step.device
+        device = target.positions.device
         penalized = {row for row, seq in enumerate(seqs) if seq.params.has_penalties}
         for row in penalized | self._penalized_rows:
             target.output_counts[row].zero_()
@@ -758,5 +700,5 @@ _FLOAT_FIELDS = (
 )
 _NEUTRAL_FLOATS = [0.0, 1.0, 0.0, 0.0, 0.0, 1.0]  # greedy, no filtering, no penalties
 _PADDING_FLOATS = numpy.array(_NEUTRAL_FLOATS, dtype=numpy.float32)
-# a padding row's ids, positions, slots (-1: no KV write), seeds, steps and source rows (-1: none)
+# a padding row's ids, positions, slots (-1: no KV write), seeds, draw positions and source rows (-1: none)
 _PADDING_INTS = numpy.array([0, 0, -1, 0, 0, -1], dtype=numpy.int64)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-import torch
-
 from engine.sampling import SamplingParams
 
 
@@ -21,7 +19,6 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = dataclasses.field(default_factory=list)

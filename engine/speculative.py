@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from engine.sampling import exponential_race
+from kernels.sampling import race_scores_reference
 
 PAD_TOKEN_ID = -1  # in output_token_ids, past a row's emitted tokens
 
@@ -62,12 +62,13 @@ def verify_sampled(
     it is a bonus token drawn from p at position num_drafts.
 
     Random numbers, both U[0, 1) and supplied by the caller (so that the engine can key them by seed and
-    step, as its sampler does):
+    position, as its sampler does):
     - accept_uniforms [num_seqs, k_max]: draft i is accepted iff accept_uniforms[:, i] * q_i(x_i) <
       p_i(x_i). Only columns up to the first rejection matter; the rest are ignored.
-    - final_uniforms [num_seqs, vocab]: the one last token of each row is argmax(r / -log(u)) over the
-      vocabulary, r being the residual or bonus distribution (the exponential race of engine/sampling.py,
-      which needs no normalization). All vocab entries are read, whichever position the draw is at.
+    - final_uniforms [num_seqs, k_max + 1, vocab]: each position's; the one last token of a row, at its
+      position num_accepted, is argmax(r / -log(u)) over the vocabulary with that position's u, r being the
+      residual or bonus distribution (the sampler's exponential race, kernels/sampling.py, which needs no
+      normalization).
     """
     num_seqs, max_drafts = draft_token_ids.shape
     rows = torch.arange(num_seqs, device=target_probs.device)
@@ -96,8 +97,9 @@ def verify_sampled(
         # Rounding can leave no mass where p and q (nearly) agree; p itself is then the right fallback.
         has_mass = residual.sum(dim=-1, keepdim=True) > 0
         final_probs = torch.where(rejected & has_mass, residual, final_probs)
-    noise = -torch.log(final_uniforms)  # Exponential(1); a u of 0 gives inf, so that token scores 0
-    final_token_ids = exponential_race(final_probs, noise)
+    # log r - log(-log u): a u of 0 makes its token lose, and r = 0 gives -inf
+    scores = race_scores_reference(final_probs.log(), _row_at(final_uniforms, num_accepted))
+    final_token_ids = scores.argmax(dim=-1)
 
     output_token_ids = torch.cat([draft_token_ids, draft_token_ids.new_zeros(num_seqs, 1)], dim=1)
     output_token_ids = _mask_after(output_token_ids, num_accepted)

@@ -30,6 +30,12 @@ use_triton_cache_dir()
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def specialization_sizes(most: int) -> tuple[int, ...]:
+    """One value per variant Triton compiles for an integer launch argument (it specializes 1 and multiples
+    of 16), up to `most`: running each once compiles every variant of launches sized by it."""
+    return tuple(size for size in (1, 2, 16) if size <= most)
+
+
 def autotune_configs(configs: list) -> list:
     """The interpreter fails with more than one autotune config; keep the first there."""
     return configs[:1] if INTERPRET else configs

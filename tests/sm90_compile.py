@@ -5,9 +5,10 @@ GPU: the compiler runs its whole pipeline (Python AST to cubin with ptxas), and 
 
 The engine's Triton ops run on CPU tensors with JITFunction.run replaced by a recorder: a decoder of
 each kind (SmolLM2's head size and GQA 3; Qwen3's q/k norm at head size 128; Qwen2's qkv bias; a
-sliding window) runs a prefill, a decode step and a verify-shaped step, plus the sampler and split
-decode and verify attention. Each distinct launch (kernel, constexprs, warps, stages) is then compiled,
-in a process a core (up to 4); a kernel past the H200's shared memory fails too.
+sliding window) runs a prefill, a decode step and a verify-shaped step, plus the sampler (and its
+Philox noise kernel) and split decode and verify attention. Each distinct launch (kernel, constexprs,
+warps, stages) is then compiled, in a process a core (up to 4); a kernel past the H200's shared memory
+fails too.
 Prints one JSON line: {"compiled": {kernel: variants}, "failed": [...]}; exits 1 if any failed.
 The CPU tests run the same kernels in Triton's interpreter, which checks their arithmetic but not
 that the compiler accepts them; this does the latter. Triton's version here may differ from the GPU
@@ -50,7 +51,7 @@ from kernels.linear_dequant import INT8_DEQUANT_MIN_M, DequantWorkspace  # noqa:
 from kernels.linear_gemv import GemvConfig, launch_gemv  # noqa: E402
 from kernels.linear_skinny import SplitKScratch  # noqa: E402
 from kernels.prefill_attention import allocate_prefill_workspace, paged_prefill_attention_triton  # noqa: E402
-from kernels.sampling import SamplingTensors, sample_triton  # noqa: E402
+from kernels.sampling import ACCEPT_STREAM, SamplingTensors, philox_uniform_triton, sample_triton  # noqa: E402
 from kernels.triton_common import H200_SHARED_MEMORY_PER_BLOCK  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
@@ -248,6 +249,9 @@ def run_engine_kernels() -> None:
     ]  # fmt: skip
     tensors = SamplingTensors.from_params(params, [[1, 2], [3]], [[4], []], [1, 2], [0, 0], 1000)
     sample_triton(torch.empty(2, 1000, dtype=torch.float32), tensors)
+    # sampled verification's noise: each position's race uniforms and the drafts' acceptance uniforms
+    philox_uniform_triton(tensors.seeds, tensors.positions, 1000)
+    philox_uniform_triton(tensors.seeds, tensors.positions, 1, ACCEPT_STREAM)
 
 
 _VARIANTS: list[Launch] = []  # what the compiling processes (forked) read

@@ -14,8 +14,8 @@ SCRIPT = Path(__file__).with_name("sm90_compile.py")
 ENGINE_KERNELS = {
     "_embedding_kernel", "_add_rms_norm_gemv_kernel", "_gemv_kernel", "_skinny_kernel", "_gemm_kernel",
     "_rms_norm_kernel", "_qkv_epilogue_kernel",
-    "_paged_prefill_kernel", "_paged_decode_kernel", "_sample_stream_kernel", "_sample_bracket_kernel",
-    "_sample_finish_kernel",
+    "_paged_prefill_kernel", "_paged_decode_kernel", "sample_stream_kernel", "sample_bracket_kernel",
+    "sample_finish_kernel", "philox_uniform_kernel",
 }  # fmt: skip
 
 

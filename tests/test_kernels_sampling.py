@@ -1,5 +1,6 @@
-"""Device sampling (kernels/sampling.py): the Triton sampler against its torch reference, and the reference
-against the engine's host sampler (engine/sampling.py), whose semantics both implement."""
+"""Sampling (kernels/sampling.py): the Triton sampler against its torch reference, their Philox noise bit
+for bit, and the engine's sampler on the CPU (the reference) against the kernels (the GPU's) token for
+token: the same logits, seed and position give the same token."""
 
 from __future__ import annotations
 
@@ -10,13 +11,18 @@ import torch
 import triton
 import triton.language as tl
 
-import engine.sampling as host_sampling
-from engine.sampling import SamplingParams, filtered_probs
-from kernels import sampling
+from engine.sampler import Sampler
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+from kernels import sampling_triton
 from kernels.sampling import (
+    ACCEPT_STREAM,
+    TOKEN_STREAM,
     SamplingTensors,
     SamplingWorkspace,
+    filtered_probs_reference,
     philox_uniform_reference,
+    philox_uniform_triton,
     sample_reference,
     sample_triton,
     top_logprobs,
@@ -76,8 +82,8 @@ def random_batch(
     histories = [random_history(generator, row) for row in logits]
     prompts, outputs = [h[0] for h in histories], [h[1] for h in histories]
     seeds = torch.randint(-(2**62), 2**62, (batch,), generator=generator).tolist()
-    steps = torch.randint(0, 2**40, (batch,), generator=generator).tolist()
-    tensors = SamplingTensors.from_params(params, prompts, outputs, seeds, steps, vocab_size, DEVICE)
+    positions = torch.randint(0, 2**40, (batch,), generator=generator).tolist()
+    tensors = SamplingTensors.from_params(params, prompts, outputs, seeds, positions, vocab_size, DEVICE)
     return logits.to(DEVICE), tensors, params, prompts, outputs
 
 
@@ -122,34 +128,72 @@ def test_matches_reference_with_the_same_noise(batch: int, vocab_size: int, bf16
 
 
 def test_matches_reference_with_its_own_noise() -> None:
-    """Without uniform_noise both draw Philox noise from (seed, step): the same bits on every device."""
+    """Without uniform_noise both draw Philox noise from (seed, position): the same bits on every device."""
     logits, tensors, *_ = random_batch(7, batch=5, vocab_size=300)
     check_against_reference(logits, tensors, None)
 
 
 @triton.jit
-def _noise_probe_kernel(seeds_ptr, step_ptr, out_ptr, vocab_size, BLOCK: tl.constexpr):
+def _philox_probe_kernel(seeds_ptr, positions_ptr, out_ptr, width, stream, BLOCK: tl.constexpr):
+    """Triton's own tl.philox at counter (index, position low, position high, stream), as the uniform."""
     row = tl.program_id(0)
     offsets = tl.arange(0, BLOCK)
-    seed = tl.load(seeds_ptr + row)
-    step = tl.load(step_ptr + row)
-    uniform = sampling._uniform_noise(seed, step, offsets)
-    tl.store(out_ptr + row * vocab_size + offsets, uniform, mask=offsets < vocab_size)
+    position = tl.load(positions_ptr + row)
+    c0 = offsets.to(tl.uint32)
+    zero = c0 * 0
+    c1 = zero + (position & 0xFFFFFFFF).to(tl.uint32)
+    c2 = zero + ((position >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    random, _, _, _ = tl.philox(tl.load(seeds_ptr + row), c0, c1, c2, zero + stream)
+    uniform = ((random >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+    tl.store(out_ptr + row * width + offsets, uniform, mask=offsets < width)
 
 
-def test_kernel_noise_is_the_reference_philox() -> None:
-    seeds = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789012345], device=DEVICE)
-    steps = torch.tensor([0, 5, 2**32 + 3, 7, 2**40, 1], device=DEVICE)
-    vocab_size = 100
-    got = torch.full((len(seeds), vocab_size), math.nan, device=DEVICE)
-    _noise_probe_kernel[(len(seeds),)](seeds, steps, got, vocab_size, BLOCK=128)
-    expected = philox_uniform_reference(seeds, steps, vocab_size)
-    assert torch.equal(got, expected)
+@triton.jit
+def _race_noise_probe_kernel(seeds_ptr, positions_ptr, out_ptr, width, BLOCK: tl.constexpr):
+    """The noise the sampling kernels race with."""
+    row = tl.program_id(0)
+    offsets = tl.arange(0, BLOCK)
+    uniform = sampling_triton._uniform_noise(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), offsets)
+    tl.store(out_ptr + row * width + offsets, uniform, mask=offsets < width)
+
+
+PROBE_SEEDS = [0, 1, -1, 2**63 - 1, -(2**63), 123456789012345]
+PROBE_POSITIONS = [0, 5, 2**32 + 3, 7, 2**40, 1]
+
+
+def test_reference_philox_is_tritons_philox() -> None:
+    """philox_uniform_reference equals Triton's tl.philox (key = the seed's two halves, counter = (index,
+    position, stream), ten rounds) for a few keys and counters in both streams, and so do the kernels'
+    noise and philox_uniform_triton."""
+    seeds = torch.tensor(PROBE_SEEDS, device=DEVICE)
+    positions = torch.tensor(PROBE_POSITIONS, device=DEVICE)
+    width = 100
+    for stream in (TOKEN_STREAM, ACCEPT_STREAM):
+        expected = philox_uniform_reference(seeds, positions, width, stream)
+        got = torch.full((len(seeds), width), math.nan, device=DEVICE)
+        _philox_probe_kernel[(len(seeds),)](seeds, positions, got, width, stream, BLOCK=128)
+        assert torch.equal(got, expected), stream
+        assert torch.equal(philox_uniform_triton(seeds, positions, width, stream), expected), stream
+    race_noise = torch.full((len(seeds), width), math.nan, device=DEVICE)
+    _race_noise_probe_kernel[(len(seeds),)](seeds, positions, race_noise, width, BLOCK=128)
+    assert torch.equal(race_noise, philox_uniform_reference(seeds, positions, width, TOKEN_STREAM))
+    # Random123's known answer for Philox-4x32-10, key 0 and counter 0: first word 0x6627e8d5.
+    zero = torch.zeros(1, dtype=torch.int64)
+    assert philox_uniform_reference(zero, zero, 1).item() == ((0x6627E8D5 >> 9) * 2 + 1) / 2**24
+
+
+def test_philox_noise_is_uniform_and_every_counter_part_changes_it() -> None:
+    seeds = torch.tensor(PROBE_SEEDS)
+    positions = torch.tensor(PROBE_POSITIONS)
+    vocab_size = 1000
+    expected = philox_uniform_reference(seeds, positions, vocab_size)
     assert expected.min() > 0 and expected.max() < 1
     assert abs(expected.mean().item() - 0.5) < 0.03
-    # The step and the seed both change every draw.
-    assert (expected[1] != philox_uniform_reference(seeds[1:2], steps[1:2] + 1, vocab_size)[0]).all()
-    assert (expected[1] != philox_uniform_reference(seeds[1:2] + 1, steps[1:2], vocab_size)[0]).all()
+    # The position, the seed and the stream each change every draw.
+    row = expected[1]
+    assert (row != philox_uniform_reference(seeds[1:2], positions[1:2] + 1, vocab_size)[0]).all()
+    assert (row != philox_uniform_reference(seeds[1:2] + 1, positions[1:2], vocab_size)[0]).all()
+    assert (row != philox_uniform_reference(seeds[1:2], positions[1:2], vocab_size, ACCEPT_STREAM)[0]).all()
 
 
 def test_ties_pick_the_lowest_index_and_filters_keep_tied_groups() -> None:
@@ -216,7 +260,7 @@ def test_seeded_row_ignores_its_batch() -> None:
     mixed = _cat_rows([_rows(others[1], [0, 1]), _rows(tensors, [2]), _rows(others[1], [2])])
     together = sample_triton(mixed_logits, mixed)
     assert together[2] == alone[0]
-    # A later step draws fresh noise: across steps a flat row does not repeat one token.
+    # A later position draws fresh noise: across positions a flat row does not repeat one token.
     flat = torch.zeros(1, vocab_size, device=DEVICE)
     row = _rows(tensors, [2])
     row.temperature.fill_(1.0)
@@ -225,7 +269,7 @@ def test_seeded_row_ignores_its_batch() -> None:
     row.min_p.zero_()
     draws = set()
     for step in range(6):
-        row.step.fill_(step)
+        row.positions.fill_(step)
         draws.add(int(sample_triton(flat, row)[0]))
     assert len(draws) > 1
 
@@ -239,23 +283,45 @@ def _cat_rows(parts: list[SamplingTensors]) -> SamplingTensors:
     return SamplingTensors(**{name: torch.cat([vars(p)[name] for p in parts]) for name in vars(parts[0])})
 
 
-# --- the reference against the engine's sampler ---------------------------------------------------------
+# --- the CPU's sampler and the GPU's: the same tokens ----------------------------------------------------
 
 
-def test_reference_equals_the_engine_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
-    """engine.sampling.sample, fed the same exponential noise, picks the same tokens for random mixes."""
-    vocab_size, batch = 300, 8
-    for trial in range(4):
-        logits, tensors, params, prompts, outputs = random_batch(100 + trial, batch, vocab_size)
-        logits, tensors = logits.cpu(), tensors.to("cpu")
-        # Unique top-p groups: the engine's sort may split a tie group, the device sampler does not.
-        uniform = torch.rand(batch, vocab_size, generator=torch.Generator().manual_seed(trial))
-        exponential = -torch.log(uniform)
-        sampled_rows = [row for row, request in enumerate(params) if not request.is_greedy]
-        noise = exponential[sampled_rows]
-        monkeypatch.setattr(host_sampling, "exponential_noise", lambda *args, noise=noise: noise)
-        expected, _ = host_sampling.sample(logits, params, prompts, outputs, [None] * batch)
-        assert sample_reference(logits, tensors, uniform).tolist() == expected
+def agreement_batch(vocab_size: int) -> tuple[torch.Tensor, list[Sequence]]:
+    """Random logits and sequences of every kind (greedy, plain, filters, penalties; seeded, unseeded),
+    with prompts and outputs of several lengths, so that the drawn positions differ."""
+    generator = torch.Generator().manual_seed(vocab_size)
+    logits = torch.randn(12, vocab_size, generator=generator) * 3
+    seqs = []
+    for row in range(12):
+        params = random_params(generator, vocab_size)
+        params.seed = None if row % 4 == 3 else 1000 + row
+        prompt, output = random_history(generator, logits[row])
+        seqs.append(Sequence(f"r{row}", prompt or [0], params, token_ids=(prompt or [0]) + output))
+    return logits, seqs
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_cpu_and_gpu_samplers_pick_the_same_tokens(device: str) -> None:
+    """The engine's sampler on the CPU (the torch reference) and the Triton kernels, given identical logits,
+    pick the same token for the same seed and position. On this machine the kernels run in Triton's
+    interpreter (the poisoned workspace shows they ran); on a GPU the engine's Sampler runs them."""
+    vocab_size = 700
+    logits, seqs = agreement_batch(vocab_size)
+    cpu_sampler = Sampler(vocab_size, torch.device("cpu"))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        on_cpu = cpu_sampler.sample(logits, seqs)
+    assert len(set(on_cpu.tolist())) > 6
+    if device == "cpu":
+        workspace = SamplingWorkspace.allocate(len(seqs), vocab_size, "cpu")
+        workspace.part_score.fill_(math.nan)
+        on_kernel = sample_triton(logits, cpu_sampler.tensors(seqs), workspace=workspace)
+        assert not workspace.part_score[: len(seqs)].isnan().any()
+    else:
+        gpu_sampler = Sampler(vocab_size, torch.device("cuda"))
+        gpu_sampler.keys.update(cpu_sampler.keys)  # the unseeded requests' random keys
+        on_kernel = gpu_sampler.sample(logits.cuda(), seqs).cpu()
+    assert torch.equal(on_kernel, on_cpu), (on_kernel, on_cpu)
 
 
 CHI_SQUARE_LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
@@ -268,7 +334,9 @@ def chi_square_critical(degrees_of_freedom: int, z_score: float = 3.72) -> float
 
 
 def assert_distribution(token_ids: torch.Tensor, params: SamplingParams) -> None:
-    expected = filtered_probs(torch.tensor([CHI_SQUARE_LOGITS]), [params])[0]
+    logits = torch.tensor([CHI_SQUARE_LOGITS])
+    tensors = SamplingTensors.from_params([params], [[]], [[]], [0], [0], logits.shape[1])
+    expected = filtered_probs_reference(logits, tensors)[0]
     counts = torch.bincount(token_ids.cpu(), minlength=len(CHI_SQUARE_LOGITS)).double()
     draws = len(token_ids)
     assert (counts[expected == 0] == 0).all(), (counts, expected)
@@ -277,11 +345,11 @@ def assert_distribution(token_ids: torch.Tensor, params: SamplingParams) -> None
     assert chi_square < chi_square_critical(int(kept.sum()) - 1), (counts, expected)
 
 
-def _seeded_batch(params: SamplingParams, draws: int, step: int) -> tuple[torch.Tensor, SamplingTensors]:
-    """One row per draw, each a request with its own seed, at a given step."""
+def _seeded_batch(params: SamplingParams, draws: int, position: int) -> tuple[torch.Tensor, SamplingTensors]:
+    """One row per draw, each a request with its own seed, at a given position."""
     vocab_size = len(CHI_SQUARE_LOGITS)
     tensors = SamplingTensors.from_params(
-        [params] * draws, [[]] * draws, [[]] * draws, range(draws), [step] * draws, vocab_size, DEVICE
+        [params] * draws, [[]] * draws, [[]] * draws, range(draws), [position] * draws, vocab_size, DEVICE
     )
     return torch.tensor(CHI_SQUARE_LOGITS, device=DEVICE).expand(draws, -1).contiguous(), tensors
 
@@ -297,15 +365,15 @@ def _seeded_batch(params: SamplingParams, draws: int, step: int) -> tuple[torch.
     ids=["top_k", "top_p", "min_p", "all"],
 )
 def test_philox_draws_follow_the_filtered_distribution(params: SamplingParams) -> None:
-    """Over many seeds and steps, the draws (the reference's Philox noise, the kernel's bits) match
+    """Over many seeds and positions, the draws (the reference's Philox noise, the kernel's bits) match
     softmax(filtered logits / T)."""
-    token_ids = torch.cat([sample_reference(*_seeded_batch(params, 4000, step)) for step in range(5)])
+    token_ids = torch.cat([sample_reference(*_seeded_batch(params, 4000, position)) for position in range(5)])
     assert_distribution(token_ids, params)
 
 
 def test_kernel_draws_follow_the_distribution() -> None:
     params = SamplingParams(temperature=1.2)
-    logits, tensors = _seeded_batch(params, 400, step=3)
+    logits, tensors = _seeded_batch(params, 400, position=3)
     assert_distribution(sample_triton(logits, tensors), params)
 
 
@@ -356,7 +424,7 @@ def test_gpu_sampling_replays_in_a_cuda_graph() -> None:
     with torch.cuda.graph(graph):
         sample_triton(logits, tensors, out=out, workspace=workspace)
     for step in range(3):
-        tensors.step.fill_(step)
+        tensors.positions.fill_(step)
         expected = sample_reference(logits, tensors)
         graph.replay()
         torch.cuda.synchronize()
@@ -367,24 +435,24 @@ def test_four_bit_radix_search_as_on_the_gpu(monkeypatch: pytest.MonkeyPatch) ->
     """The slow exact path (a radix search in one program): the interpreter searches eight bits per pass,
     the GPU four. Both must find the same thresholds. One candidate forces every row (top-k > 1 with
     top-p) onto that path."""
-    monkeypatch.setattr(sampling, "_RADIX_BITS", 4)
-    monkeypatch.setattr(sampling, "_CANDIDATES", 1)
+    monkeypatch.setattr(sampling_triton, "RADIX_BITS", 4)
+    monkeypatch.setattr(sampling_triton, "CANDIDATES", 1)
     logits, tensors, *_ = random_batch(21, batch=4, vocab_size=150)
     tensors.temperature.fill_(1.1)
     tensors.top_k.copy_(torch.tensor([5, 2, 40, 149]))
     tensors.top_p.copy_(torch.tensor([0.999, 0.7, 0.95, 0.2]))
     noise = torch.rand(4, 150, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     workspace = check_against_reference(logits, tensors, noise, return_workspace=True)[1]
-    assert (search_statuses(workspace, 4) == sampling._FALLBACK).all()
+    assert (search_statuses(workspace, 4) == sampling_triton.FALLBACK).all()
 
 
 # --- the parallel threshold search: every path it can take ---------------------------------------------
 
 
 def search_statuses(workspace: SamplingWorkspace, batch: int) -> torch.Tensor:
-    """[batch, passes]: what each search pass did for each row (sampling._SEARCH, _COMPACT, ...)."""
-    passes = len(sampling._LEVEL_SHIFTS) + 1
-    return workspace.state.view(-1, passes, sampling._STATE_FIELDS)[:batch, :, 0].cpu()
+    """[batch, passes]: what each search pass did for each row (sampling_triton.SEARCH, COMPACT, ...)."""
+    passes = len(sampling_triton.LEVEL_SHIFTS) + 1
+    return workspace.state.view(-1, passes, sampling_triton.STATE_FIELDS)[:batch, :, 0].cpu()
 
 
 def designed_logits(design: str, generator: torch.Generator, vocab_size: int) -> torch.Tensor:
@@ -429,7 +497,7 @@ def test_search_paths_match_reference(monkeypatch: pytest.MonkeyPatch, candidate
     """Every design of logits against every filter mix, in one batch with greedy and plain rows mixed in,
     with few and many candidates: compaction after one, two or three histogram levels, min-p alone, and
     the slow path; the tokens always equal the reference's."""
-    monkeypatch.setattr(sampling, "_CANDIDATES", candidates)
+    monkeypatch.setattr(sampling_triton, "CANDIDATES", candidates)
     vocab_size = 241
     generator = torch.Generator().manual_seed(candidates)
     statuses = []
@@ -457,7 +525,7 @@ def test_search_paths_match_reference(monkeypatch: pytest.MonkeyPatch, candidate
         workspace = check_against_reference(logits, tensors, None, return_workspace=True)[1]
         statuses.append(search_statuses(workspace, batch)[: len(FILTER_MIXES)])
     statuses = torch.cat(statuses)
-    compact, fallback = sampling._COMPACT, sampling._FALLBACK
+    compact, fallback = sampling_triton.COMPACT, sampling_triton.FALLBACK
     # Min-p alone compacts (nothing) in the first pass (index 0); the others in the pass after 1, 2 or 3
     # histogram levels (index 1, 2, 3), or give up on the slow path.
     assert (statuses[:, 0] == compact).any()
@@ -521,7 +589,7 @@ def test_gpu_real_vocab_takes_the_fast_path(batch: int) -> None:
         )
         for uniform_noise in (noise, None):
             workspace = check_against_reference(logits, tensors, uniform_noise, return_workspace=True)[1]
-            assert (search_statuses(workspace, rows)[:, -1] != sampling._FALLBACK).all()
+            assert (search_statuses(workspace, rows)[:, -1] != sampling_triton.FALLBACK).all()
     # The last group again, in a graph, over a few steps.
     out = torch.empty(rows, dtype=torch.int64, device="cuda")
     sample_triton(logits, tensors, out=out, workspace=workspace)
@@ -530,7 +598,7 @@ def test_gpu_real_vocab_takes_the_fast_path(batch: int) -> None:
     with torch.cuda.graph(graph):
         sample_triton(logits, tensors, out=out, workspace=workspace)
     for step in range(3):
-        tensors.step.fill_(step)
+        tensors.positions.fill_(step)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, sample_reference(logits, tensors))

@@ -1,4 +1,5 @@
-"""The reference sampler: parameter validation, penalties, the filtered distributions, seeds, logprobs."""
+"""The sampler (engine/sampler.py; on the CPU the torch reference of kernels/sampling.py): parameter
+validation, penalties, the filtered distributions, seeds and positions, logprobs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams, apply_penalties, filtered_probs, make_generator, sample
+from engine.sampler import Sampler
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+from kernels.sampling import (
+    SamplingTensors,
+    apply_penalties_reference,
+    filtered_probs_reference,
+    sample_reference,
+    top_logprobs,
+)
 
 CPU = torch.device("cpu")
 # A small vocabulary with distinct, well-spread logits, so every filter has something to cut.
@@ -16,22 +26,23 @@ SMALL_LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]
 NUM_DRAWS = 20_000
 
 
-def sample_rows(
-    logits: torch.Tensor,
+def tensors_for(
     params: list[SamplingParams],
-    generators: list[torch.Generator | None] | None = None,
+    vocab_size: int,
     prompts: list[list[int]] | None = None,
     outputs: list[list[int]] | None = None,
-) -> list[int]:
-    num_seqs = logits.shape[0]
-    token_ids, _ = sample(
-        logits,
-        params,
-        prompts or [[]] * num_seqs,
-        outputs or [[]] * num_seqs,
-        generators or [None] * num_seqs,
-    )
-    return token_ids
+    seeds: list[int] | None = None,
+    positions: list[int] | None = None,
+) -> SamplingTensors:
+    rows = len(params)
+    return SamplingTensors.from_params(
+        params, prompts or [[]] * rows, outputs or [[]] * rows, seeds or [0] * rows, positions or [0] * rows,
+        vocab_size,
+    )  # fmt: skip
+
+
+def sequence(request_id: str, params: SamplingParams, prompt: list[int], output: list[int] = ()) -> Sequence:
+    return Sequence(request_id, prompt, params, token_ids=prompt + list(output))
 
 
 # --- validate() ---------------------------------------------------------------------------------------
@@ -99,13 +110,15 @@ def test_is_greedy() -> None:
 # --- greedy and penalties -------------------------------------------------------------------------------
 
 
-def test_greedy_is_argmax_and_ignores_generators() -> None:
+def test_greedy_is_argmax_and_draws_no_noise() -> None:
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
-    generators = [make_generator(seed, CPU) for seed in range(6)]
-    token_ids = sample_rows(logits, [SamplingParams(temperature=0.0, top_k=5)] * 6, generators)
-    assert token_ids == logits.argmax(dim=-1).tolist()
-    # Greedy rows draw no noise, so a seeded generator is left where it was.
-    assert torch.equal(generators[0].get_state(), make_generator(0, CPU).get_state())
+    params = [SamplingParams(temperature=0.0, top_k=5)] * 6
+    sampler = Sampler(300, CPU)
+    seqs = [sequence(f"r{row}", params[row], [1, 2]) for row in range(6)]
+    state = torch.random.get_rng_state()
+    assert sampler.sample(logits, seqs).tolist() == logits.argmax(dim=-1).tolist()
+    # Greedy rows take no key: torch's generator is left where it was.
+    assert torch.equal(torch.random.get_rng_state(), state) and not sampler.keys
 
 
 def test_penalties_by_hand() -> None:
@@ -113,7 +126,7 @@ def test_penalties_by_hand() -> None:
     params = [SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)]
     # Seen: 0, 1 (prompt) and 1, 3, 3 (output). Repetition: positive divided, negative multiplied.
     # Then frequency (0.5 per occurrence) and presence (0.25 once) for generated tokens only.
-    penalized = apply_penalties(logits, params, [[0, 1]], [[1, 3, 3]])
+    penalized = apply_penalties_reference(logits, tensors_for(params, 5, [[0, 1]], [[1, 3, 3]]))
     expected = [
         2.0 / 2,  # prompt only: repetition, no frequency/presence
         -1.0 * 2 - 0.5 * 1 - 0.25,
@@ -122,18 +135,18 @@ def test_penalties_by_hand() -> None:
         -2.0,
     ]
     assert penalized[0].tolist() == pytest.approx(expected)
-    # The raw argmax (token 3) loses to token 0 once penalized.
-    greedy = [
-        SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    ]
-    assert sample_rows(logits, greedy, prompts=[[0, 1]], outputs=[[1, 3, 3]]) == [0]
+    # The raw argmax (token 3) loses to token 0 once penalized; the sampler reads the sequence's history.
+    greedy = SamplingParams(
+        temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25
+    )
+    assert Sampler(5, CPU).sample(logits, [sequence("r", greedy, [0, 1], [1, 3, 3])]).tolist() == [0]
 
 
 def test_presence_counts_once_frequency_counts_every_occurrence() -> None:
     logits = torch.zeros(2, 4)
     params = [SamplingParams(presence_penalty=1.5), SamplingParams(frequency_penalty=1.5)]
     outputs = [[2, 2, 2, 1], [2, 2, 2, 1]]
-    penalized = apply_penalties(logits, params, [[0], [0]], outputs)
+    penalized = apply_penalties_reference(logits, tensors_for(params, 4, [[0], [0]], outputs))
     assert penalized[0].tolist() == pytest.approx([0.0, -1.5, -1.5, 0.0])
     assert penalized[1].tolist() == pytest.approx([0.0, -1.5, -4.5, 0.0])
 
@@ -141,7 +154,7 @@ def test_presence_counts_once_frequency_counts_every_occurrence() -> None:
 def test_repetition_penalty_below_one_favours_seen_tokens_and_other_rows_are_untouched() -> None:
     logits = torch.tensor([[1.0, -1.0, 1.0], [1.0, -1.0, 1.0]])
     params = [SamplingParams(repetition_penalty=0.5), SamplingParams()]
-    penalized = apply_penalties(logits, params, [[0, 1], [0, 1]], [[], []])
+    penalized = apply_penalties_reference(logits, tensors_for(params, 3, [[0, 1], [0, 1]], [[], []]))
     assert penalized[0].tolist() == pytest.approx([2.0, -0.5, 1.0])
     assert penalized[1].tolist() == pytest.approx([1.0, -1.0, 1.0])
 
@@ -189,15 +202,22 @@ DISTRIBUTION_CASES = [
 ]
 
 
+def seeded_draws(
+    params: SamplingParams, seed: int, count: int, logits: list[float] = SMALL_LOGITS
+) -> list[int]:
+    """One seeded request's draws at positions 0 .. count - 1 (one row each) from the same logits."""
+    batch = torch.tensor(logits).expand(count, -1)
+    tensors = tensors_for([params] * count, len(logits), seeds=[seed] * count, positions=list(range(count)))
+    return sample_reference(batch, tensors).tolist()
+
+
 @pytest.mark.parametrize(
     "case", DISTRIBUTION_CASES, ids=lambda case: "-".join(f"{k}={v}" for k, v in case.items())
 )
 def test_sampled_frequencies_match_the_filtered_distribution(case: dict) -> None:
     expected = expected_distribution(SMALL_LOGITS, **case)
-    logits = torch.tensor(SMALL_LOGITS).expand(NUM_DRAWS, -1)
-    # One generator shared by all rows: the rows are successive draws from one seeded stream.
-    generator = make_generator(1234, CPU)
-    token_ids = sample_rows(logits, [SamplingParams(**case)] * NUM_DRAWS, [generator] * NUM_DRAWS)
+    # The successive draws of one seeded request.
+    token_ids = seeded_draws(SamplingParams(**case), seed=1234, count=NUM_DRAWS)
     counts = torch.bincount(torch.tensor(token_ids), minlength=len(SMALL_LOGITS)).tolist()
 
     filtered_out = [index for index in range(len(SMALL_LOGITS)) if index not in expected]
@@ -208,20 +228,24 @@ def test_sampled_frequencies_match_the_filtered_distribution(case: dict) -> None
 
 def test_filtered_probs_equal_the_intended_distribution() -> None:
     logits = torch.tensor([SMALL_LOGITS] * len(DISTRIBUTION_CASES))
-    probs = filtered_probs(logits, [SamplingParams(**case) for case in DISTRIBUTION_CASES])
+    params = [SamplingParams(**case) for case in DISTRIBUTION_CASES]
+    probs = filtered_probs_reference(logits, tensors_for(params, len(SMALL_LOGITS)))
     for row, case in enumerate(DISTRIBUTION_CASES):
         expected = expected_distribution(SMALL_LOGITS, **case)
         dense = [expected.get(index, 0.0) for index in range(len(SMALL_LOGITS))]
         assert probs[row].tolist() == pytest.approx(dense, abs=1e-6)
 
 
-def test_unseeded_rows_sample_the_same_distribution() -> None:
+def test_unseeded_requests_sample_the_same_distribution() -> None:
+    """Unseeded requests get random keys (from torch's generator): one draw each."""
     case = DISTRIBUTION_CASES[3]
     expected = expected_distribution(SMALL_LOGITS, **case)
-    logits = torch.tensor(SMALL_LOGITS).expand(NUM_DRAWS, -1)
+    sampler = Sampler(len(SMALL_LOGITS), CPU)
+    seqs = [sequence(f"r{n}", SamplingParams(**case), [0]) for n in range(NUM_DRAWS)]
     with torch.random.fork_rng():
         torch.manual_seed(99)
-        token_ids = sample_rows(logits, [SamplingParams(**case)] * NUM_DRAWS)
+        token_ids = sampler.sample(torch.tensor(SMALL_LOGITS).expand(NUM_DRAWS, -1), seqs).tolist()
+    assert len(set(sampler.keys.values())) == NUM_DRAWS
     counts = torch.bincount(torch.tensor(token_ids), minlength=len(SMALL_LOGITS)).tolist()
     assert sum(counts[index] for index in expected) == NUM_DRAWS
     chi_square = sum((counts[index] - NUM_DRAWS * p) ** 2 / (NUM_DRAWS * p) for index, p in expected.items())
@@ -230,7 +254,8 @@ def test_unseeded_rows_sample_the_same_distribution() -> None:
 
 def test_top_k_keeps_ties_and_a_top_k_beyond_the_vocab_keeps_everything() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0], [1.0, 3.0, 3.0, 3.0, 0.0]])
-    probs = filtered_probs(logits, [SamplingParams(top_k=2), SamplingParams(top_k=1000)])
+    params = [SamplingParams(top_k=2), SamplingParams(top_k=1000)]
+    probs = filtered_probs_reference(logits, tensors_for(params, 5))
     assert probs[0].tolist() == pytest.approx([0, 1 / 3, 1 / 3, 1 / 3, 0])
     assert probs[1].tolist() == pytest.approx(torch.softmax(logits[1], dim=-1).tolist())
 
@@ -245,33 +270,30 @@ def test_top_k_keeps_ties_and_a_top_k_beyond_the_vocab_keeps_everything() -> Non
     ],
 )
 def test_a_single_surviving_token_is_always_drawn(params: SamplingParams) -> None:
-    logits = torch.tensor([[0.0, 0.0, 9.0, -20.0, 0.0]] * 500)
-    generator = make_generator(7, CPU)
-    assert sample_rows(logits, [params] * 500, [generator] * 500) == [2] * 500
+    assert seeded_draws(params, seed=7, count=500, logits=[0.0, 0.0, 9.0, -20.0, 0.0]) == [2] * 500
 
 
-# --- seeds ----------------------------------------------------------------------------------------------
+# --- seeds and positions -----------------------------------------------------------------------------
 
 
 def seeded_sequence(seed: int, steps: int, companions: int = 0) -> list[int]:
-    """Draw `steps` tokens for one seeded row, optionally batched with unseeded, seeded and greedy rows."""
+    """Draw `steps` tokens for one seeded request, maybe batched with unseeded, seeded and greedy ones."""
     logits_stream = torch.Generator().manual_seed(5)
-    params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
-    generators = [make_generator(seed, CPU)]
-    batch_params = [params]
+    sampler = Sampler(64, CPU)
+    seq = sequence("seeded", SamplingParams(temperature=1.0, top_p=0.95, seed=seed), [1, 2, 3])
+    batch = [seq]
     for companion in range(companions):
-        batch_params += [
-            SamplingParams(temperature=0.8),
-            SamplingParams(seed=100 + companion),
-            SamplingParams(temperature=0),
+        batch += [
+            sequence(f"unseeded-{companion}", SamplingParams(temperature=0.8), [4]),
+            sequence(f"seeded-{companion}", SamplingParams(seed=100 + companion), [5, 6]),
+            sequence(f"greedy-{companion}", SamplingParams(temperature=0), [7]),
         ]
-        generators += [None, make_generator(100 + companion, CPU), None]
-    tokens = []
     for _ in range(steps):
         step_logits = torch.randn(1, 64, generator=logits_stream)
-        batch_logits = torch.cat([step_logits, torch.randn(len(batch_params) - 1, 64)])
-        tokens.append(sample_rows(batch_logits, batch_params, generators)[0])
-    return tokens
+        batch_logits = torch.cat([step_logits, torch.randn(len(batch) - 1, 64)])
+        for other, token in zip(batch, sampler.sample(batch_logits, batch).tolist(), strict=True):
+            other.token_ids.append(token)
+    return seq.output_token_ids
 
 
 def test_same_seed_same_tokens_different_seeds_differ() -> None:
@@ -284,8 +306,28 @@ def test_seeded_row_is_independent_of_its_batch() -> None:
     assert seeded_sequence(seed=42, steps=30, companions=2) == seeded_sequence(seed=42, steps=30)
 
 
-def test_make_generator_without_seed_is_none() -> None:
-    assert make_generator(None, CPU) is None
+def test_the_noise_is_keyed_by_position_not_by_draw_count() -> None:
+    """A draw depends on the seed and the drawn token's index in the sequence: the same logits at the same
+    position give the same token, whatever the prompt's length or how many tokens were drawn before."""
+    params = SamplingParams(temperature=1.0, seed=9)
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(4))
+    sampler = Sampler(500, CPU)
+    short_prompt = sequence("a", params, [1, 2, 3], [4, 5])  # draws position 5, its third output
+    long_prompt = sequence("b", params, [1, 2, 3, 4, 5])  # draws position 5, its first output
+    assert sampler.sample(logits, [short_prompt]).tolist() == sampler.sample(logits, [long_prompt]).tolist()
+    later = [sampler.sample(logits, [sequence(f"c{n}", params, [1] * n)]).item() for n in range(6, 26)]
+    assert len(set(later)) > 1  # other positions, other noise
+
+
+def test_a_request_keeps_its_random_key_until_forgotten() -> None:
+    sampler = Sampler(8, CPU)
+    seq = sequence("r", SamplingParams(temperature=1.0), [1])
+    key = sampler.key_of(seq)
+    assert sampler.key_of(seq) == key
+    sampler.forget("r")
+    assert "r" not in sampler.keys and sampler.key_of(seq) != key
+    # A seed is the key: its low 64 bits as int64.
+    assert sampler.key_of(sequence("s", SamplingParams(seed=2**64 - 1), [1])) == -1
 
 
 # --- logprobs -------------------------------------------------------------------------------------------
@@ -294,23 +336,17 @@ def test_make_generator_without_seed_is_none() -> None:
 def test_logprobs_are_the_raw_model_distribution() -> None:
     logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(3)) * 4
     params = [
-        SamplingParams(temperature=0.6, repetition_penalty=1.8, top_k=10, logprobs=5),
-        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=0.6, repetition_penalty=1.8, top_k=10, seed=0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.8),
         SamplingParams(),
     ]
-    token_ids, logprobs = sample(logits, params, [[1, 2, 3]] * 3, [[4, 4]] * 3, [make_generator(0, CPU)] * 3)
+    seqs = [sequence(f"r{row}", params[row], [1, 2, 3], [4, 4]) for row in range(3)]
+    token_ids = Sampler(200, CPU).sample(logits, seqs)
+    chosen, top_ids, top_values = top_logprobs(logits, token_ids, 5)
     reference = torch.log_softmax(logits.double(), dim=-1)
 
-    assert logprobs[2] is None
-    assert logprobs[1].top == []
-    assert logprobs[1].token_id == token_ids[1] == int(logits[1].argmax())
-    for row in (0, 1):
-        assert logprobs[row].logprob == pytest.approx(float(reference[row, token_ids[row]]), abs=1e-5)
-
-    top = logprobs[0].top
-    assert len(top) == 5
-    assert top[0][0] == int(logits[0].argmax())
-    assert [value for _, value in top] == sorted((value for _, value in top), reverse=True)
-    expected_values, expected_ids = reference[0].topk(5)
-    assert [token_id for token_id, _ in top] == expected_ids.tolist()
-    assert [value for _, value in top] == pytest.approx(expected_values.tolist(), abs=1e-5)
+    assert chosen.tolist() == pytest.approx(reference[torch.arange(3), token_ids].tolist(), abs=1e-5)
+    assert top_ids[:, 0].tolist() == logits.argmax(dim=-1).tolist()
+    expected_values, expected_ids = reference.topk(5, dim=-1)
+    assert torch.equal(top_ids, expected_ids)
+    assert torch.allclose(top_values.double(), expected_values, atol=1e-5)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-import engine.runner
+import engine.sampler
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import LoadedModel
@@ -101,7 +101,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(tiny, monkeypatch: pytest.M
     def accept_every_draft(probs, draft_probs, drafts, num_drafts, accept_uniforms, final_uniforms):  # noqa: ANN001, ANN202
         return verify_sampled(probs, draft_probs, drafts, num_drafts, accept_uniforms * 0, final_uniforms)
 
-    monkeypatch.setattr(engine.runner, "verify_sampled", accept_every_draft)
+    monkeypatch.setattr(engine.sampler, "verify_sampled", accept_every_draft)
     model, reference = tiny
     counts, _ = sampled_counts(model)
     statistic = chi_square(counts, exact_joint(reference))

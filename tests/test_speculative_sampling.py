@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.sampling import exponential_race
+from engine.sampling import SamplingParams
 from engine.speculative import PAD_TOKEN_ID, DraftLengthController, Verified, verify_greedy, verify_sampled
+from kernels.sampling import SamplingTensors, race_scores_reference, sample_reference
 from proposers.factory import draft_cost
 
 # --- greedy --------------------------------------------------------------------------------------------
@@ -61,7 +62,7 @@ def test_sampled_with_one_hot_targets_is_greedy() -> None:
             drafts,
             num_drafts,
             torch.rand(num_seqs, max_drafts, generator=generator),
-            torch.rand(num_seqs, vocab_size, generator=generator),
+            torch.rand(num_seqs, max_drafts + 1, vocab_size, generator=generator),
         )
         assert torch.equal(verified.output_token_ids, expected.output_token_ids)
         assert torch.equal(verified.num_accepted, expected.num_accepted)
@@ -112,7 +113,8 @@ class Trials:
         # rows with fewer real drafts cover padding and a bonus token at every position
         self.num_drafts = torch.randint(MAX_DRAFTS + 1, (NUM_TRIALS,), generator=generator)
         self.accept_uniforms = torch.rand(NUM_TRIALS, MAX_DRAFTS, generator=generator)
-        self.final_uniforms = torch.rand(NUM_TRIALS, VOCAB_SIZE, generator=generator)
+        # each position's: the last token uses those of its own position, as plain decoding would there
+        self.final_uniforms = torch.rand(NUM_TRIALS, MAX_DRAFTS + 1, VOCAB_SIZE, generator=generator)
         # what plain decoding draws at position 1 when a step ends after one token
         self.next_step_tokens = torch.multinomial(
             self.target[1], NUM_TRIALS, replacement=True, generator=generator
@@ -178,7 +180,8 @@ def test_control_resampling_from_the_target_instead_of_the_residual_fails(trials
     # the same acceptances, but the last token drawn from p at that position instead of max(p - q, 0)
     rows = torch.arange(NUM_TRIALS)
     final_probs = trials.target[verified.num_accepted]
-    wrong_final = exponential_race(final_probs, -torch.log(trials.final_uniforms))
+    uniforms = trials.final_uniforms[rows, verified.num_accepted]
+    wrong_final = race_scores_reference(final_probs.log(), uniforms).argmax(dim=-1)
     verified.output_token_ids[rows, verified.num_accepted] = wrong_final
     assert trials.statistic_at(verified, 0) > 10 * CRITICAL
 
@@ -195,7 +198,7 @@ def test_a_row_is_verified_as_if_alone() -> None:
             trials.drafts[row, :num_drafts].unsqueeze(0),
             torch.tensor([num_drafts]),
             trials.accept_uniforms[row, :num_drafts].unsqueeze(0),
-            trials.final_uniforms[row].unsqueeze(0),
+            trials.final_uniforms[row, : num_drafts + 1].unsqueeze(0),
         )
         assert alone.num_accepted.item() == batched.num_accepted[row].item()
         assert alone.output_token_ids[0].tolist() == batched.output_token_ids[row, : num_drafts + 1].tolist()
@@ -203,7 +206,7 @@ def test_a_row_is_verified_as_if_alone() -> None:
 
 
 def test_no_drafts_is_plain_sampling_with_the_same_noise() -> None:
-    # so that a step without speculation draws what the plain sampler would draw from the same uniforms
+    # so that a step without speculation draws what the plain sampler draws from the same uniforms
     trials = Trials(seed=5, deterministic_drafts=False)
     verified = verify_sampled(
         trials.target[:1].expand(NUM_TRIALS, 1, VOCAB_SIZE),
@@ -211,11 +214,15 @@ def test_no_drafts_is_plain_sampling_with_the_same_noise() -> None:
         torch.empty(NUM_TRIALS, 0, dtype=torch.long),
         torch.zeros(NUM_TRIALS, dtype=torch.long),
         torch.empty(NUM_TRIALS, 0),
-        trials.final_uniforms,
+        trials.final_uniforms[:, :1],
     )
-    plain = exponential_race(
-        trials.target[0].expand(NUM_TRIALS, VOCAB_SIZE), -torch.log(trials.final_uniforms)
-    )
+    # the sampler at temperature 1 over logits log p
+    tensors = SamplingTensors.from_params(
+        [SamplingParams()] * NUM_TRIALS, [[]] * NUM_TRIALS, [[]] * NUM_TRIALS, [0] * NUM_TRIALS,
+        [0] * NUM_TRIALS, VOCAB_SIZE,
+    )  # fmt: skip
+    logits = trials.target[0].log().expand(NUM_TRIALS, VOCAB_SIZE)
+    plain = sample_reference(logits, tensors, trials.final_uniforms[:, 0])
     assert torch.equal(verified.output_token_ids[:, 0], plain)
     assert (verified.num_accepted == 0).all()
 
