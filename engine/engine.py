@@ -483,9 +483,9 @@ class Engine:
         ]  # fmt: skip
         # (prompt length, params) per request; a negative length: one phrase repeated (n-gram drafts)
         batches: list[list[tuple[int, SamplingParams]]] = [[(1, params)] for params in variants]
-        # More rows at once: one batch per variant that launches sized by the row count compile.
+        # More rows at once: a batch for each other variant Triton compiles for a row count (1 ran above).
         most_rows = min(config.max_num_seqs, self.max_num_batched_tokens)
-        for rows in specialization_sizes(most_rows)[1:]:  # one row ran above
+        for rows in specialization_sizes(most_rows)[1:]:
             batches.append([(1, variants[row % len(variants)]) for row in range(rows)])
         long_prompt = self.max_num_batched_tokens + 1  # first chunks of the whole budget, and of it less 2
         if long_prompt <= self.max_prompt_tokens:
