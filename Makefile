@@ -2,7 +2,7 @@
 # pyproject.toml changed since the last install), so .venv/bin/tileinfer exists after either.
 #   make run   the main job: serve the embedded default model (SmolLM2-135M) with
 #              `serve run serve_config.yaml`, an OpenAI-compatible API on http://127.0.0.1:8000.
-#   make test  lint and the test suite: what CI runs (.ci/run).
+#   make test  lint, the layers' import contract (pyproject.toml) and the test suite: what CI runs (.ci/run).
 #   make run SERVE_PROXY=1  the same behind Serve's Python proxy, not its HAProxy mode (README, Scaling out).
 
 PYTHON = python3
@@ -20,6 +20,7 @@ run: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/pytest -q
 
 # torch first and pinned: here 2.13.0 is a local CPU build; letting the project's

@@ -59,7 +59,7 @@ def _serve(
 ) -> None:
     """(attached first gets the proposer's hidden-state layout, then one True per channel served.)"""
     """The proposer process: a self-draft on this process's GPU, serving each channel that arrives."""
-    from proposers.factory import build_proposer
+    from deployments.proposers import build_proposer
 
     def on_gpu(serve: Callable[[], None]) -> None:  # the current GPU is per thread
         if gpu is not None:

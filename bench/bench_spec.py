@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from deployments.proposers import build_engine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.default_model import default_model_path  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -191,7 +192,7 @@ def main() -> None:
         plain = run_set(plain_engine, prompts, args.max_tokens)
         for proposer_name, settings in proposers.items():
             config = EngineConfig(**{**base.__dict__, "num_draft": args.num_draft, **settings})
-            engine = Engine(model, config)
+            engine = build_engine(model, config)
             engine.speculator.fixed_step_cost = args.step_cost
             run_set(engine, prompts[:1], 16)
             timer = CallTimer()

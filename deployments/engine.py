@@ -51,6 +51,7 @@ from deployments.autoscaling import SEQUENCES_METRIC
 from deployments.config import AppArgs
 from deployments.engine_loop import ENGINE_SWITCH_INTERVAL_S, Delta, EngineLoop, UnknownSubscriberError
 from deployments.proposer import ProposerActor
+from deployments.proposers import VERIFY_COST_PER_DRAFT, build_engine, draft_cost
 from deployments.routing import cached_block_keys
 from deployments.serve_logs import route_to_serve
 from engine.config import EngineConfig
@@ -59,7 +60,6 @@ from engine.errors import TileInferError
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from proposers.channel import ChannelCapacity
-from proposers.factory import VERIFY_COST_PER_DRAFT
 from proposers.remote import RemoteProposer
 
 logger = logging.getLogger(__name__)
@@ -127,8 +127,6 @@ class EngineDeployment:
         gpu_share = ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0)
         config = args.engine_config(device, dtype, gpu_memory_share=gpu_share if 0 < gpu_share < 1 else 1.0)
         config = dataclasses.replace(config, detokenize=False)  # the ingress does
-        if draft_ahead:
-            config = dataclasses.replace(config, draft_cost=VERIFY_COST_PER_DRAFT)
         self.proposer: RemoteProposer | None = None
         self.proposer_actor: ActorHandle | None = None  # held: Ray ends an actor whose handles are all gone
         if proposer_options is not None:
@@ -152,7 +150,7 @@ class EngineDeployment:
                 attach, capacity, args.proposer_timeout_s, hidden=hidden, device=config.torch_device(),
                 use_ring=args.draft_ring,
             )  # fmt: skip
-        self.engine = await asyncio.to_thread(self._build_engine, args.model, config)
+        self.engine = await asyncio.to_thread(self._build_engine, args.model, config, draft_ahead)
         if device != "cpu":  # the engine thread is host-bound there: it must not wait for the GIL
             sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
         self.loop = EngineLoop(
@@ -169,14 +167,19 @@ class EngineDeployment:
             kv_cache_dtype=args.kv_cache_dtype,
         )
 
-    def _build_engine(self, model_source: str, config: EngineConfig) -> Engine:
+    def _build_engine(self, model_source: str, config: EngineConfig, draft_ahead: bool) -> Engine:
         """Load, build and warm up (after the proposer attached, so that verify steps warm up too).
         Serve reports the app RUNNING only once the constructor returns, so ready means nothing
-        compiles while serving."""
+        compiles while serving. draft_ahead: the proposer actor drafts while this engine verifies, so
+        its drafts cost about nothing here."""
         started = time.perf_counter()
         model = load_model(model_source, config.torch_dtype(), config.torch_device(), config.quantization)
         loaded = time.perf_counter()
-        engine = Engine(model, config, proposer=self.proposer)
+        if self.proposer is None:  # with proposer_in_process, the proposer is built here
+            engine = build_engine(model, config)
+        else:
+            cost = VERIFY_COST_PER_DRAFT if draft_ahead else draft_cost(config, model.spec.num_layers)
+            engine = Engine(model, config, self.proposer, cost)
         built = time.perf_counter()
         if self.proposer is not None and not self.proposer.wait_attached(ATTACH_AT_START_S):
             logger.warning("the proposer has not attached yet; decoding without drafts until it does")

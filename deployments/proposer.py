@@ -27,8 +27,8 @@ import ray
 import torch
 
 from deployments.config import AppArgs
+from deployments.proposers import build_proposer
 from engine.loader import load_model
-from proposers.factory import build_proposer
 from proposers.remote import HiddenLayout, ProposerServer, hidden_layout
 
 logger = logging.getLogger(__name__)
@@ -66,12 +66,10 @@ class ProposerActor:
             names = DFLASH_TARGET_WEIGHTS if args.proposer == "dflash" else None
             target = load_model(args.model, config.torch_dtype(), config.torch_device(), names=names)
         self.proposer = build_proposer(config, target)
-        warm_up = getattr(self.proposer, "warm_up", None)
-        if warm_up is not None:  # before serving: a first step must not wait out first calls' set-up
-            try:
-                warm_up(args.num_draft)
-            except Exception:  # noqa: BLE001 - only a speed-up: a step that fails the same way costs drafts
-                logger.exception("warming the proposer up failed; serving anyway")
+        try:  # before serving: a first step must not wait out first calls' set-up
+            self.proposer.warm_up(args.num_draft)
+        except Exception:  # noqa: BLE001 - only a speed-up: a step that fails the same way costs drafts
+            logger.exception("warming the proposer up failed; serving anyway")
         self.draft_ahead = draft_ahead
         self._lock = threading.Lock()  # one server at a time calls the proposer
         self._server: ProposerServer | None = None

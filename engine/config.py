@@ -103,9 +103,6 @@ class EngineConfig:
     draft_model: str | None = None
     draft_layers: int | None = None
     num_draft: int = 4
-    # One more draft as a share of a plain decode step, for choosing how many to ask for; None: from the
-    # proposer (proposers.factory.draft_cost). A proposer that drafts ahead on its own GPU costs ~0.
-    draft_cost: float | None = None
     # False: outputs carry token ids only (new_text ""), and stop strings are the caller's to find: the
     # engine deployment, whose ingress replicas detokenize. EOS, stop token ids and max_tokens still end
     # requests here.

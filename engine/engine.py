@@ -11,12 +11,12 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import TextStream
 from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.interfaces import Proposer
 from engine.kv_budget import (
     dequant_buffer_bytes,
     engine_free_bytes,
@@ -32,12 +32,9 @@ from engine.runner import PENDING_TOKEN, Launch, ModelRunner, Verification, is_d
 from engine.sampling import SamplingParams, TokenLogprob
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.speculator import Speculator
+from engine.speculator import DEFAULT_DRAFT_COST, Speculator
 from kernels.int8 import Int8Weight
 from kernels.triton_common import specialization_sizes
-
-if TYPE_CHECKING:
-    from proposers.base import Proposer
 
 
 @dataclasses.dataclass(slots=True)  # one per request per step: slots make it cheaper to build
@@ -62,12 +59,19 @@ class _Request:
 
 class Engine:
     def __init__(
-        self, model: LoadedModel, config: EngineConfig | None = None, proposer: Proposer | None = None
+        self,
+        model: LoadedModel,
+        config: EngineConfig | None = None,
+        proposer: Proposer | None = None,
+        draft_cost: float = DEFAULT_DRAFT_COST,
     ) -> None:
-        """proposer: drafts for speculative decoding (e.g. a client of a proposer actor); by default the
-        one config.proposer names is built in process."""
+        """proposer: drafts for speculative decoding, the one config.proposer names (built in this process,
+        or a client of a proposer actor: deployments/proposers.py); draft_cost: what one more of its
+        drafts costs, as a share of a plain decode step (deployments/proposers.py draft_cost)."""
         config = config or EngineConfig()
         config.validate()
+        if config.proposer is not None and proposer is None:
+            raise ValueError(f"config.proposer is {config.proposer!r}: pass the proposer (build_proposer)")
         self.config = config
         self.spec = model.spec
         self.tokenizer = model.tokenizer
@@ -81,18 +85,9 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
-        if proposer is None and config.proposer is not None:
-            from proposers.factory import build_proposer  # proposers import the engine
-
-            proposer = build_proposer(config, model)
         self.speculator = None
         if proposer is not None:
-            from proposers.factory import draft_cost
-
-            cost = config.draft_cost
-            if cost is None:
-                cost = draft_cost(config, model.spec.num_layers)
-            self.speculator = Speculator(proposer, config.num_draft, cost)
+            self.speculator = Speculator(proposer, config.num_draft, draft_cost)
         # a verify step needs the logits of every draft position, plain steps one row a sequence
         max_logit_rows = config.max_num_seqs * (1 + config.num_draft if proposer is not None else 1)
         max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)

@@ -15,12 +15,13 @@ reads tokens back one step later.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy
 import torch
 
 from engine.block_manager import BlockCopy
+from engine.interfaces import DraftsRead, RingStep
 from engine.kv_cache import allocate_kv_cache, copy_blocks
 from engine.model import Decoder
 from engine.sampler import Sampler
@@ -31,17 +32,13 @@ from engine.speculative import verify_greedy
 from engine.step_graphs import StepGraphs, StepInputs, capture_graph
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
 from kernels.sampling import SamplingTensors, SamplingWorkspace, sample_triton, top_logprobs
-from proposers.draft_ring import RingRead
-
-if TYPE_CHECKING:
-    from engine.speculator import RingStep
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 # In Sequence.token_ids: a token sampled on the device by a launched step, not yet read by the host.
 PENDING_TOKEN = -1
 # In Sequence.token_ids: a draft that the proposer writes into the draft ring, read by the verify step
-# (engine/speculator.py RingStep); the host learns it with the step's results.
+# (engine/interfaces.py RingStep); the host learns it with the step's results.
 PENDING_DRAFT = -2
 
 
@@ -211,7 +208,7 @@ class ModelRunner:
 
     def _ring_read(
         self, scheduled: list[ScheduledSequence], ring: RingStep
-    ) -> tuple[RingRead | None, list[Sequence]]:
+    ) -> tuple[DraftsRead | None, list[Sequence]]:
         """Where the step's packed input ids take the ring's drafts (each ring sequence's last tokens),
         and the ring sequences the step runs, in that order."""
         token_rows: list[int] = []
@@ -228,11 +225,14 @@ class ModelRunner:
                 covered.append(item.seq)
         if not token_rows:
             return None, covered
-        return RingRead(ring.drafts, token_rows, slots, self.device), covered
+        return ring.drafts.read(token_rows, slots, self.device), covered
 
     @staticmethod
     def _take_ring_drafts(
-        ring: RingStep, ring_read: RingRead | None, covered: list[Sequence], drafts: dict[Sequence, list[int]]
+        ring: RingStep,
+        ring_read: DraftsRead | None,
+        covered: list[Sequence],
+        drafts: dict[Sequence, list[int]],
     ) -> None:
         """Put the drafts the step read from the ring in place of each sequence's placeholders (only as
         many as the proposer wrote: the rest were padding; a sequence the step did not run gets none)."""
@@ -333,7 +333,7 @@ class ModelRunner:
         is_decode: bool = False,
         feedback: Feedback | None = None,
         num_logits: dict[Sequence, int] | None = None,
-        ring_read: RingRead | None = None,
+        ring_read: DraftsRead | None = None,
     ) -> torch.Tensor:
         """The float32 logits [num_rows, logit_vocab_size] of each sequence whose tokens are all computed
         after this step, without sampling: its last token's row, or its last num_logits[seq] rows.

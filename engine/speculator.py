@@ -28,15 +28,17 @@ from collections.abc import Sequence as Seq
 import torch
 
 from engine.block_manager import BlockManager
+from engine.interfaces import DeviceDrafts, DraftRequest, Proposer, ProposerUnavailableError, RingStep
 from engine.runner import PENDING_DRAFT
 from engine.sequence import Sequence
 from engine.speculative import DraftLengthController
-from proposers.base import DraftRequest, Proposer, ProposerUnavailableError
-from proposers.draft_ring import RingDrafts
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5.0  # after a proposer failure, plain decoding for this long
+# One more draft of a separate draft model, as a share of a plain decode step: its size against the
+# target's is not known here (deployments/proposers.py draft_cost prices each proposer).
+DEFAULT_DRAFT_COST = 0.1
 # Step times are the median of each kind's latest steps: one step that compiled a kernel, or waited out
 # a stalled proposer, must not set the cost (an average once took 50x from a first verify step that
 # compiled, and the controller then hardly asked for drafts again).
@@ -53,21 +55,12 @@ class SpeculationStats:
     ring_wait_seconds: float = 0.0  # how long the host waited for them, all steps together
 
 
-@dataclasses.dataclass
-class RingStep:
-    """A step's drafts in the draft ring: each sequence's ring row and number of placeholders."""
-
-    drafts: RingDrafts
-    rows: dict[Sequence, int]
-    num_drafts: dict[Sequence, int]
-
-
 class Speculator:
     def __init__(
         self,
         proposer: Proposer,
         max_drafts: int,
-        draft_cost: float = 0.1,
+        draft_cost: float = DEFAULT_DRAFT_COST,
     ) -> None:
         """draft_cost: one more draft, as a share of a plain decode step (DraftLengthController)."""
         self.proposer = proposer
@@ -88,7 +81,7 @@ class Speculator:
         self._paused_until = 0.0
         # A proposer that reads the target's hidden states (DFlash) names the layers; the engine hands
         # over the rows of each request's newly kept tokens, sent with its next DraftRequest.
-        self.target_layer_ids: tuple[int, ...] = tuple(getattr(proposer, "target_layer_ids", ()))
+        self.target_layer_ids: tuple[int, ...] = tuple(proposer.target_layer_ids)
         # per request: the position of its first unsent row, and the unsent rows (contiguous chunks)
         self._unsent_hidden: dict[str, tuple[int, list[torch.Tensor]]] = {}
 
@@ -189,9 +182,8 @@ class Speculator:
         for seq, k in wanted.items():
             hidden, hidden_start = self._target_hidden(seq.request_id)
             requests.append(DraftRequest(seq.request_id, seq.token_ids, k, hidden, hidden_start))
-        launch = getattr(self.proposer, "launch", None)
         try:
-            ring = launch(requests) if launch is not None else None
+            ring = self.proposer.launch(requests)
             proposals = self.proposer.propose(requests) if ring is None else []
         except ProposerUnavailableError:
             return {}  # e.g. a restarted proposer actor that has not attached yet: not a failure
@@ -212,7 +204,7 @@ class Speculator:
                 self._no_proposal(seq)
         return drafts
 
-    def _await_ring(self, seqs: list[Sequence], ring: RingDrafts) -> dict[Sequence, list[int]]:
+    def _await_ring(self, seqs: list[Sequence], ring: DeviceDrafts) -> dict[Sequence, list[int]]:
         """Placeholders for the drafts that will be in the ring, recorded in self.ring_step."""
         drafts: dict[Sequence, list[int]] = {}
         step = RingStep(ring, {}, {})

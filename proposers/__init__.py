@@ -1,1 +1,1 @@
-"""TileInfer proposers: draft tokens for speculative decoding, behind proposers.base.Proposer."""
+"""TileInfer proposers: draft tokens for speculative decoding, behind engine.interfaces.Proposer."""

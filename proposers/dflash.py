@@ -32,6 +32,7 @@ from torch import nn
 from engine import model
 from engine.block_manager import common_prefix_length
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.interfaces import AheadStats, DraftRequest, Proposer
 from engine.rope import rope_cos_sin_cache
 from engine.safetensors_loader import read_safetensors_file, safetensors_files
 from engine.spec import ModelSpec
@@ -40,7 +41,6 @@ from kernels.embedding import embedding_reference
 from kernels.linear import linear_reference
 from kernels.rmsnorm import rms_norm_reference
 from kernels.rope import apply_rope_reference
-from proposers.base import AheadStats, DraftRequest
 
 ARCHITECTURE = "DFlashDraftModel"
 WARM_UP_ID, WARM_UP_TOKENS = "tileinfer-warm-up", 16  # DFlashProposer.warm_up's throwaway request
@@ -335,8 +335,8 @@ class DFlashDrafter(nn.Module):
         return logits
 
 
-class DFlashProposer:
-    """proposers.base.Proposer for DFlash: each request's DraftRequest.target_hidden carries the target's
+class DFlashProposer(Proposer):
+    """The Proposer for DFlash: each request's DraftRequest.target_hidden carries the target's
     hidden states (at target_layer_ids) of the tokens run since the last call; drafts are greedy.
 
     A forgotten request's context (the draft layers' keys and values of its tokens) is kept a while, up to

@@ -20,6 +20,7 @@ from collections.abc import Sequence as TokenIds
 from engine.block_manager import BlockManager, common_prefix_length
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.interfaces import AheadStats, DraftRequest, Proposer
 from engine.loader import LoadedModel
 from engine.model import Decoder
 from engine.ops import ops_for
@@ -27,7 +28,6 @@ from engine.runner import PENDING_TOKEN, Launch, ModelRunner
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
-from proposers.base import AheadStats, DraftRequest
 
 # Argmax drafts: deterministic, so the engine verifies them with a one-hot q (draft_probs=None).
 _GREEDY = SamplingParams(temperature=0.0)
@@ -40,8 +40,8 @@ class _DraftState:
     num_drafts: int = 0  # how many drafts the last call returned
 
 
-class DraftModelProposer:
-    """Proposes each request's greedy continuation under the draft model (see proposers.base.Proposer).
+class DraftModelProposer(Proposer):
+    """Proposes each request's greedy continuation under the draft model (see engine.interfaces.Proposer).
 
     config: the draft side's own settings (EngineConfig's fields): device, dtype, block_size, its KV
     capacity (kv_cache_tokens), max_model_len, max_num_seqs (the batch of one decode step, and the largest

@@ -95,7 +95,8 @@ class DraftRing:
 @dataclasses.dataclass
 class RingDrafts:
     """A step whose drafts come through the ring (RemoteProposer.launch): request i's drafts, up to
-    num_drafts[i], are in ring row rows[i] (None: it asked for none) once the flag reaches `step`."""
+    num_drafts[i], are in ring row rows[i] (None: it asked for none) once the flag reaches `step`. The
+    engine's DeviceDrafts (engine/interfaces.py)."""
 
     ring: DraftRing
     step: int
@@ -110,6 +111,9 @@ class RingDrafts:
     @property
     def deadline(self) -> float:
         return self.launched_at + self.timeout_s
+
+    def read(self, token_rows: list[int], slots: list[tuple[int, int]], device: torch.device) -> RingRead:
+        return RingRead(self, token_rows, slots, device)
 
 
 class RingRead:

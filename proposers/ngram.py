@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from engine.errors import InvalidRequestError
-from proposers.base import DraftRequest
+from engine.interfaces import DraftRequest, Proposer
 
 
 @dataclasses.dataclass
@@ -19,7 +19,7 @@ class _History:
     last_end: dict[int, dict[tuple[int, ...], int]] = dataclasses.field(default_factory=dict)
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Find the longest suffix of the tokens so far (max_ngram down to min_ngram tokens) that occurred
     earlier, take its most recent earlier occurrence, and propose the tokens that followed it.
 

@@ -1,10 +1,11 @@
 """Both ends of a proposer in another process, over a shared-memory channel (proposers/channel.py).
 
 RemoteProposer is the engine's Proposer: it keeps, per request, how many tokens the server mirrors and
-sends only the new ones. ProposerServer runs in the proposer's process: it mirrors each request's tokens
-and asks the real proposer for drafts. The only call across processes outside the channel is `connect`
-(e.g. a Serve handle call asking the proposer actor to attach to a channel), made at start and after a
-failure, never per step.
+sends only the new ones: a live request's tokens only grow (the Proposer contract), and one whose list
+got shorter all the same is forgotten and sent again. ProposerServer runs in the proposer's process: it
+mirrors each request's tokens and asks the real proposer for drafts. The only call across processes
+outside the channel is `connect` (e.g. a Serve handle call asking the proposer actor to attach to a
+channel), made at start and after a failure, never per step.
 
 For DFlash the target's hidden states cross too. Their layout (HiddenLayout: the target layers, the row
 width and dtype) is the proposer's, asked once before the RemoteProposer is made (hidden_layout() on the
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.errors import InvalidRequestError
-from proposers.base import DraftRequest, Proposer, ProposerUnavailableError
+from engine.interfaces import DraftRequest, Proposer, ProposerUnavailableError
 from proposers.channel import HIDDEN_DTYPES, ChannelCapacity, ChannelClient, ChannelRequest, ChannelServer
 from proposers.draft_ring import RingDrafts
 
@@ -49,7 +50,7 @@ class HiddenLayout:
 def hidden_layout(proposer: Proposer) -> HiddenLayout:
     """The layout of the rows `proposer` reads (a proposer that reads hidden states, DFlash, says which
     layers, how wide and in what dtype)."""
-    layer_ids = tuple(getattr(proposer, "target_layer_ids", ()))
+    layer_ids = tuple(proposer.target_layer_ids)
     if not layer_ids:
         return HiddenLayout()
     dtype = next(name for name, value in HIDDEN_DTYPES.items() if value == proposer.hidden_dtype)
@@ -72,7 +73,7 @@ class _Connection:
     given_up: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
-class RemoteProposer:
+class RemoteProposer(Proposer):
     """A Proposer whose drafts come from a proposer in another process.
 
     connect(channel_name) must make the other side attach to that channel (ProposerServer) and return
@@ -181,7 +182,10 @@ class RemoteProposer:
             if connection is None or connection.given_up.is_set():
                 self._reconnect()
             raise ProposerUnavailableError("the proposer has not attached to the channel yet")
-        # nothing here changes until the step has crossed: after a failure the engine hands the same
+        for request in requests:
+            if len(request.token_ids) < self._num_mirrored.get(request.request_id, 0):
+                self._start_over(request.request_id)
+        # nothing else here changes until the step has crossed: after a failure the engine hands the same
         # rows over again (it keeps what a failed call did not take)
         rows = {} if not self.target_layer_ids else self._context_rows(requests)
         items, included, rows_after = self._pack(requests, rows)
@@ -192,12 +196,7 @@ class RemoteProposer:
             self._reconnect()  # a fresh channel and fresh mirrors: its state is unknown now
             raise
         del self._forget_keys[: len(forget_keys)]
-        for request_id, state in rows_after.items():
-            if state is None:
-                self.forget(request_id)
-                self._lost.add(request_id)
-            else:
-                self._rows[request_id] = state
+        self._rows.update(rows_after)
         for index, item in zip(included, items, strict=True):
             request_id = requests[index].request_id
             self._keys[request_id] = item.key
@@ -216,9 +215,9 @@ class RemoteProposer:
             # a new sequence's rows start where the target's prefix cache left off (0 without a hit)
             state = self._rows.get(request_id) or _Rows(held=request.hidden_start or 0)
             num_context = max(len(request.token_ids) - 1, 0)  # the last token has not run in the target
-            held = min(state.held, num_context)  # a rolled-back sequence: the proposer drops the rest
-            waiting = state.waiting if state.waiting is not None and state.held < num_context else None
-            waiting = waiting[: num_context - state.held] if waiting is not None else None
+            held = state.held
+            waiting = state.waiting if state.waiting is not None and held < num_context else None
+            waiting = waiting[: num_context - held] if waiting is not None else None
             num_needed = num_context - held - (0 if waiting is None else waiting.shape[0])
             fresh = request.target_hidden
             width = self.capacity.hidden_width
@@ -237,14 +236,14 @@ class RemoteProposer:
 
     def _pack(
         self, requests: Sequence[DraftRequest], rows: dict[str, tuple[int, torch.Tensor]]
-    ) -> tuple[list[ChannelRequest], list[int], dict[str, _Rows | None]]:
+    ) -> tuple[list[ChannelRequest], list[int], dict[str, _Rows]]:
         """The channel requests of this step (what fits), the index in `requests` of each, and each
-        request's rows once the step has crossed (None: a request to give up on). A sequence whose rows
-        do not all fit sends those that do, with the tokens they belong to, and asks for no drafts."""
+        request's rows once the step has crossed. A sequence whose rows do not all fit sends those that
+        do, with the tokens they belong to, and asks for no drafts."""
         capacity = self.capacity
         items: list[ChannelRequest] = []
         included: list[int] = []
-        rows_after: dict[str, _Rows | None] = {}
+        rows_after: dict[str, _Rows] = {}
         budget, row_budget = capacity.max_step_tokens, capacity.hidden_rows
         for index, request in enumerate(requests):
             request_id, token_ids, num_drafts = request.request_id, request.token_ids, request.num_drafts
@@ -253,8 +252,7 @@ class RemoteProposer:
             held, hidden = rows.get(request_id, (0, None))
             if hidden is not None and hidden.shape[0] > row_budget > 0:
                 hidden, token_ids, num_drafts = hidden[:row_budget], token_ids[: held + row_budget + 1], 0
-            # the token ids only grow between calls (the Proposer contract); a shorter list keeps less
-            keep = min(self._num_mirrored.get(request_id, 0), len(token_ids))
+            keep = self._num_mirrored.get(request_id, 0)  # the token ids only grow (_send)
             num_new = len(token_ids) - keep
             num_rows = 0 if hidden is None else hidden.shape[0]
             fits = len(items) < capacity.max_requests and num_new <= budget and num_rows <= row_budget
@@ -264,10 +262,6 @@ class RemoteProposer:
                 rows_after[request_id] = _Rows(
                     held + num_sent, all_rows[num_sent:] if num_sent < len(all_rows) else None
                 )
-                if not fits and held < self._rows.get(request_id, _Rows()).held:
-                    rows_after[request_id] = (
-                        None  # rolled back, unseen by the proposer: later rows would not align
-                    )
             if not fits:
                 continue
             key = self._keys.get(request_id)
@@ -281,6 +275,15 @@ class RemoteProposer:
             budget -= num_new
             row_budget -= num_rows
         return items, included, rows_after
+
+    def _start_over(self, request_id: str) -> None:
+        """A live request's tokens were replaced, not extended (against the Proposer contract): the
+        proposer forgets it, and its tokens cross again. One whose hidden rows crossed cannot draft
+        again (the engine has handed them over already): it decodes plainly until it is forgotten."""
+        rows_crossed = request_id in self._rows and self._rows[request_id].held > 0
+        self.forget(request_id)
+        if rows_crossed:
+            self._lost.add(request_id)
 
     def forget(self, request_id: str) -> None:
         self._num_mirrored.pop(request_id, None)
@@ -338,10 +341,11 @@ class ProposerServer:
     def __init__(
         self, proposer: Proposer, channel_name: str, lock: threading.Lock, draft_ahead: bool = False
     ) -> None:
-        """draft_ahead: after each answer, let a proposer that can (draft_ahead()) draft the next block
-        while the engine verifies; worth it when the proposer has a GPU of its own."""
+        """draft_ahead: after each answer, call the proposer's draft_ahead() (nothing for one that cannot),
+        which drafts the next block while the engine verifies; worth it when the proposer has a GPU of its
+        own."""
         self.proposer = proposer
-        self.draft_ahead = getattr(proposer, "draft_ahead", None) if draft_ahead else None
+        self.draft_ahead = draft_ahead
         self.channel = ChannelServer(channel_name)
         layout, capacity = hidden_layout(proposer), self.channel.capacity
         if (capacity.hidden_width, capacity.hidden_dtype) != (layout.width, layout.dtype) and (
@@ -355,7 +359,7 @@ class ProposerServer:
         self.lock = lock
         self._reads_hidden = bool(layout.width)
         # drafts made by a model (on the proposer's GPU) cross in the draft ring; n-gram's stay on the host
-        self.channel.offer_ring(bool(getattr(proposer, "drafts_from_model", False)))
+        self.channel.offer_ring(proposer.drafts_from_model)
         self.stop_event = threading.Event()
         self._mirrors: dict[int, list[int]] = {}  # key -> the request's tokens so far
         # the proposer's request ids are this server's own: a re-attached engine reuses keys
@@ -376,7 +380,7 @@ class ProposerServer:
                         self.channel.respond_error(f"{type(error).__name__}: {error}")
                         continue
                 self.channel.respond(drafts)
-                if self.draft_ahead is not None:
+                if self.draft_ahead:
                     with self.lock:
                         self._draft_ahead()
         finally:
@@ -391,7 +395,7 @@ class ProposerServer:
 
     def _draft_ahead(self) -> None:
         try:
-            self.draft_ahead()
+            self.proposer.draft_ahead()
         except Exception:  # noqa: BLE001 - drafts made ahead only save time; the next step drafts anew
             logger.exception("drafting ahead failed")
 
@@ -402,13 +406,10 @@ class ProposerServer:
         draft_requests = []
         for request in requests:
             mirror = self._mirrors.setdefault(request.key, [])
-            if request.keep > len(mirror):
+            if request.keep != len(mirror):  # a live request's tokens only grow (RemoteProposer._send)
                 raise ValueError(
                     f"sequence {request.key}: asked to keep {request.keep} tokens, but {len(mirror)} are held"
                 )
-            # fewer kept than held: the engine rolled the sequence back, and the proposer is told so by a
-            # shorter token list, as in process (every proposer copes; DFlash keeps its prefix's context)
-            del mirror[request.keep :]
             mirror.extend(request.new_tokens)
             draft_requests.append(
                 DraftRequest(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from proposers.base import DraftRequest
+from engine.interfaces import DraftRequest, Proposer
 from proposers.channel import (
     ChannelCapacity,
     ChannelCapacityError,
@@ -36,7 +36,7 @@ def exchange(
     return client.receive(timeout_s)
 
 
-class MirrorReport:
+class MirrorReport(Proposer):
     """A proposer whose drafts describe what it holds: [number of tokens, number of live requests,
     the last token]."""
 
@@ -51,7 +51,7 @@ class MirrorReport:
         self.live.discard(request_id)
 
 
-class AheadCounter:
+class AheadCounter(Proposer):
     """Counts draft_ahead calls; each draft is the count so far. Every second call raises, which must
     cost nothing but that call."""
 
@@ -270,7 +270,7 @@ def test_the_server_mirrors_new_tokens_and_forgets(proposer_process: ProposerPro
         # a sequence beyond this step's token capacity waits; the one that fits is drafted
         long = list(range(100, 145))
         assert remote.propose([DraftRequest("c", long, 3), DraftRequest("d", [7, 8], 3)]) == [[], [2, 2, 8]]
-        # a request whose tokens got shorter (against the contract) is not corrupted: it keeps less
+        # a request whose tokens got shorter (against the contract) is forgotten and sent again
         assert remote.propose([DraftRequest("d", [7], 3)]) == [[1, 2, 7]]
     finally:
         remote.close()

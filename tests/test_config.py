@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from ingress_harness import make_ingress
 
+from deployments.cli import build_parser
 from deployments.config import AppArgs
-from engine.cli import build_parser
 from engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, PROPOSERS, QUANTIZATIONS, EngineConfig
 from engine.errors import InvalidRequestError
 from engine.loader import load_tokenizer

@@ -18,9 +18,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.interfaces import DraftRequest
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
-from proposers.base import DraftRequest
 from proposers.channel import ChannelCapacity, ChannelClient, ChannelRequest, ChannelServer
 from proposers.draft_ring import RingDrafts, RingRead
 from proposers.ngram import NgramProposer

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from deployments.proposers import build_engine
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from engine.speculator import SpeculationStats
@@ -21,11 +21,11 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 def test_warm_up_leaves_the_engine_clean(smollm2_gguf: Path) -> None:
     model = load_model(str(smollm2_gguf))
-    fresh = Engine(model, CONFIG)
+    fresh = build_engine(model, CONFIG)
     prompt = fresh.tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])
     expected = fresh.generate(prompt, GREEDY)
 
-    engine = Engine(model, CONFIG)
+    engine = build_engine(model, CONFIG)
     assert engine.warm_up() == 0.0  # skipped on the CPU unless forced
     prompts: list[list[int]] = []
     stats_before_reset: list[SpeculationStats] = []

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from bench.model_shapes import SMOLLM2_135M, random_weights
+from deployments.proposers import build_engine
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.interfaces import DraftRequest, Proposer
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSequence
 from kernels.linear_dequant import INT8_DEQUANT_MIN_M
-from proposers.base import DraftRequest
 
 pytestmark = pytest.mark.gpu
 
@@ -143,7 +144,7 @@ def test_verify_steps_from_step_graphs_equal_plain_decoding() -> None:
     model = LoadedModel(name="random", source=Path("random"), spec=spec, weights=weights, tokenizer=None)
     config = dict(device="cuda", dtype="float32", max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=8,
                   max_num_batched_tokens=64)  # fmt: skip
-    speculative = Engine(model, EngineConfig(**config, proposer="ngram", num_draft=4))
+    speculative = build_engine(model, EngineConfig(**config, proposer="ngram", num_draft=4))
     assert speculative.runner.step_graphs is not None
     plain = Engine(model, EngineConfig(**config, step_graphs=False))
     prompt = list(range(100, 120)) * 4
@@ -152,7 +153,7 @@ def test_verify_steps_from_step_graphs_equal_plain_decoding() -> None:
     assert speculative.speculator.stats.drafts_proposed > 0
 
 
-class _RecordingProposer:
+class _RecordingProposer(Proposer):
     """Proposes the request's last token again (often right on a repetitive prompt) and keeps the
     target's hidden rows the engine hands over, as DFlash reads them."""
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bench.model_shapes import SMOLLM2_135M, random_weights
+from deployments.proposers import build_engine
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import LoadedModel
@@ -222,7 +223,7 @@ def model() -> LoadedModel:
 
 def _int8_engine(model: LoadedModel, **changes: object) -> Engine:
     config = EngineConfig(kv_cache_dtype="int8", max_model_len=256, kv_cache_tokens=1024, max_num_seqs=4)
-    return Engine(model, dataclasses.replace(config, **changes))
+    return build_engine(model, dataclasses.replace(config, **changes))
 
 
 def test_an_engine_on_an_int8_cache_reuses_prefixes_and_copies_on_write(model: LoadedModel) -> None:

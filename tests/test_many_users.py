@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deployments.proposers import build_engine
 from deployments.request_to_engine import max_tokens_for
 from deployments.requests import ChatCompletionRequest
 from engine.block_manager import BlockManager
@@ -20,11 +21,11 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine import Engine
 from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.interfaces import DraftRequest
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
 from engine.scheduler import MAX_TIMES_PASSED_OVER, Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from proposers.base import DraftRequest
 from proposers.draft_model import DraftModelProposer
 
 MAX_STEPS = 400
@@ -234,7 +235,7 @@ def test_verified_and_drafted_tokens_are_the_tokenizers(padded: LoadedModel) -> 
     vocab_size = padded.tokenizer.vocab_size
     # repeats, so that n-gram drafts are proposed and verified
     repeated = prompt(padded, 0, 6) * 3
-    engine = Engine(padded, EngineConfig(kv_cache_tokens=256, proposer="ngram", num_draft=3))
+    engine = build_engine(padded, EngineConfig(kv_cache_tokens=256, proposer="ngram", num_draft=3))
     engine.speculator.adaptive = False
     token_ids, _, _ = engine.generate(repeated, greedy(8))
     assert engine.speculator.stats.drafts_proposed > 0

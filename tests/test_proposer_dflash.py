@@ -18,10 +18,10 @@ from deployments.config import AppArgs
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.interfaces import DraftRequest, Proposer
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
 from engine.spec import ModelSpec
-from proposers.base import DraftRequest, Proposer
 from proposers.dflash import DFlashDrafter, DFlashProposer, load_dflash_checkpoint
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 160, 64, 4, 2, 16, 96
@@ -350,7 +350,7 @@ def test_loader_refuses_bad_weights(tmp_path: Path) -> None:
         load_dflash_checkpoint(tmp_path / "absent")
 
 
-class _CheckingProposer:
+class _CheckingProposer(Proposer):
     """Delegates to a DFlashProposer and checks every hand-over: the hidden rows the engine sends are
     the target's own (transformers) features of exactly the tokens the proposer has not seen yet."""
 

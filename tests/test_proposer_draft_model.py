@@ -16,9 +16,9 @@ import transformers
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.interfaces import DraftRequest, Proposer
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
-from proposers.base import DraftRequest, Proposer
 from proposers.draft_model import DraftModelProposer
 from proposers.remote import ProposerServer, RemoteProposer
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine.errors import InvalidRequestError
+from engine.interfaces import DraftRequest, Proposer
 from engine.loader import load_tokenizer
-from proposers.base import DraftRequest, Proposer
 from proposers.ngram import NgramProposer
 
 

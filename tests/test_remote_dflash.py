@@ -21,8 +21,8 @@ from test_proposer_dflash import (
 )
 
 from engine.engine import Engine
+from engine.interfaces import DraftRequest
 from engine.sampling import SamplingParams
-from proposers.base import DraftRequest
 from proposers.channel import ChannelCapacity, ChannelClient
 from proposers.dflash import DFlashProposer
 from proposers.remote import HiddenLayout, ProposerServer, RemoteProposer, hidden_layout
@@ -124,9 +124,9 @@ def test_the_server_refuses_a_channel_without_hidden_rows(
 def _steps(
     token_ids: list[int], features: torch.Tensor, schedule: list[tuple[int, int]], extra: int
 ) -> list[list[DraftRequest]]:
-    """Each step's DraftRequests for two sequences, as an engine sends them: every token so far, and the
-    rows of the context tokens not handed over yet (plus `extra` trailing rows of rejected drafts).
-    A shorter token list is a rollback: nothing new to hand over."""
+    """Each step's DraftRequests for two sequences, as an engine sends them: every token so far (they only
+    grow), and the rows of the context tokens not handed over yet (plus `extra` trailing rows of rejected
+    drafts)."""
     handed: dict[str, int] = {}
     steps = []
     for num_tokens, num_drafts in schedule:
@@ -134,7 +134,7 @@ def _steps(
         for request_id, offset in (("a", 0), ("b", 7)):
             tokens = token_ids[offset : offset + num_tokens]
             num_context = len(tokens) - 1
-            start = min(handed.get(request_id, 0), num_context)
+            start = handed.get(request_id, 0)
             rows = features[offset + start : offset + num_context + extra]
             step.append(DraftRequest(request_id, tokens, num_drafts, rows))
             handed[request_id] = num_context
@@ -142,7 +142,7 @@ def _steps(
     return steps
 
 
-SCHEDULE = [(6, 4), (7, 2), (11, 0), (14, 4), (12, 3), (13, 4), (20, 4), (21, 1), (26, 4)]
+SCHEDULE = [(6, 4), (7, 2), (11, 0), (14, 4), (15, 3), (16, 4), (20, 4), (21, 1), (26, 4)]
 
 
 def test_remote_drafts_equal_in_process_drafts(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from deployments.proposers import build_engine
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -207,7 +208,7 @@ def test_speculation_beside_a_long_prefill_equals_plain_decoding(
     model: LoadedModel, prompts: dict[str, list[int]], alone: dict[str, list[int]]
 ) -> None:
     """A request verifying n-gram drafts decodes while a long prompt is prefilled in chunks beside it."""
-    engine = Engine(model, _config(proposer="ngram", num_draft=4))
+    engine = build_engine(model, _config(proposer="ngram", num_draft=4))
     engine.speculator.adaptive = False
     ids = {
         "repeating": engine.add_request(prompts["repeating"], DRAFTED),

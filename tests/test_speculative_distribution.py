@@ -16,8 +16,8 @@ import torch
 import transformers
 
 import engine.sampler
+from deployments.proposers import build_engine
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.spec import ModelSpec
@@ -61,7 +61,7 @@ def exact_joint(model: transformers.Qwen3ForCausalLM) -> torch.Tensor:
 
 def sampled_counts(model: LoadedModel) -> tuple[torch.Tensor, int]:
     """Counts of (2nd, 3rd) token over NUM_REQUESTS seeded requests, and how many drafts were accepted."""
-    engine = Engine(model, EngineConfig(proposer="ngram", num_draft=1, max_num_seqs=512,
+    engine = build_engine(model, EngineConfig(proposer="ngram", num_draft=1, max_num_seqs=512,
                                         max_num_batched_tokens=8192, kv_cache_tokens=16384))  # fmt: skip
     ids = [
         engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=seed, ignore_eos=True))

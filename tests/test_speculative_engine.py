@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from deployments.proposers import build_engine
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.interfaces import DraftRequest, Proposer
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingParams
 from engine.speculator import Speculator
-from proposers.base import DraftRequest
 from proposers.ngram import NgramProposer
 
 CODE_EDIT = (
@@ -64,7 +65,7 @@ def test_greedy_speculation_equals_plain_decoding(
 ) -> None:
     # every step drafts (a 24-layer self-draft costs 0.82 of a decode step a draft, and at its
     # acceptance the adaptive count would rightly draft only now and then)
-    engine = Engine(model, EngineConfig(num_draft=4, **settings))
+    engine = build_engine(model, EngineConfig(num_draft=4, **settings))
     assert engine.speculator is not None and not engine.run_ahead
     engine.speculator.adaptive = False
     assert [engine.generate(prompt, GREEDY)[0] for prompt in prompts] == plain
@@ -79,7 +80,7 @@ def test_a_separate_draft_model_and_a_one_hot_sampled_distribution(
 ) -> None:
     """The target itself as the draft model: every greedy draft is accepted. top_k=1 makes sampling
     one-hot, so rejection sampling must give the greedy tokens exactly."""
-    engine = Engine(model, EngineConfig(proposer="draft", draft_model=str(smollm2_gguf), num_draft=3))
+    engine = build_engine(model, EngineConfig(proposer="draft", draft_model=str(smollm2_gguf), num_draft=3))
     assert engine.generate(prompts[1], GREEDY)[0] == plain[1]
     stats = engine.speculator.stats
     assert stats.drafts_accepted == stats.drafts_proposed > 0
@@ -88,7 +89,7 @@ def test_a_separate_draft_model_and_a_one_hot_sampled_distribution(
 
 
 def test_ngram_accepts_several_tokens_a_step_when_the_answer_copies_the_prompt(model: LoadedModel) -> None:
-    engine = Engine(model, EngineConfig(proposer="ngram", num_draft=6))
+    engine = build_engine(model, EngineConfig(proposer="ngram", num_draft=6))
     request = "Repeat this sentence three times: The quick brown fox jumps over the lazy dog."
     prompt = model.tokenizer.encode_chat([{"role": "user", "content": request}])
     outputs = list(engine.stream(prompt, SamplingParams(max_tokens=60, temperature=0.0)))
@@ -97,7 +98,7 @@ def test_ngram_accepts_several_tokens_a_step_when_the_answer_copies_the_prompt(m
     assert tokens / len(outputs) > 1.5  # steps emit more than one token on average
 
 
-class _BrokenProposer:
+class _BrokenProposer(Proposer):
     def __init__(self) -> None:
         self.calls = 0
 
@@ -138,7 +139,7 @@ def test_speculation_with_run_ahead_equals_plain_decoding(
     """With run-ahead on (the GPU's default), a step that drafts first reads the launched step's tokens,
     and a step without drafts launches ahead; the output stays plain decoding's. When a verify step costs
     3 plain steps (held there), drafting pays only now and then, and most steps run ahead."""
-    engine = Engine(model, EngineConfig(proposer="ngram", num_draft=4, run_ahead=True))
+    engine = build_engine(model, EngineConfig(proposer="ngram", num_draft=4, run_ahead=True))
     speculator = engine.speculator
     assert speculator is not None and engine.run_ahead
     speculator.fixed_step_cost = verify_cost
@@ -158,9 +159,9 @@ def test_a_fixed_draft_count_drafts_every_step(
     whole decode step, so the adaptive count drafts only on its probes; adaptive False asks for
     num_draft drafts at every step anyway (the placement benchmark's setting)."""
     settings = {"proposer": "draft", "draft_layers": model.spec.num_layers, "num_draft": 4}
-    adaptive = Engine(model, EngineConfig(**settings))
+    adaptive = build_engine(model, EngineConfig(**settings))
     assert run_batch(adaptive, prompts[1:], GREEDY) == plain[1:]
-    fixed = Engine(model, EngineConfig(**settings))
+    fixed = build_engine(model, EngineConfig(**settings))
     fixed.speculator.adaptive = False
     assert run_batch(fixed, prompts[1:], GREEDY) == plain[1:]
     adaptive_stats, fixed_stats = adaptive.speculator.stats, fixed.speculator.stats

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deployments.proposers import draft_cost
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.speculative import PAD_TOKEN_ID, DraftLengthController, Verified, verify_greedy, verify_sampled
 from kernels.sampling import SamplingTensors, race_scores_reference, sample_reference
-from proposers.factory import draft_cost
 
 # --- greedy --------------------------------------------------------------------------------------------
 

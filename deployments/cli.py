@@ -172,7 +172,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def _load_engine(args: argparse.Namespace) -> Engine:
     # the engine (and torch) is imported only here, so usage errors and --help answer at once
-    from engine.engine import Engine
+    from deployments.proposers import build_engine
+    from engine.loader import load_model
 
     # Serving's device defaults for the sequences decoded together (256 on a GPU); the KV cache holds the
     # model's context (one request at a time), where a CPU server's holds 16384 tokens for all its users.
@@ -183,7 +184,8 @@ def _load_engine(args: argparse.Namespace) -> Engine:
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr, flush=True)
-    return Engine.load(args.model, config)
+    model = load_model(args.model, config.torch_dtype(), config.torch_device(), config.quantization)
+    return build_engine(model, config)  # with the proposer in this process
 
 
 def _system_messages(system: str | None) -> list[dict[str, str]]:

@@ -1,15 +1,19 @@
-"""Build the proposer an EngineConfig names (in process; deployments/ runs the same in its own actor)."""
+"""Build the proposer an EngineConfig names: in the engine's process (the CLI, an app with
+proposer_in_process, build_engine) or in the proposer actor (deployments/proposer.py).
+"""
 
 from __future__ import annotations
 
 from engine.config import PROPOSERS, EngineConfig, check_one_of
+from engine.engine import Engine
 from engine.errors import InvalidRequestError
+from engine.interfaces import Proposer
 from engine.loader import LoadedModel, load_model
-from proposers.base import Proposer
+from engine.speculator import DEFAULT_DRAFT_COST
 
 # One more draft in a verify step that runs anyway: a token more in a graph bucket that holds it already.
+# Also the cost of a proposer that drafts ahead on a GPU of its own.
 VERIFY_COST_PER_DRAFT = 0.02
-DEFAULT_DRAFT_COST = 0.1  # a separate draft model, whose size against the target is not known here
 
 
 def self_draft_layers(config: EngineConfig, target_num_layers: int) -> int:
@@ -61,3 +65,11 @@ def build_proposer(config: EngineConfig, target: LoadedModel) -> Proposer:
         config.draft_model, target.weights["model.embed_tokens.weight"], head,
         max_positions=draft_config.max_model_len, dtype=config.torch_dtype(),
     )  # fmt: skip
+
+
+def build_engine(model: LoadedModel, config: EngineConfig) -> Engine:
+    """An engine with the proposer config.proposer names (none without one), built in this process."""
+    if config.proposer is None:
+        return Engine(model, config)
+    proposer = build_proposer(config, model)
+    return Engine(model, config, proposer, draft_cost(config, model.spec.num_layers))
