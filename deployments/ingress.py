@@ -169,6 +169,7 @@ class OpenAIIngress:
 
     def __serve_build_asgi_app__(self) -> Any:
         app = FastAPI(title="TileInfer", docs_url=None, redoc_url=None)
+        key_required = self.api_key is not None  # by the routes that _authorize
 
         @app.exception_handler(OpenAIError)
         async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
@@ -188,7 +189,7 @@ class OpenAIIngress:
         @app.post(
             "/v1/chat/completions",
             **openapi.generation_route(
-                ChatCompletionRequest, openapi.ChatCompletion, openapi.ChatCompletionChunk
+                ChatCompletionRequest, openapi.ChatCompletion, openapi.ChatCompletionChunk, key_required
             ),
         )
         async def chat_completions(request: Request) -> Response:
@@ -200,7 +201,9 @@ class OpenAIIngress:
 
         @app.post(
             "/v1/completions",
-            **openapi.generation_route(CompletionRequest, openapi.Completion, openapi.CompletionChunk),
+            **openapi.generation_route(
+                CompletionRequest, openapi.Completion, openapi.CompletionChunk, key_required
+            ),
         )
         async def completions(request: Request) -> Response:
             parsed = self._parse_completion(await self._read_body(request))
@@ -210,7 +213,8 @@ class OpenAIIngress:
             return JSONResponse(await self._completion_response(prepared, parsed))
 
         @app.get("/v1/models", responses={200: {"model": openapi.ModelList}, 401: openapi.ERRORS[401],
-                                          503: openapi.ERRORS[503]})  # fmt: skip
+                                          503: openapi.ERRORS[503]},
+                 **openapi.security(key_required))  # fmt: skip
         async def models(request: Request) -> JSONResponse:
             self._authorize(request)
             info = await self._engine_info()
@@ -238,6 +242,7 @@ class OpenAIIngress:
             "/metrics", response_class=PlainTextResponse,
             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}},
                        401: openapi.ERRORS[401], 503: openapi.ERRORS[503]},
+            **openapi.security(key_required and self.args.metrics_require_key),
         )  # fmt: skip
         async def metrics(request: Request) -> PlainTextResponse:
             if self.args.metrics_require_key:
@@ -245,7 +250,7 @@ class OpenAIIngress:
             text = await self._metrics_text()
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-        openapi.install(app)
+        openapi.install(app, model_names=[self.args.model_name])
         return BodySizeLimit(app, self.args.max_request_bytes)
 
     async def _per_replica(self, method: str, what: str, timeout_s: float) -> list[tuple[str | None, Any]]:

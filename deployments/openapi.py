@@ -2,14 +2,16 @@
 they send, so that clients and schema-driven tools (client generators, schemathesis) can use it.
 
 The routes read their bodies themselves (deployments/request_parsing.py parses them, with OpenAI's errors),
-so FastAPI knows no request model: the request schemas are added to the components here. The response
+so FastAPI knows no request model: the request schemas are added to the components here, with the served
+model's name as the one `model` they take, and the API key as a Bearer security scheme. The response
 models describe what deployments/responses.py builds; the hot path builds plain dicts, not these models. A
-test (tests/test_openapi.py) sends schemathesis' requests to the running app and checks its responses
-against this schema.
+test (tests/test_openapi.py) sends schemathesis' requests to the running app and checks that the app
+accepts what the schema allows, refuses what it does not, and answers as it says.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from fastapi import FastAPI
@@ -20,6 +22,15 @@ from deployments.requests import ChatCompletionRequest, CompletionRequest
 from engine.config import KVCacheDtype, Quantization
 
 _REF = "#/components/schemas/{model}"
+API_KEY_SCHEME = "ApiKey"
+_SECURITY_SCHEMES = {
+    API_KEY_SCHEME: {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "the server's API key (api_key, api_key_file or TILEINFER_API_KEY), as "
+        "`Authorization: Bearer <key>`; a server without one takes any key or none",
+    }
+}
 
 
 class Usage(BaseModel):
@@ -183,9 +194,14 @@ ERRORS = {
 # Models that FastAPI does not place in the components itself: the bodies the routes read, and the
 # chunks their event streams carry. As accepted (validation mode): a chunk field with a default may be
 # absent.
-COMPONENT_MODELS: tuple[type[BaseModel], ...] = (
-    ChatCompletionRequest, CompletionRequest, ChatCompletionChunk, CompletionChunk,
-)  # fmt: skip
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+COMPONENT_MODELS: tuple[type[BaseModel], ...] = (*REQUEST_MODELS, ChatCompletionChunk, CompletionChunk)
+
+
+def security(key_required: bool) -> dict[str, Any]:
+    """A route's OpenAPI arguments for the API key: required, or (no key to check) a key or none."""
+    requirements: list[dict[str, list[str]]] = [{API_KEY_SCHEME: []}]
+    return {"openapi_extra": {"security": requirements if key_required else [{}, *requirements]}}
 
 
 def _events(chunk: type[BaseModel]) -> dict[str, Any]:
@@ -208,17 +224,22 @@ def _events(chunk: type[BaseModel]) -> dict[str, Any]:
 
 
 def generation_route(
-    request_model: type[BaseModel], response_model: type[BaseModel], chunk: type[BaseModel]
+    request_model: type[BaseModel],
+    response_model: type[BaseModel],
+    chunk: type[BaseModel],
+    key_required: bool,
 ) -> dict:
-    """A POST route's OpenAPI arguments: its JSON body, its JSON response or (stream: true) its events."""
+    """A POST route's OpenAPI arguments: its JSON body, its JSON response or (stream: true) its events, and
+    its API key."""
     return {
         "openapi_extra": {
+            **security(key_required)["openapi_extra"],
             "requestBody": {
                 "required": True,
                 "content": {
                     "application/json": {"schema": {"$ref": _REF.format(model=request_model.__name__)}}
                 },
-            }
+            },
         },
         "responses": {
             200: {
@@ -232,17 +253,22 @@ def generation_route(
     }
 
 
-def install(app: FastAPI) -> None:
-    """Have `app` publish COMPONENT_MODELS too (FastAPI adds the response models itself)."""
+def install(app: FastAPI, model_names: Sequence[str]) -> None:
+    """Have `app` publish COMPONENT_MODELS too (FastAPI adds the response models itself), requests that
+    name one of `model_names` (another gets a 404), and the API key's security scheme."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components = schema.setdefault("components", {})
+            components["securitySchemes"] = _SECURITY_SCHEMES
+            schemas = components.setdefault("schemas", {})
             for model in COMPONENT_MODELS:
                 model_schema = model.model_json_schema(ref_template=_REF)
-                components.update(model_schema.pop("$defs", {}))
-                components[model.__name__] = model_schema
+                schemas.update(model_schema.pop("$defs", {}))
+                if model in REQUEST_MODELS:
+                    model_schema["properties"]["model"]["enum"] = list(model_names)
+                schemas[model.__name__] = model_schema
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -8,6 +8,10 @@ A field is either
 JSON null means "not given", as in OpenAI's API. deployments/request_parsing.py validates a body into a
 model, deployments/request_to_engine.py turns a model into what the engine takes.
 
+Each model's JSON schema (published in /openapi.json, deployments/openapi.py) says what it accepts: null
+for any field that is not required, the unsupported fields' harmless values, the ignored fields, and in
+`schema_constraints` what the model validators check across fields.
+
 Extensions (vLLM's names and meanings): top_k, min_p, repetition_penalty, ignore_eos,
 skip_special_tokens, stop_token_ids; for chat also chat_template_kwargs and add_generation_prompt.
 """
@@ -31,17 +35,55 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoin
 MAX_TOP_K = 2**31 - 1  # the engine's buffers hold top_k as int32; any k past the vocabulary means "off"
 
 
+def _accepted_in_schema(schema: dict[str, Any], model: type[_OpenAIModel]) -> None:
+    """Complete a model's JSON schema with what _drop_nulls_and_check_unsupported accepts beyond its fields'
+    types, and with the model's schema_constraints."""
+    properties, required = schema.setdefault("properties", {}), set(schema.get("required", ()))
+    for name, field_schema in properties.items():
+        if name not in required:
+            properties[name] = _nullable(field_schema)
+    for name, harmless_values in model.unsupported_fields.items():
+        description = "not supported by this server: null, or a value that leaves the output unchanged"
+        properties[name] = {"enum": [*harmless_values, None], "description": description}
+    for name in sorted(model.ignored_fields):
+        properties[name] = {"description": "accepted and ignored: it has no effect on the output"}
+    if model.schema_constraints:
+        schema["allOf"] = list(model.schema_constraints)
+
+
+_ANNOTATIONS = ("title", "description", "default")
+
+
+def _nullable(field_schema: dict[str, Any]) -> dict[str, Any]:
+    """A field's schema that also takes null (JSON null: "not given")."""
+    if {"type": "null"} in field_schema.get("anyOf", ()):
+        return field_schema
+    annotations = {key: field_schema[key] for key in _ANNOTATIONS if key in field_schema}
+    value_schema = {key: value for key, value in field_schema.items() if key not in _ANNOTATIONS}
+    return {"anyOf": [value_schema, {"type": "null"}], **annotations}
+
+
+def _given(field: str, value_schema: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema for "`field` is in the body and matches value_schema" (null matches no value_schema
+    here that names a type), the `if` of a schema constraint."""
+    return {"required": [field], "properties": {field: value_schema}}
+
+
 class _OpenAIModel(BaseModel):
     """Strict JSON types (no "1" for 1; 1.0 is 1, as in JSON), unknown fields rejected, null taken as "not
     given"."""
 
     # allow_inf_nan: JSON has no NaN or Infinity, but 1e999 parses as inf
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(
+        strict=True, extra="forbid", allow_inf_nan=False, json_schema_extra=_accepted_in_schema
+    )
 
     # field -> the values that leave the output unchanged; any other value is rejected as unsupported
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {}
     # fields accepted and dropped: they have no effect on the output
     ignored_fields: ClassVar[frozenset[str]] = frozenset()
+    # what the model validators check across fields, as JSON Schema (the schema's allOf)
+    schema_constraints: ClassVar[tuple[dict[str, Any], ...]] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -50,7 +92,9 @@ class _OpenAIModel(BaseModel):
             return data
         for name, harmless_values in cls.unsupported_fields.items():
             value = data.get(name)
-            if value is not None and not any(_same_json(value, harmless) for harmless in harmless_values):
+            if value is not None and not any(
+                _same_json(_integral(value), harmless) for harmless in harmless_values
+            ):
                 allowed = " or ".join(json.dumps(harmless) for harmless in harmless_values)
                 detail = f" (only {allowed} is accepted)" if allowed else ""
                 raise PydanticCustomError(
@@ -172,6 +216,13 @@ class GenerationRequest(_OpenAIModel):
 
     # the field a context-length error names
     prompt_field: ClassVar[str]
+    # _usage_needs_stream
+    schema_constraints: ClassVar[tuple[dict[str, Any], ...]] = (
+        {
+            "if": _given("stream_options", _given("include_usage", {"const": True})),
+            "then": _given("stream", {"const": True}),
+        },
+    )
 
     @field_validator("stop")
     @classmethod
@@ -223,7 +274,10 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_LOGPROBS)
     # extensions: extra variables for the chat template (e.g. enable_thinking), and vLLM's switch
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        json_schema_extra={"propertyNames": {"not": {"enum": sorted(_RESERVED_TEMPLATE_VARIABLES)}}},
+    )
     add_generation_prompt: bool = True
 
     prompt_field: ClassVar[str] = "messages"
@@ -255,15 +309,17 @@ class ChatCompletionRequest(GenerationRequest):
             "safety_identifier",
         }
     )
+    # _consistent_fields: top_logprobs above 0 needs logprobs
+    schema_constraints: ClassVar[tuple[dict[str, Any], ...]] = (
+        *GenerationRequest.schema_constraints,
+        {
+            "if": _given("top_logprobs", {"type": "integer", "minimum": 1}),
+            "then": _given("logprobs", {"const": True}),
+        },
+    )
 
     @model_validator(mode="after")
     def _consistent_fields(self) -> ChatCompletionRequest:
-        both_limits = self.max_tokens is not None and self.max_completion_tokens is not None
-        if both_limits and self.max_tokens != self.max_completion_tokens:
-            raise OpenAIError.invalid_request(
-                "max_tokens and max_completion_tokens differ; send only max_completion_tokens",
-                param="max_completion_tokens",
-            )
         if reserved := sorted(_RESERVED_TEMPLATE_VARIABLES & self.chat_template_kwargs.keys()):
             raise OpenAIError.invalid_request(
                 f"chat_template_kwargs must not set {reserved[0]!r}; the request itself sets it",
@@ -275,6 +331,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     @property
     def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, OpenAI's current name, where both are given (as vLLM takes them)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
@@ -282,15 +339,20 @@ class ChatCompletionRequest(GenerationRequest):
         return self.top_logprobs if self.logprobs else None
 
 
-# The prompt's schema says what _non_empty_prompts checks: no empty list, no negative token id.
+# The prompt's schema says what _non_empty_prompts checks: no empty text or list, no negative token id; and
+# that a batch (texts, or lists of token ids) holds at most MAX_CHOICES prompts. prompts x n <= MAX_CHOICES
+# (_consistent_fields) it says in words: JSON Schema cannot multiply, and spelling out each n's batch size
+# (about 20 if/then pairs) is more than schemathesis' generator can take.
+_TEXT_SCHEMA = {"type": "string", "minLength": 1}
 _TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _PROMPT_SCHEMA = {
+    "description": f"a text, token ids, or a batch of either; prompts x n at most {MAX_CHOICES}",
     "anyOf": [
-        {"type": "string"},
-        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        _TEXT_SCHEMA,
+        {"type": "array", "items": _TEXT_SCHEMA, "minItems": 1, "maxItems": MAX_CHOICES},
         _TOKEN_IDS_SCHEMA,
-        {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1},
-    ]
+        {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": MAX_CHOICES},
+    ],
 }
 
 
@@ -301,21 +363,30 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int = Field(16, ge=1)  # OpenAI's default for this endpoint
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
 
     prompt_field: ClassVar[str] = "prompt"
-    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {"logit_bias": ({},), "suffix": ("",)}
+    # best_of: only 1 (one candidate per choice), as vLLM's V1 engine takes it
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "logit_bias": ({},), "suffix": ("",), "best_of": (1,),
+    }  # fmt: skip
     ignored_fields: ClassVar[frozenset[str]] = frozenset({"user"})
+    # _consistent_fields: no logprobs with echo
+    schema_constraints: ClassVar[tuple[dict[str, Any], ...]] = (
+        *GenerationRequest.schema_constraints,
+        {"if": _given("echo", {"const": True}), "then": {"properties": {"logprobs": {"type": "null"}}}},
+    )
 
     @field_validator("prompt")
     @classmethod
     def _non_empty_prompts(
         cls, prompt: str | list[str] | list[int] | list[list[int]]
     ) -> str | list[str] | list[int] | list[list[int]]:
+        # An empty text is refused whatever the tokenizer: vLLM refuses an empty prompt (unless its
+        # tokenizer adds a BOS token), and this way the answer and the schema do not depend on the model.
+        if not prompt or (not isinstance(prompt, str) and any(part in ("", []) for part in prompt)):
+            raise ValueError("a prompt must not be empty")
         if isinstance(prompt, str):
             return prompt
-        if not prompt or any(part == [] for part in prompt):
-            raise ValueError("a prompt must not be empty")
         token_ids = [part for part in prompt if isinstance(part, int)]
         token_ids += [token_id for part in prompt if isinstance(part, list) for token_id in part]
         if any(token_id < 0 for token_id in token_ids):
@@ -324,8 +395,6 @@ class CompletionRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _consistent_fields(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
-            raise OpenAIError.unsupported("best_of", " unless it equals n")
         if self.echo and self.logprobs is not None:
             raise OpenAIError.unsupported("echo", " together with logprobs (prompt logprobs)")
         if len(self.prompt_list()) * self.n > MAX_CHOICES:
