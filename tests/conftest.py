@@ -15,6 +15,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from engine.default_model import fetch_default_model  # noqa: E402
+from engine.loader import LoadedModel, load_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -44,6 +45,13 @@ def transformers_smollm2(smollm2_gguf: Path) -> tuple[dict, dict[str, torch.Tens
         model = LlamaForCausalLM(LlamaConfig(**config))
     tensors = load_gguf_checkpoint(str(smollm2_gguf), return_tensors=True, model_to_load=model)["tensors"]
     return config, tensors
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_gguf: Path) -> LoadedModel:
+    """That GGUF loaded by engine.loader (float32, on the CPU), once for the files that share it: each load
+    costs seconds, and engines and proposers read its weights without changing them."""
+    return load_model(str(smollm2_gguf))
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.interfaces import DraftRequest
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from proposers.channel import ChannelCapacity, ChannelClient, ChannelRequest, ChannelServer
 from proposers.draft_ring import RingDrafts, RingRead
@@ -152,8 +151,8 @@ class StallingRingNgram(RingNgram):
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(str(smollm2_gguf))
+def model(smollm2_model: LoadedModel) -> LoadedModel:
+    return smollm2_model  # loaded once for the session (tests/conftest.py)
 
 
 def _served(proposer: NgramProposer, timeout_s: float) -> tuple[RemoteProposer, list[ProposerServer]]:

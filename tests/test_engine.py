@@ -3,8 +3,6 @@ across chat turns, stop conditions, seeds, logprobs, and a KV cache too small fo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
@@ -12,7 +10,7 @@ import transformers
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.loader import load_model
+from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 
 CHATS = [
@@ -27,8 +25,8 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_gguf: Path) -> Engine:
-    return Engine(load_model(str(smollm2_gguf)), EngineConfig(block_size=16, kv_cache_tokens=4096))
+def engine(smollm2_model: LoadedModel) -> Engine:
+    return Engine(smollm2_model, EngineConfig(block_size=16, kv_cache_tokens=4096))
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +125,11 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_consistent(engine: Eng
         assert logprob.logprob <= logprob.top[0][1] + 1e-6
 
 
-def test_many_requests_in_a_small_cache_wait_or_are_preempted_and_lose_nothing(smollm2_gguf: Path) -> None:
-    model = load_model(str(smollm2_gguf))
+def test_many_requests_in_a_small_cache_wait_or_are_preempted_and_lose_nothing(
+    smollm2_model: LoadedModel,
+) -> None:
     # room for about two of the eight full sequences at a time: requests wait, some are preempted
-    small = Engine(model, EngineConfig(block_size=16, kv_cache_tokens=112, max_num_seqs=8))
+    small = Engine(smollm2_model, EngineConfig(block_size=16, kv_cache_tokens=112, max_num_seqs=8))
     prompts = [small.tokenizer.encode(f"Count from {n} to {n + 9}:") for n in range(8)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = [small.generate(prompt, params)[0] for prompt in prompts[:2]]

@@ -4,11 +4,9 @@ fresh engine gives and reuses nothing the warm-up computed."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from deployments.proposers import build_engine
 from engine.config import EngineConfig
-from engine.loader import load_model
+from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.speculator import SpeculationStats
 
@@ -19,13 +17,12 @@ CONFIG = EngineConfig(
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
-def test_warm_up_leaves_the_engine_clean(smollm2_gguf: Path) -> None:
-    model = load_model(str(smollm2_gguf))
-    fresh = build_engine(model, CONFIG)
+def test_warm_up_leaves_the_engine_clean(smollm2_model: LoadedModel) -> None:
+    fresh = build_engine(smollm2_model, CONFIG)
     prompt = fresh.tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])
     expected = fresh.generate(prompt, GREEDY)
 
-    engine = build_engine(model, CONFIG)
+    engine = build_engine(smollm2_model, CONFIG)
     assert engine.warm_up() == 0.0  # skipped on the CPU unless forced
     prompts: list[list[int]] = []
     stats_before_reset: list[SpeculationStats] = []

@@ -20,31 +20,26 @@ from kernels.int8 import Int8Weight, quantize_int8
 CONFIG = EngineConfig(max_model_len=512, max_num_seqs=1)
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    return load_model("smollm2-135m")
-
-
-def test_int8_weights_stay_close_to_the_float_weights(smollm2: LoadedModel) -> None:
-    figures = compare(smollm2, CONFIG, tokens=256, max_tokens=12, prompts=CHAT_PROMPTS[:2])
+def test_int8_weights_stay_close_to_the_float_weights(smollm2_model: LoadedModel) -> None:
+    figures = compare(smollm2_model, CONFIG, tokens=256, max_tokens=12, prompts=CHAT_PROMPTS[:2])
     assert figures["perplexity_increase"] <= 0.01, figures  # the issue's bound for INT8 weights
     assert figures["top1_agreement"] >= 0.95, figures
     assert figures["max_logit_error"] <= 0.06, figures
     assert figures["greedy_common_prefix"] >= 6, figures
 
 
-def test_int8_engine_holds_int8_linears_and_refuses_other_modes(smollm2: LoadedModel) -> None:
-    engine = Engine(smollm2, dataclasses.replace(CONFIG, quantization="int8"))
+def test_int8_engine_holds_int8_linears_and_refuses_other_modes(smollm2_model: LoadedModel) -> None:
+    engine = Engine(smollm2_model, dataclasses.replace(CONFIG, quantization="int8"))
     layer = engine.runner.decoder.model.layers[0]
     weights = (layer.self_attn.qkv_weight, layer.self_attn.o_weight, *layer.mlp.input_projection()[:1])
     assert all(isinstance(weight, Int8Weight) for weight in (*weights, layer.mlp.down_weight))
     assert not hasattr(layer.self_attn.o_proj, "weight")  # the float copy is gone
     with pytest.raises(InvalidRequestError, match="quantization must be one of int8"):
-        Engine(smollm2, dataclasses.replace(CONFIG, quantization="int4"))
+        Engine(smollm2_model, dataclasses.replace(CONFIG, quantization="int4"))
 
 
 def test_loading_as_int8_equals_quantizing_after_the_load(
-    smollm2: LoadedModel, caplog: pytest.LogCaptureFixture
+    smollm2_model: LoadedModel, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The file's Q4_1 linears, dequantized and quantized one at a time while loading (with the double
     rounding named), give the weights that quantizing the loaded float model gives."""
@@ -52,13 +47,13 @@ def test_loading_as_int8_equals_quantizing_after_the_load(
         loaded = load_model("smollm2-135m", quantization="int8")
     assert "Q4_1" in caplog.text and "rounded twice" in caplog.text
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
-        expected = quantize_int8(smollm2.weights[name])
+        expected = quantize_int8(smollm2_model.weights[name])
         assert torch.equal(loaded.weights[name].values, expected.values), name
         assert torch.equal(loaded.weights[name].scale, expected.scale), name
 
 
-def test_the_int8_kv_cache_stays_close_to_the_float_cache(smollm2: LoadedModel) -> None:
-    figures = compare(smollm2, CONFIG, tokens=256, max_tokens=12, prompts=CHAT_PROMPTS[:2], mode="kv")
+def test_the_int8_kv_cache_stays_close_to_the_float_cache(smollm2_model: LoadedModel) -> None:
+    figures = compare(smollm2_model, CONFIG, tokens=256, max_tokens=12, prompts=CHAT_PROMPTS[:2], mode="kv")
     assert abs(figures["perplexity_increase"]) <= 0.005, figures  # the issue's bound for the INT8 KV cache
     assert figures["top1_agreement"] >= 0.97, figures
     assert figures["max_logit_error"] <= 0.03, figures

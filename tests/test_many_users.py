@@ -8,7 +8,6 @@ Every loop is bounded by a step count (MAX_STEPS), so a stall fails the test rat
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.engine import Engine
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.interfaces import DraftRequest
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.scheduler import MAX_TIMES_PASSED_OVER, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -42,8 +41,8 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(str(smollm2_gguf))
+def model(smollm2_model: LoadedModel) -> LoadedModel:
+    return smollm2_model  # loaded once for the session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from engine.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(str(smollm2_gguf))
+def model(smollm2_model: LoadedModel) -> LoadedModel:
+    return smollm2_model  # loaded once for the session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

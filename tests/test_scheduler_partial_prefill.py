@@ -5,8 +5,6 @@ prompts are prefilled at once. The scheduler alone first, then the engine on the
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from deployments.proposers import build_engine
@@ -14,7 +12,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.scheduler import MAX_TIMES_PASSED_OVER, Batch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -148,8 +146,8 @@ DRAFTED = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(str(smollm2_gguf))
+def model(smollm2_model: LoadedModel) -> LoadedModel:
+    return smollm2_model  # loaded once for the session (tests/conftest.py)
 
 
 def _config(**settings: object) -> EngineConfig:

@@ -12,7 +12,7 @@ from deployments.proposers import build_engine
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.interfaces import DraftRequest, Proposer
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.speculator import Speculator
 from proposers.ngram import NgramProposer
@@ -26,8 +26,8 @@ GREEDY = SamplingParams(max_tokens=28, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_gguf: Path) -> LoadedModel:
-    return load_model(str(smollm2_gguf))
+def model(smollm2_model: LoadedModel) -> LoadedModel:
+    return smollm2_model  # loaded once for the session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
