@@ -19,6 +19,10 @@ from engine.loader import LoadedModel, load_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The tests of the served application (the `served` fixture) run last, in their order: its Ray
+    # cluster then runs only while they do (idle, it still takes about a quarter of a core), and never
+    # beside tests/test_replicas.py's own two-node cluster.
+    items[:] = sorted(items, key=lambda item: "served" in getattr(item, "fixturenames", ()))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
