@@ -145,14 +145,18 @@ def compare(
     tokens: int,
     max_tokens: int,
     prompts: tuple[str, ...] = CHAT_PROMPTS,
-    mode: str = "weights",
-) -> dict[str, float]:
-    """The baseline (config as given) against one INT8 mode (MODES)."""
+    modes: tuple[str, ...] = tuple(MODES),
+) -> dict[str, dict[str, float]]:
+    """The baseline (config as given), run once, against each INT8 mode (MODES): figures by mode."""
     assert model.tokenizer is not None
     token_ids = model.tokenizer.encode(english_text())[:tokens]
     base = evaluate(model, config, token_ids, prompts, max_tokens)
-    other = evaluate(model, dataclasses.replace(config, **MODES[mode]), token_ids, prompts, max_tokens)
-    return figures_against(base, other)
+    return {
+        mode: figures_against(
+            base, evaluate(model, dataclasses.replace(config, **MODES[mode]), token_ids, prompts, max_tokens)
+        )
+        for mode in modes
+    }
 
 
 def main() -> None:
@@ -171,19 +175,7 @@ def main() -> None:
         dtype=args.dtype, device=args.device, max_model_len=args.tokens + args.max_tokens + 64, max_num_seqs=1
     )
     model = load_model(args.model, dtype=config.torch_dtype(), device=config.torch_device())
-    assert model.tokenizer is not None
-    token_ids = model.tokenizer.encode(english_text())[: args.tokens]
-    base = evaluate(model, config, token_ids, CHAT_PROMPTS, args.max_tokens)
-    modes = args.modes.split(",")
-    figures = {
-        mode: figures_against(
-            base,
-            evaluate(
-                model, dataclasses.replace(config, **MODES[mode]), token_ids, CHAT_PROMPTS, args.max_tokens
-            ),
-        )  # fmt: skip
-        for mode in modes
-    }
+    figures = compare(model, config, args.tokens, args.max_tokens, CHAT_PROMPTS, tuple(args.modes.split(",")))
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=2))
     print_table(args, figures)
