@@ -19,6 +19,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.gguf_loader import load_gguf_weights, read_gguf, spec_from_gguf
+from engine.loader import LoadedModel
 from engine.spec import ModelSpec
 
 QuantType = gguf.GGMLQuantizationType
@@ -33,8 +34,10 @@ def smollm2_reader(smollm2_gguf: Path) -> gguf.GGUFReader:
 
 
 @pytest.fixture(scope="module")
-def smollm2_weights(smollm2_reader: gguf.GGUFReader) -> dict[str, torch.Tensor]:
-    return load_gguf_weights(smollm2_reader, spec_from_gguf(smollm2_reader), torch.float32)
+def smollm2_weights(smollm2_model: LoadedModel) -> dict[str, torch.Tensor]:
+    """load_gguf_weights(reader, spec, torch.float32) as engine.loader.load_model calls it, loaded once for
+    the session (tests/conftest.py)."""
+    return smollm2_model.weights
 
 
 def test_the_reader_reads_what_ggufs_own_reader_reads(
