@@ -196,7 +196,8 @@ def main() -> None:
             engine.speculator.fixed_step_cost = args.step_cost
             run_set(engine, prompts[:1], 16)
             timer = CallTimer()
-            timer.wrap(engine.speculator, "plan")
+            for method in ("draft_lengths", "request_drafts"):
+                timer.wrap(engine.speculator, method)
             timer.wrap(engine.speculator.proposer, "propose")  # each ask ends a step's run-ahead
             for method in ("execute_speculative", "execute", "launch"):
                 timer.wrap(engine.runner, method)

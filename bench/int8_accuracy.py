@@ -33,8 +33,8 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loader import LoadedModel, load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from engine.scheduler import ScheduledSequence  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
+from engine.step import ScheduledRow  # noqa: E402
 
 CHUNK = 256  # prompt tokens per teacher-forced prefill step
 MODES = {  # what each INT8 mode changes in the engine's config
@@ -81,7 +81,7 @@ def score_text(engine: Engine, token_ids: list[int]) -> TextScores:
             # every row of the chunk: forward_eager returns a sequence's rows only once all are computed,
             # so the sequence is cut to this chunk's end while it runs
             seq.token_ids = list(token_ids[:end])
-            logits = engine.runner.forward_eager([ScheduledSequence(seq, count)], num_logits={seq: count})
+            logits = engine.runner.forward_eager([ScheduledRow(seq, count)], num_logits={seq: count})
             rows.append(logits.float().cpu())
             seq.num_computed_tokens = end
     finally:

@@ -28,11 +28,12 @@ from engine.kv_calibration import calibration_ids
 from engine.loader import LoadedModel, load_model
 from engine.model import Decoder
 from engine.ops import ops_for
-from engine.runner import PENDING_TOKEN, Launch, ModelRunner, Verification, is_decode_step
+from engine.runner import ModelRunner, Verification
 from engine.sampling import SamplingParams, TokenLogprob
-from engine.scheduler import ScheduledSequence, Scheduler
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import DEFAULT_DRAFT_COST, Speculator
+from engine.step import PendingStep, ScheduledRow, is_decode_step
 from kernels.int8 import Int8Weight
 from kernels.triton_common import specialization_sizes
 
@@ -137,13 +138,13 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            max_long_partial_prefills=config.max_long_partial_prefills,
+            max_long_partial_prefills=config.max_long_partial_prefills, max_model_len=self.max_model_len,
         )  # fmt: skip
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
         # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's
         # hidden states come from step graphs or eager steps, not decode graphs, so it never runs ahead.
         self.run_ahead = run_ahead and (self.speculator is None or not self.speculator.target_layer_ids)
-        self.in_flight: Launch | None = None  # the launched step whose tokens are unread
+        self.in_flight: PendingStep | None = None  # the launched step whose tokens are unread
 
     @classmethod
     def load(cls, model: str, config: EngineConfig | None = None) -> Engine:
@@ -222,21 +223,20 @@ class Engine:
         started = time.perf_counter()
         outputs: list[RequestOutput] = []
         if self.in_flight is not None and not self._can_schedule_ahead():
-            outputs += self._resolve_in_flight()
+            outputs += self._apply_in_flight()
         drafts: dict[Sequence, list[int]] = {}
         if self.speculator is not None:
-
-            def read_launched() -> None:  # the proposer must see every token
-                outputs.extend(self._resolve_in_flight())
-
-            drafts = self.speculator.plan(
-                self.scheduler.running, self.block_manager, self.max_num_batched_tokens,
-                self.max_model_len, read_launched,
+            num_drafts = self.speculator.draft_lengths(
+                self.scheduler.running, self.block_manager, self.max_num_batched_tokens, self.max_model_len,
+                self._in_flight_rows(),
             )  # fmt: skip
-        # with a launch in flight, a sequence whose pending token is its last (by length) sits this one out
-        batch = self.scheduler.schedule(exclude=self._last_token_pending(), drafting=drafts)
+            if num_drafts:
+                outputs += self._apply_in_flight()  # the proposer must see every token
+                num_drafts = {seq: k for seq, k in num_drafts.items() if not seq.is_finished}
+                drafts = self.speculator.request_drafts(num_drafts)
+        batch = self.scheduler.schedule(in_flight=self._in_flight_rows(), drafting=drafts)
         if not batch:
-            return outputs + self._resolve_in_flight()
+            return outputs + self._apply_in_flight()
         if drafts:
             self.runner.copy_blocks(batch.block_copies)
             outputs += self._speculative_step(batch.scheduled, drafts)
@@ -246,16 +246,19 @@ class Engine:
         scheduled = batch.scheduled
         is_decode = is_decode_step(scheduled)
         if self.run_ahead and self.runner.can_launch_ahead(scheduled):
-            launch = self.runner.launch(scheduled, self.in_flight)
-            for seq in launch.seqs:
-                seq.token_ids.append(PENDING_TOKEN)
-            outputs += self._resolve_in_flight()
+            launched = self.runner.launch(scheduled, self.in_flight)
+            outputs += self._apply_in_flight()
             self._commit(scheduled)
-            self.in_flight = launch
+            self.in_flight = launched
         else:
             if self.in_flight is not None:  # scheduled ahead, yet this step needs the host's tokens
-                outputs += self._resolve_in_flight()
-                scheduled = [item for item in scheduled if not item.seq.is_finished]
+                outputs += self._apply_in_flight()
+                # their fed-back tokens are the sequences' own now
+                scheduled = [
+                    ScheduledRow(item.seq, item.num_new_tokens)
+                    for item in scheduled
+                    if not item.seq.is_finished
+                ]
                 if not scheduled:
                     return outputs
             sampled = self.runner.execute(scheduled)
@@ -269,7 +272,7 @@ class Engine:
         return outputs
 
     def _speculative_step(
-        self, scheduled: list[ScheduledSequence], drafts: dict[Sequence, list[int]]
+        self, scheduled: list[ScheduledRow], drafts: dict[Sequence, list[int]]
     ) -> list[RequestOutput]:
         """Verify the drafts; each sequence keeps its accepted drafts and the target's next token (its KV
         stops at the last accepted draft: rolling back only moves num_computed_tokens)."""
@@ -298,7 +301,7 @@ class Engine:
             outputs.append(self._emit_verified(verification))
         return outputs
 
-    def _keep_hidden(self, scheduled: list[ScheduledSequence], num_accepted: dict[Sequence, int]) -> None:
+    def _keep_hidden(self, scheduled: list[ScheduledRow], num_accepted: dict[Sequence, int]) -> None:
         """Hand the proposer's hidden-state rows of the tokens this step kept (a verified sequence keeps
         its last token and the accepted drafts)."""
         captured = self.runner.captured_hidden
@@ -328,47 +331,36 @@ class Engine:
         merged.new_text = "".join(part.new_text for part in parts)
         return merged
 
+    def _in_flight_rows(self) -> dict[Sequence, int]:
+        """The sequences whose next token the in-flight step sampled, and their rows of its samples."""
+        return self.in_flight.sample_rows() if self.in_flight is not None else {}
+
     def _can_schedule_ahead(self) -> bool:
-        """Whether the next step can be scheduled before the in-flight launch's tokens are read: the cache
+        """Whether the next step can be scheduled before the in-flight step's tokens are read: the cache
         has room for every running sequence's next token without preempting (a preempted sequence
         would lose its pending token)."""
         manager = self.block_manager
+        pending = self._in_flight_rows()
         new_blocks = sum(
-            manager.blocks_needed(seq.num_tokens) - len(seq.block_table) for seq in self.scheduler.running
+            manager.blocks_needed(seq.num_tokens + (seq in pending)) - len(seq.block_table)
+            for seq in self.scheduler.running
         )
         return new_blocks <= manager.num_free_blocks
 
-    def _last_token_pending(self) -> set[Sequence]:
-        """The running sequences whose pending token ends them by length: max_tokens or max_model_len.
-        They finish once it is read (a stop token or string is only known then)."""
-        if self.in_flight is None:
-            return set()
-        return {
-            seq
-            for seq in self.scheduler.running
-            if seq.token_ids[-1] == PENDING_TOKEN
-            and (seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len)
-        }
-
-    def _resolve_in_flight(self) -> list[RequestOutput]:
-        """Read the in-flight launch's tokens into their sequences (in place of PENDING_TOKEN) and emit
-        them; rows of sequences that finished or were aborted meanwhile are dropped."""
-        launch, self.in_flight = self.in_flight, None
-        if launch is None:
+    def _apply_in_flight(self) -> list[RequestOutput]:
+        """Read the in-flight step's tokens, append them to their sequences and emit them; rows of
+        sequences that finished or were aborted meanwhile are dropped."""
+        pending, self.in_flight = self.in_flight, None
+        if pending is None:
             return []
         outputs = []
-        for seq, token_id in zip(launch.seqs, launch.read(), strict=True):
-            if seq.is_finished:
-                continue
-            # this launch's token is the sequence's last, or the one before a newer launch's
-            position = seq.num_tokens - 1
-            if seq.token_ids[position - 1] == PENDING_TOKEN:
-                position -= 1
-            seq.token_ids[position] = token_id
-            outputs.append(self._emit(seq, None, num_known_tokens=position + 1))
+        for seq, token_id in zip(pending.seqs, pending.read(), strict=True):
+            if not seq.is_finished:
+                seq.token_ids.append(token_id)
+                outputs.append(self._emit(seq, None))
         return outputs
 
-    def _commit(self, scheduled: list[ScheduledSequence]) -> None:
+    def _commit(self, scheduled: list[ScheduledRow]) -> None:
         for item in scheduled:
             if not item.seq.is_finished:
                 item.seq.num_computed_tokens += item.num_new_tokens

@@ -7,9 +7,9 @@ whose inputs are written into static buffers, so the step costs the GPU's time a
 
 A step can also be launched ahead (launch): a decode step (a decode-graph replay) or a mixed one
 (prompt chunks beside decoding sequences: a step-graph replay, then sampling on the device). Its input
-tokens may be the device-side samples of the previous launch, which the host has not read yet
-(PENDING_TOKEN in the sequence), so the host prepares step n+1 while the GPU still runs step n and
-reads tokens back one step later.
+tokens may be the device-side samples of the previous launch, which the host has not read yet (rows with
+a fed_back_row, engine/step.py), so the host prepares step n+1 while the GPU still runs step n and reads
+tokens back one step later.
 """
 
 from __future__ import annotations
@@ -26,17 +26,15 @@ from engine.kv_cache import allocate_kv_cache, copy_blocks
 from engine.model import Decoder
 from engine.sampler import Sampler
 from engine.sampling import TokenLogprob
-from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.speculative import verify_greedy
+from engine.step import PendingStep, ScheduledRow, is_decode_step
 from engine.step_graphs import StepGraphs, StepInputs, capture_graph
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
 from kernels.sampling import SamplingTensors, SamplingWorkspace, sample_triton, top_logprobs
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
-# In Sequence.token_ids: a token sampled on the device by a launched step, not yet read by the host.
-PENDING_TOKEN = -1
 # In Sequence.token_ids: a draft that the proposer writes into the draft ring, read by the verify step
 # (engine/interfaces.py RingStep); the host learns it with the step's results.
 PENDING_DRAFT = -2
@@ -56,29 +54,6 @@ class Verification:
     seq: Sequence
     token_ids: list[int]  # the accepted drafts, then the target's own next token
     num_accepted: int
-
-
-@dataclasses.dataclass
-class Launch:
-    """A step sent to the device; its sampled tokens reach the host when `ready` has fired. On a GPU the
-    same tokens stay on the device in DecodeGraphs.token_ids (row order), where the next launch reads
-    those it takes as inputs."""
-
-    seqs: list[Sequence]  # the sequences it samples a token for, in row order
-    token_ids: torch.Tensor  # [num_seqs] int64 on the host (pinned on a GPU)
-    ready: torch.cuda.Event | None  # None: token_ids is filled already (CPU)
-
-    def read(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.token_ids.tolist()
-
-
-class Feedback(NamedTuple):
-    """A launched step's input tokens that the previous launch sampled and the host has not read."""
-
-    rows: dict[int, int]  # packed token row -> row of `samples`
-    samples: torch.Tensor  # the previous launch's tokens: DecodeGraphs.token_ids (its host copy on the CPU)
 
 
 class ModelRunner:
@@ -139,26 +114,26 @@ class ModelRunner:
             self.graphs.forget(request_id)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> list[SampledToken]:
+    def execute(self, scheduled: list[ScheduledRow]) -> list[SampledToken]:
         """Compute the scheduled tokens and sample the next token of every sequence whose tokens are
         then all computed (in scheduled order)."""
-        sampled = [item.seq for item in scheduled if _completes(item)]
+        sampled = [item.seq for item in scheduled if item.samples]
         is_decode = is_decode_step(scheduled)
         if self.graphs is not None and is_decode and self.graphs.fits(len(scheduled)):
-            launch = self.graphs.launch(scheduled, [-1] * len(scheduled))
+            launch = self.graphs.launch(scheduled)
             launch.read()
-            token_ids, logits = launch.token_ids, self.graphs.logits[: len(scheduled)]
+            token_ids, logits = launch.host_tokens, self.graphs.logits[: len(scheduled)]
         else:
             logits = self.forward_eager(scheduled, is_decode)
             if not sampled:
                 return []
-            token_ids = self._sample_eager(logits, sampled)
+            token_ids = self._sample_eager(logits, sampled, [seq.num_tokens for seq in sampled])
         return self._results(sampled, token_ids, logits)
 
     @torch.inference_mode()
     def execute_speculative(
         self,
-        scheduled: list[ScheduledSequence],
+        scheduled: list[ScheduledRow],
         drafts: dict[Sequence, list[int]],
         ring: RingStep | None = None,
     ) -> tuple[list[SampledToken], list[Verification]]:
@@ -203,11 +178,12 @@ class ModelRunner:
         results: list[SampledToken] = []
         if plain_seqs:
             plain_logits = logits[torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)]
-            results = self._results(plain_seqs, self._sample_eager(plain_logits, plain_seqs), plain_logits)
+            token_ids = self._sample_eager(plain_logits, plain_seqs, [seq.num_tokens for seq in plain_seqs])
+            results = self._results(plain_seqs, token_ids, plain_logits)
         return results, verifications
 
     def _ring_read(
-        self, scheduled: list[ScheduledSequence], ring: RingStep
+        self, scheduled: list[ScheduledRow], ring: RingStep
     ) -> tuple[DraftsRead | None, list[Sequence]]:
         """Where the step's packed input ids take the ring's drafts (each ring sequence's last tokens),
         and the ring sequences the step runs, in that order."""
@@ -271,7 +247,7 @@ class ModelRunner:
             for (seq, _), tokens, count in zip(greedy, emitted, accepted, strict=True)
         ]
 
-    def can_launch_ahead(self, scheduled: list[ScheduledSequence]) -> bool:
+    def can_launch_ahead(self, scheduled: list[ScheduledRow]) -> bool:
         """Whether this step can run before the host has read the previous launch's tokens: a decode-graph
         or step-graph replay on a GPU (the eager CPU path also can, to test the bookkeeping); penalties
         and logprobs need the tokens on the host, so they run step by step."""
@@ -285,7 +261,7 @@ class ModelRunner:
             return False
         if is_decode_step(scheduled):
             return self.graphs.fits(len(scheduled))
-        num_sampled = sum(_completes(item) for item in scheduled)
+        num_sampled = sum(item.samples for item in scheduled)
         step_graphs = self.step_graphs
         return (
             step_graphs is not None
@@ -295,60 +271,54 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def launch(self, scheduled: list[ScheduledSequence], previous: Launch | None) -> Launch:
-        """Launch a step (can_launch_ahead) without waiting for it. A sequence whose last token is
-        PENDING_TOKEN takes its input from `previous`, the launch that sampled it."""
-        previous_rows = (
-            {id(seq): row for row, seq in enumerate(previous.seqs)} if previous is not None else {}
+    def launch(self, scheduled: list[ScheduledRow], previous: PendingStep | None) -> PendingStep:
+        """Launch a step (can_launch_ahead) without waiting for it. A row with a fed_back_row takes its last
+        input from `previous`, the launch that sampled it."""
+        assert all(item.num_new_tokens == 1 for item in scheduled if item.fed_back_row is not None), (
+            "a fed-back token is a decoding sequence's input"
         )
-        source_rows = [-1] * len(scheduled)  # row of `previous` whose sample is the input; -1: the host's
-        for index, item in enumerate(scheduled):
-            if item.seq.token_ids[-1] == PENDING_TOKEN:
-                assert item.num_new_tokens == 1, "a pending token is a decoding sequence's input"
-                source_rows[index] = previous_rows[id(item.seq)]
         is_decode = is_decode_step(scheduled)
         if self.graphs is not None and is_decode:
-            return self.graphs.launch(scheduled, source_rows)
-        rows: dict[int, int] = {}
-        end = 0
-        for item, source in zip(scheduled, source_rows, strict=True):
-            end += item.num_new_tokens
-            if source >= 0:
-                rows[end - 1] = source
-        feedback = None
-        if rows:
+            return self.graphs.launch(scheduled)
+        fed_back = None
+        if any(item.fed_back_row is not None for item in scheduled):
             assert previous is not None
-            samples = self.graphs.token_ids if self.graphs is not None else previous.token_ids
-            feedback = Feedback(rows, samples)
-        sampled = [item.seq for item in scheduled if _completes(item)]
-        logits = self.forward_eager(scheduled, is_decode, feedback=feedback)
+            fed_back = previous.device_tokens
+        sampled = [item for item in scheduled if item.samples]
+        seqs, draw_positions = [item.seq for item in sampled], [item.end for item in sampled]
+        logits = self.forward_eager(scheduled, is_decode, fed_back=fed_back)
         if self.graphs is not None:
-            return self.graphs.sample_rows(logits, sampled)
-        return Launch(sampled, self._sample_eager(logits, sampled), ready=None)  # CPU: filled already
+            return self.graphs.sample_rows(logits, seqs, draw_positions)
+        token_ids = self._sample_eager(logits, seqs, draw_positions)
+        return PendingStep(seqs, token_ids, token_ids, ready=None)  # CPU: filled already
 
     @torch.inference_mode()
     def forward_eager(
         self,
-        scheduled: list[ScheduledSequence],
+        scheduled: list[ScheduledRow],
         is_decode: bool = False,
-        feedback: Feedback | None = None,
+        fed_back: torch.Tensor | None = None,
         num_logits: dict[Sequence, int] | None = None,
         ring_read: DraftsRead | None = None,
     ) -> torch.Tensor:
         """The float32 logits [num_rows, logit_vocab_size] of each sequence whose tokens are all computed
         after this step, without sampling: its last token's row, or its last num_logits[seq] rows.
-        feedback: input tokens the previous launch sampled (PENDING_TOKEN in the sequences' lists).
-        ring_read: input ids that come from the draft ring (PENDING_DRAFT in the sequences' lists)."""
+        fed_back: the previous launch's samples (PendingStep.device_tokens), the last input of each row
+        with a fed_back_row. ring_read: input ids that come from the draft ring (PENDING_DRAFT in the
+        sequences' lists)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
         logit_rows: list[int] = []
+        fed_back_rows: dict[int, int] = {}  # packed token row -> row of fed_back
         for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
+            seq, start, end = item.seq, item.seq.num_computed_tokens, item.end
             input_ids += seq.token_ids[start:end]
+            if item.fed_back_row is not None:
+                fed_back_rows[len(input_ids)] = item.fed_back_row
+                input_ids.append(0)  # the graph (or the eager step below) takes it from fed_back
             positions += range(start, end)
             table = seq.block_table
             slot_mapping += [
@@ -356,14 +326,13 @@ class ModelRunner:
             ]
             query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
             seq_lens.append(end)
-            if end == seq.num_tokens:
+            if item.samples:
                 count = num_logits.get(seq, 1) if num_logits else 1
                 logit_rows += range(query_start_loc[-1] - count, query_start_loc[-1])
         source_rows = None
-        if feedback is not None:
+        if fed_back_rows:
             source_rows = [-1] * len(input_ids)
-            for row, source in feedback.rows.items():
-                input_ids[row] = 0  # the graph (or the eager step below) takes it from feedback.samples
+            for row, source in fed_back_rows.items():
                 source_rows[row] = source
         gather_drafts = None
         if ring_read is not None:
@@ -375,9 +344,7 @@ class ModelRunner:
                 input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                 [item.seq.block_table for item in scheduled], logit_rows, source_rows,
             )  # fmt: skip
-            if self.step_graphs.fits(inputs) and (
-                feedback is None or feedback.samples is self.step_graphs.feedback
-            ):
+            if self.step_graphs.fits(inputs) and (fed_back is None or fed_back is self.step_graphs.feedback):
                 logits = self.step_graphs.forward(inputs, gather_drafts)
                 if self.capture_layers:  # the graph's buffer is overwritten by its next replay
                     self.captured_hidden = self.step_graphs.captured[: len(input_ids)].clone()
@@ -399,10 +366,10 @@ class ModelRunner:
             dict.fromkeys(self.capture_layers) if self.capture_layers else None
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        if feedback is not None:
-            token_rows = torch.tensor(list(feedback.rows), dtype=torch.int64, device=device)
-            sources = torch.tensor(list(feedback.rows.values()), dtype=torch.int64, device=device)
-            ids[token_rows] = feedback.samples.to(device)[sources]
+        if fed_back_rows:
+            token_rows = torch.tensor(list(fed_back_rows), dtype=torch.int64, device=device)
+            sources = torch.tensor(list(fed_back_rows.values()), dtype=torch.int64, device=device)
+            ids[token_rows] = fed_back.to(device)[sources]
         position_ids = torch.tensor(positions, dtype=torch.int64, device=device)
         if gather_drafts is not None:  # last: a copy queued behind the ring's wait would block the host
             gather_drafts(ids)
@@ -414,13 +381,16 @@ class ModelRunner:
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=device)
         return self.decoder.compute_logits(hidden[rows], residual[rows])
 
-    def _sample_eager(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The next token of each row, on the host (int64)."""
+    def _sample_eager(
+        self, logits: torch.Tensor, seqs: list[Sequence], draw_positions: list[int]
+    ) -> torch.Tensor:
+        """The next token of each row, drawn at draw_positions (its index in the sequence), on the host
+        (int64)."""
         if self.graphs is not None and len(seqs) <= self.graphs.max_bs:
-            launch = self.graphs.sample_rows(logits, seqs)
+            launch = self.graphs.sample_rows(logits, seqs, draw_positions)
             launch.read()
-            return launch.token_ids.clone()  # the pinned buffer is reused two launches later
-        return self.sampler.sample(logits, seqs).cpu()
+            return launch.host_tokens.clone()  # the pinned buffer is reused two launches later
+        return self.sampler.sample(logits, seqs, draw_positions).cpu()
 
     def _results(
         self, seqs: list[Sequence], token_ids: torch.Tensor, logits: torch.Tensor
@@ -437,16 +407,6 @@ class ModelRunner:
                     logprobs[row] = TokenLogprob(int(token_ids[row]), chosen[row], pairs)
         ids = token_ids.tolist()
         return [SampledToken(seq, ids[row], logprobs[row]) for row, seq in enumerate(seqs)]
-
-
-def _completes(item: ScheduledSequence) -> bool:
-    """Whether the step computes the sequence's last uncomputed token (so it samples the next)."""
-    return item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens
-
-
-def is_decode_step(scheduled: list[ScheduledSequence]) -> bool:
-    """One new token per sequence, each sampled: what a decode graph runs."""
-    return all(item.num_new_tokens == 1 and _completes(item) for item in scheduled)
 
 
 class DecodeGraphs:
@@ -558,9 +518,9 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[batch_size] = graph
 
-    def launch(self, scheduled: list[ScheduledSequence], source_rows: list[int]) -> Launch:
-        """Write the step's inputs into the static buffers and replay, without waiting. source_rows[i]
-        >= 0: row i's input is that row of the previous replay's samples. The logits stay in
+    def launch(self, scheduled: list[ScheduledRow]) -> PendingStep:
+        """Write the step's inputs into the static buffers and replay, without waiting. A row with a
+        fed_back_row takes that row of the previous replay's samples as its input. The logits stay in
         self.logits until the next replay.
 
         The host side is a few list comprehensions written into numpy views of the pinned staging
@@ -571,16 +531,19 @@ class DecodeGraphs:
         batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
         block_size = runner.block_size
         seqs = [item.seq for item in scheduled]
-        self._stage_sampling(seqs)
+        lengths = [item.end for item in scheduled]  # with the input token (a fed-back one too)
+        self._stage_sampling(seqs, lengths)
         ints, int32s, floats, tables = self.staging_arrays[self.parity]
-        lengths = [len(seq.token_ids) for seq in seqs]
-        ints[0, :num_seqs] = [max(seq.token_ids[-1], 0) for seq in seqs]  # PENDING_TOKEN: fed back
+        # a fed-back row's input id comes from its source row (the previous replay's sample)
+        ints[0, :num_seqs] = [
+            0 if item.fed_back_row is not None else item.seq.token_ids[-1] for item in scheduled
+        ]
         ints[1, :num_seqs] = [length - 1 for length in lengths]  # positions
         ints[2, :num_seqs] = [
             seq.block_table[(length - 1) // block_size] * block_size + (length - 1) % block_size
             for seq, length in zip(seqs, lengths, strict=True)
         ]  # slots
-        ints[5, :num_seqs] = source_rows
+        ints[5, :num_seqs] = [-1 if item.fed_back_row is None else item.fed_back_row for item in scheduled]
         ints[:, num_seqs:batch_size] = _PADDING_INTS[:, None]  # slot -1: padding writes nothing
         int32s[0, :num_seqs] = lengths  # a length of 0 makes attention skip the row
         int32s[:, num_seqs:batch_size] = 0
@@ -595,12 +558,15 @@ class DecodeGraphs:
         self.graphs[batch_size].replay()
         return self._read_back(seqs)
 
-    def sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> Launch:
-        """Sample the rows of eagerly computed (or step-graph) logits, one per sequence, into token_ids
-        as a replay would, without waiting: the next launch can take them as inputs on the device."""
+    def sample_rows(
+        self, logits: torch.Tensor, seqs: list[Sequence], draw_positions: list[int]
+    ) -> PendingStep:
+        """Sample the rows of eagerly computed (or step-graph) logits, one per sequence, each drawing the
+        token at its draw position, into token_ids as a replay would, without waiting: the next launch can
+        take them as inputs on the device."""
         num_seqs = len(seqs)
         assert logits.shape[0] == num_seqs <= self.max_bs
-        self._stage_sampling(seqs)
+        self._stage_sampling(seqs, draw_positions)
         ints_host, int32s_host, floats_host, _ = self.staging[self.parity]
         self.ints[3:5, :num_seqs].copy_(ints_host[3:5, :num_seqs], non_blocking=True)
         self.int32s[1, :num_seqs].copy_(int32s_host[1, :num_seqs], non_blocking=True)
@@ -612,25 +578,26 @@ class DecodeGraphs:
         )  # fmt: skip
         return self._read_back(seqs)
 
-    def _stage_sampling(self, seqs: list[Sequence]) -> None:
-        """Write the rows' sampling parameters (seeds, draw positions, top-k, the float fields) into this
-        launch's pinned staging buffers: graph inputs, refreshed every step."""
+    def _stage_sampling(self, seqs: list[Sequence], draw_positions: list[int]) -> None:
+        """Write the rows' sampling parameters (seeds, draw positions: the drawn token's index in the
+        sequence, top-k, the float fields) into this launch's pinned staging buffers: graph inputs,
+        refreshed every step."""
         ints, int32s, floats, _ = self.staging_arrays[self.parity]
         constants = [self._row_constants(seq) for seq in seqs]
         num_seqs = len(seqs)
         ints[3, :num_seqs] = [row.seed for row in constants]
-        ints[4, :num_seqs] = [seq.num_tokens for seq in seqs]  # the drawn token's index (run-ahead too)
+        ints[4, :num_seqs] = draw_positions
         int32s[1, :num_seqs] = [row.top_k for row in constants]
         floats[:, :num_seqs] = numpy.array([row.floats for row in constants], dtype=numpy.float32).T
 
-    def _read_back(self, seqs: list[Sequence]) -> Launch:
-        """Queue the copy of the sampled tokens to the host and return the launch that waits for it."""
+    def _read_back(self, seqs: list[Sequence]) -> PendingStep:
+        """Queue the copy of the sampled tokens to the host and return the step that waits for it."""
         host_token_ids = self.host_token_ids[self.parity][: len(seqs)]
         host_token_ids.copy_(self.token_ids[: len(seqs)], non_blocking=True)
         ready = self.ready[self.parity]
         ready.record()
         self.parity ^= 1
-        return Launch(seqs, host_token_ids, ready)
+        return PendingStep(seqs, self.token_ids, host_token_ids, ready)
 
     def _row_constants(self, seq: Sequence) -> _RowConstants:
         """What a sequence's row holds at every step, computed on its first step."""

@@ -50,23 +50,27 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.keys.pop(request_id, None)
 
-    def tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        """Per-row parameters on the device, each row drawing its sequence's next token (at index
-        num_tokens); the token counts only for rows that use penalties."""
+    def tensors(self, seqs: list[Sequence], draw_positions: list[int] | None = None) -> SamplingTensors:
+        """Per-row parameters on the device, each row drawing its sequence's token at draw_positions[row]
+        (its index in the sequence; by default the next one, num_tokens); the token counts only for rows
+        that use penalties."""
         histories = [seq.params.has_penalties for seq in seqs]
         return SamplingTensors.from_params(
             [seq.params for seq in seqs],
             [seq.prompt_token_ids if used else [] for seq, used in zip(seqs, histories, strict=True)],
             [seq.output_token_ids if used else [] for seq, used in zip(seqs, histories, strict=True)],
             [self.key_of(seq) for seq in seqs],
-            [seq.num_tokens for seq in seqs],
+            draw_positions if draw_positions is not None else [seq.num_tokens for seq in seqs],
             self.vocab_size,
             self.device,
         )
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The next token of each sequence, one logits row each: [num_seqs] int64 on the logits' device."""
-        tensors = self.tensors(seqs)
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], draw_positions: list[int] | None = None
+    ) -> torch.Tensor:
+        """Each sequence's token at draw_positions[row] (by default its next one), one logits row each:
+        [num_seqs] int64 on the logits' device."""
+        tensors = self.tensors(seqs, draw_positions)
         return sample_triton(logits, tensors) if self.on_gpu else sample_reference(logits, tensors)
 
     def verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:

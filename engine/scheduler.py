@@ -31,24 +31,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from engine.block_manager import BlockCopy, BlockManager
 from engine.sequence import Sequence, SequenceStatus
+from engine.step import ScheduledRow
 
 # How many later requests may start before a waiting one that does not fit, before it reserves the cache.
 MAX_TIMES_PASSED_OVER = 8
 
 
 @dataclasses.dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int  # tokens computed for it in this step, from seq.num_computed_tokens on
-
-
-@dataclasses.dataclass
 class Batch:
-    scheduled: list[ScheduledSequence]
+    scheduled: list[ScheduledRow]
     block_copies: list[BlockCopy]
 
     def __bool__(self) -> bool:
@@ -63,9 +58,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         long_prefill_token_threshold: int | None = None,
         max_long_partial_prefills: int = 1,
+        max_model_len: int | None = None,
     ) -> None:
-        """long_prefill_token_threshold: None for a quarter of the budget (EngineConfig says why)."""
+        """long_prefill_token_threshold: None for a quarter of the budget (EngineConfig says why).
+        max_model_len: a sequence's longest context (None: no limit here)."""
         self.block_manager = block_manager
+        self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         if long_prefill_token_threshold is None:
@@ -105,18 +103,28 @@ class Scheduler:
         """A prompt's first share of the step: all its tokens left, a long one's capped at the threshold."""
         return min(seq.num_uncomputed_tokens, self.long_prefill_token_threshold, budget)
 
-    def schedule(self, exclude: Collection[Sequence] = (), drafting: Collection[Sequence] = ()) -> Batch:
-        """exclude: running sequences that sit this step out (they finish once the host reads their
-        pending last token). drafting: running sequences whose tokens end with drafts to verify (they
-        decode, though more than one token is left to compute)."""
+    def schedule(
+        self, in_flight: Mapping[Sequence, int] | None = None, drafting: Collection[Sequence] = ()
+    ) -> Batch:
+        """in_flight: running sequences whose next token a launched step sampled and the host has not read
+        yet, and its row of that step's samples. Such a token counts toward the sequence's length: the
+        sequence computes it (fed back on the device), or sits this step out when it ends the sequence by
+        length (it finishes once the host reads it). drafting: running sequences whose tokens end with
+        drafts to verify (they decode, though more than one token is left to compute)."""
+        in_flight = in_flight or {}
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
+        scheduled: list[ScheduledRow] = []
+        sitting_out = False
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running or seq in exclude or _is_prefilling(seq, drafting):
-                continue  # preempted below to make room for an earlier sequence, sitting out, or a prompt
-            while not self.block_manager.can_append(seq, 0):
+            if seq not in self.running or _is_prefilling(seq, drafting):
+                continue  # preempted below to make room for an earlier sequence, or a prompt
+            num_pending = int(seq in in_flight)
+            if num_pending and self._ends_by_length(seq, num_pending):
+                sitting_out = True
+                continue
+            while not self.block_manager.can_append(seq, num_pending):
                 victim = self.running[-1]
                 # alone, a sequence always fits (admission and max_model_len see to it)
                 assert victim is not seq or len(self.running) > 1, "a sequence outgrew the whole KV cache"
@@ -125,20 +133,20 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.WAITING:
                 continue
-            self.block_manager.append_slots(seq, 0)
+            self.block_manager.append_slots(seq, num_pending)
             # the speculator asked for no more drafts than the budget holds beside one token a sequence
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            scheduled.append(ScheduledSequence(seq, num_new))
+            num_new = min(seq.num_uncomputed_tokens + num_pending, budget)
+            scheduled.append(ScheduledRow(seq, num_new, in_flight.get(seq)))
             budget -= num_new
         # Prompts being prefilled: admission gave them blocks for all their tokens, so none is preempted here.
-        prefilling = [seq for seq in self.running if seq not in exclude and _is_prefilling(seq, drafting)]
+        prefilling = [seq for seq in self.running if _is_prefilling(seq, drafting)]
         threshold = self.long_prefill_token_threshold
         num_long = sum(seq.num_uncomputed_tokens > threshold for seq in prefilling)
-        chunks: list[ScheduledSequence] = []
+        chunks: list[ScheduledRow] = []
         for seq in prefilling:
             if budget == 0:
                 break
-            chunks.append(ScheduledSequence(seq, self._chunk(seq, budget)))
+            chunks.append(ScheduledRow(seq, self._chunk(seq, budget)))
             budget -= chunks[-1].num_new_tokens
         copies: list[BlockCopy] = []
         passed_over: list[Sequence] = []
@@ -164,7 +172,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             num_long += seq.num_uncomputed_tokens > threshold
-            chunks.append(ScheduledSequence(seq, self._chunk(seq, budget)))
+            chunks.append(ScheduledRow(seq, self._chunk(seq, budget)))
             budget -= chunks[-1].num_new_tokens
         # What the prompts left goes to the long ones, oldest first (short ones have all their tokens).
         for item in chunks:
@@ -176,8 +184,15 @@ class Scheduler:
         scheduled += chunks
         # an empty step with work left would repeat forever: the engine would spin without progress
         # (sequences sitting out finish when their tokens are read)
-        assert scheduled or exclude or not self.has_unfinished(), "no sequence can run, yet work is left"
+        assert scheduled or sitting_out or not self.has_unfinished(), "no sequence can run, yet work is left"
         return Batch(scheduled, copies)
+
+    def _ends_by_length(self, seq: Sequence, num_pending: int) -> bool:
+        """Whether the sequence's pending tokens bring it to max_tokens or max_model_len."""
+        return (
+            seq.num_output_tokens + num_pending >= seq.params.max_tokens
+            or seq.num_tokens + num_pending >= self.max_model_len
+        )
 
 
 def _is_prefilling(seq: Sequence, drafting: Collection[Sequence]) -> bool:

@@ -22,7 +22,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Collection
 from collections.abc import Sequence as Seq
 
 import torch
@@ -77,7 +77,7 @@ class Speculator:
         }
         self.controllers: dict[str, DraftLengthController] = {}
         self.stats = SpeculationStats()
-        self.ring_step: RingStep | None = None  # the last plan's drafts, when they cross in the ring
+        self.ring_step: RingStep | None = None  # the last step's drafts, when they cross in the ring
         self._paused_until = 0.0
         # A proposer that reads the target's hidden states (DFlash) names the layers; the engine hands
         # over the rows of each request's newly kept tokens, sent with its next DraftRequest.
@@ -126,20 +126,18 @@ class Speculator:
         times = self._step_seconds[verified_drafts]
         return statistics.median(times) if times else None
 
-    def plan(
+    def draft_lengths(
         self,
         running: Seq[Sequence],
         block_manager: BlockManager,
         token_budget: int,
         max_model_len: int,
-        before_proposing: Callable[[], None] | None = None,
-    ) -> dict[Sequence, list[int]]:
-        """Ask for drafts for the sequences ready to decode and append them to their tokens. Returns the
-        drafts per sequence (only non-empty ones). Never asks for more than the cache, the token budget
-        and each sequence's limits can take, so that the step needs no preemption.
-        before_proposing: called once some sequence wants drafts, before the proposer sees any tokens
-        (the engine reads a launched step's tokens there); sequences that finished meanwhile get none.
-        Drafts that cross in the ring are PENDING_DRAFT placeholders here (self.ring_step)."""
+        in_flight: Collection[Sequence] = (),
+    ) -> dict[Sequence, int]:
+        """How many drafts each sequence ready to decode asks for this step (only those that ask). Never
+        more than the cache, the token budget and each sequence's limits can take, so that the step needs
+        no preemption. in_flight: sequences with a next token that a launched step sampled and the host
+        has not read (the engine reads it before propose)."""
         self.ring_step = None
         if time.monotonic() < self._paused_until:
             return {}
@@ -148,7 +146,9 @@ class Speculator:
         free_blocks = block_manager.num_free_blocks
         budget = token_budget - len(running)  # each running sequence computes at least one token
         for seq in running:
-            if seq.num_computed_tokens + 1 != seq.num_tokens or seq.params.has_penalties:
+            num_pending = int(seq in in_flight)
+            num_tokens = seq.num_tokens + num_pending
+            if seq.num_computed_tokens + 1 != num_tokens or seq.params.has_penalties:
                 continue
             if seq.params.logprobs is not None:
                 continue
@@ -159,13 +159,14 @@ class Speculator:
                 )
             limit = min(
                 controller.next_num_drafts(step_cost) if self.adaptive else self.max_drafts,
-                seq.params.max_tokens - seq.num_output_tokens - 1,  # the last token is the target's
-                max_model_len - seq.num_tokens - 1,
+                # the last token is the target's
+                seq.params.max_tokens - seq.num_output_tokens - num_pending - 1,
+                max_model_len - num_tokens - 1,
                 budget,
             )
             # blocks for the drafts' KV, taken from what is free now
             while limit > 0:
-                new_blocks = block_manager.blocks_needed(seq.num_tokens + limit) - len(seq.block_table)
+                new_blocks = block_manager.blocks_needed(num_tokens + limit) - len(seq.block_table)
                 if new_blocks <= free_blocks:
                     free_blocks -= max(new_blocks, 0)
                     break
@@ -173,9 +174,12 @@ class Speculator:
             if limit > 0:
                 wanted[seq] = limit
                 budget -= limit
-        if before_proposing is not None and wanted:
-            before_proposing()
-            wanted = {seq: k for seq, k in wanted.items() if not seq.is_finished}
+        return wanted
+
+    def request_drafts(self, wanted: dict[Sequence, int]) -> dict[Sequence, list[int]]:
+        """Ask the proposer for wanted[seq] drafts of each sequence (draft_lengths) and append them to its
+        tokens. Returns the drafts per sequence (only non-empty ones). Drafts that cross in the ring are
+        PENDING_DRAFT placeholders here (self.ring_step)."""
         if not wanted:
             return {}
         requests = []

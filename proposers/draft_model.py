@@ -13,7 +13,6 @@ otherwise the roll-back drops them like any rejected draft.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Sequence as TokenIds
 
@@ -24,10 +23,10 @@ from engine.interfaces import AheadStats, DraftRequest, Proposer
 from engine.loader import LoadedModel
 from engine.model import Decoder
 from engine.ops import ops_for
-from engine.runner import PENDING_TOKEN, Launch, ModelRunner
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
+from engine.step import PendingStep, ScheduledRow
 
 # Argmax drafts: deterministic, so the engine verifies them with a one-hot q (draft_probs=None).
 _GREEDY = SamplingParams(temperature=0.0)
@@ -212,53 +211,50 @@ class DraftModelProposer(Proposer):
 
     def _decode(self, goal: dict[Sequence, int]) -> None:
         """Compute each sequence's uncomputed tokens (chunked), then decode greedily until it holds
-        goal[seq] tokens. Steps of one new token per sequence are launched without waiting for their
-        tokens (on a GPU: CUDA-graph replays back to back); a step that needs the tokens on the host
-        reads them first."""
-        unread: collections.deque[tuple[Launch, list[int]]] = collections.deque()  # + token positions
-        previous: Launch | None = None
+        goal[seq] tokens. Steps of one new token per sequence are launched before the previous one's
+        tokens are read (on a GPU: CUDA-graph replays back to back, each fed the previous one's samples on
+        the device); a step that needs the tokens on the host reads them first."""
+        pending: PendingStep | None = None  # the launched step whose tokens are unread
+        in_flight: dict[Sequence, int] = {}  # its sequences (one token ahead) and their rows of its samples
         active = [seq for seq, num_tokens in goal.items() if seq.num_tokens < num_tokens]
         while active:
-            if all(seq.num_uncomputed_tokens == 1 for seq in active):
-                if len(unread) == 2:  # the runner's pinned buffers alternate between two launches
-                    _read(*unread.popleft())
-                launch = self.runner.launch([ScheduledSequence(seq, 1) for seq in active], previous)
-                positions = [seq.num_tokens for seq in active]
+            if all(seq in in_flight or seq.num_uncomputed_tokens == 1 for seq in active):
+                rows = [ScheduledRow(seq, 1, in_flight.get(seq)) for seq in active]
+                launched = self.runner.launch(rows, pending)
+                _append(pending)
                 for seq in active:
                     seq.num_computed_tokens += 1
-                    seq.token_ids.append(PENDING_TOKEN)
-                unread.append((launch, positions))
-                previous = launch
+                pending = launched
             else:
-                while unread:
-                    _read(*unread.popleft())
-                previous = None
+                _append(pending)
+                pending = None
                 scheduled = self._prefill_chunks(active)
                 sampled = self.runner.execute(scheduled)
                 for item in scheduled:
                     item.seq.num_computed_tokens += item.num_new_tokens
                 for result in sampled:
                     result.seq.token_ids.append(result.token_id)
-            active = [seq for seq in active if seq.num_tokens < goal[seq]]
-        while unread:
-            _read(*unread.popleft())
+            in_flight = pending.sample_rows() if pending is not None else {}
+            active = [seq for seq in active if seq.num_tokens + (seq in in_flight) < goal[seq]]
+        _append(pending)
 
-    def _prefill_chunks(self, seqs: list[Sequence]) -> list[ScheduledSequence]:
+    def _prefill_chunks(self, seqs: list[Sequence]) -> list[ScheduledRow]:
         """Each sequence's uncomputed tokens, in order, as far as one step's token budget goes."""
-        scheduled: list[ScheduledSequence] = []
+        scheduled: list[ScheduledRow] = []
         budget = self.max_num_batched_tokens
         for seq in seqs:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new > 0:
-                scheduled.append(ScheduledSequence(seq, num_new))
+                scheduled.append(ScheduledRow(seq, num_new))
                 budget -= num_new
         return scheduled
 
 
-def _read(launch: Launch, positions: list[int]) -> None:
-    """Put a launch's sampled tokens in place of their PENDING_TOKEN."""
-    for seq, position, token_id in zip(launch.seqs, positions, launch.read(), strict=True):
-        seq.token_ids[position] = token_id
+def _append(pending: PendingStep | None) -> None:
+    """Read a launched step's sampled tokens into their sequences."""
+    if pending is not None:
+        for seq, token_id in zip(pending.seqs, pending.read(), strict=True):
+            seq.token_ids.append(token_id)
 
 
 def _layer_index(weight_name: str) -> int:

@@ -42,8 +42,8 @@ from engine.model import Decoder  # noqa: E402
 from engine.ops import TRITON_OPS  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from engine.scheduler import ScheduledSequence  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
+from engine.step import ScheduledRow  # noqa: E402
 from kernels import linear, norm_linear  # noqa: E402
 from kernels.attention import AttentionMetadata, DecodeWorkspace, paged_decode_attention_triton  # noqa: E402
 from kernels.int8 import quantize_int8  # noqa: E402
@@ -159,15 +159,15 @@ def run_decoder(
     manager = BlockManager(num_blocks=64, block_size=16)
     seq = Sequence("s", list(range(1, prompt_len + 1)), SamplingParams())
     manager.allocate(seq)
-    runner.forward_eager([ScheduledSequence(seq, prompt_len)])
+    runner.forward_eager([ScheduledRow(seq, prompt_len)])
     seq.num_computed_tokens = prompt_len
     seq.token_ids.append(7)
     manager.append_slots(seq, 0)
-    runner.forward_eager([ScheduledSequence(seq, 1)], is_decode=True)
+    runner.forward_eager([ScheduledRow(seq, 1)], is_decode=True)
     seq.num_computed_tokens += 1
     seq.token_ids += [8, 9, 10, 11, 12]
     manager.append_slots(seq, 0)
-    runner.forward_eager([ScheduledSequence(seq, 5)], num_logits={seq: 5})
+    runner.forward_eager([ScheduledRow(seq, 5)], num_logits={seq: 5})
 
 
 def run_engine_kernels() -> None:

@@ -19,8 +19,8 @@ from engine.block_manager import BlockManager  # noqa: E402
 from engine.model import Decoder  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from engine.scheduler import ScheduledSequence  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
+from engine.step import ScheduledRow  # noqa: E402
 
 SPECS = {
     "qwen3-qk-norm-tied": TINY,
@@ -46,12 +46,12 @@ def _reference_logits(spec, weights, token_ids: list[int], num_prompt: int) -> t
     manager = BlockManager(num_blocks, block_size)
     seq = Sequence("s", token_ids[:num_prompt], SamplingParams())
     manager.allocate(seq)
-    logits = [runner.forward_eager([ScheduledSequence(seq, num_prompt)])]
+    logits = [runner.forward_eager([ScheduledRow(seq, num_prompt)])]
     seq.num_computed_tokens = num_prompt
     for token in token_ids[num_prompt:]:
         seq.token_ids.append(token)
         manager.append_slots(seq, 0)
-        logits.append(runner.forward_eager([ScheduledSequence(seq, 1)], is_decode=True))
+        logits.append(runner.forward_eager([ScheduledRow(seq, 1)], is_decode=True))
         seq.num_computed_tokens += 1
     return torch.cat(logits)
 

@@ -20,8 +20,8 @@ from engine.model import Decoder, is_layer_linear
 from engine.runner import ModelRunner
 from engine.safetensors_loader import load_safetensors_folder
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
+from engine.step import ScheduledRow
 from kernels.int8 import Int8Weight, dequantize, quantize_int8
 from tests.test_gguf_loader import QuantType, Tiny, gguf_layout, hf_weights, write_gguf
 
@@ -46,7 +46,7 @@ def _last_logits(spec, weights) -> torch.Tensor:
     )
     seq = Sequence("s", list(range(3, 20)), SamplingParams())
     BlockManager(8, 4).allocate(seq)
-    return runner.forward_eager([ScheduledSequence(seq, seq.num_tokens)], num_logits={seq: seq.num_tokens})
+    return runner.forward_eager([ScheduledRow(seq, seq.num_tokens)], num_logits={seq: seq.num_tokens})
 
 
 def test_q8_0_loads_as_int8_and_computes_what_the_dequantized_file_does(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from engine.engine import Engine
 from engine.interfaces import DraftRequest, Proposer
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSequence
+from engine.step import ScheduledRow
 from kernels.linear_dequant import INT8_DEQUANT_MIN_M
 
 pytestmark = pytest.mark.gpu
@@ -40,9 +40,9 @@ def test_graph_decode_step_equals_eager(prompt_lens: list[int]) -> None:
     seqs = list(engine.scheduler.running)
     for seq in seqs:
         engine.block_manager.append_slots(seq, 0)
-    scheduled = [ScheduledSequence(seq, 1) for seq in seqs]
+    scheduled = [ScheduledRow(seq, 1) for seq in seqs]
     eager = runner.forward_eager(scheduled, is_decode=True).clone()
-    launch = runner.graphs.launch(scheduled, [-1] * len(seqs))
+    launch = runner.graphs.launch(scheduled)
     launch.read()
     graph = runner.graphs.logits[: len(seqs)]
     difference = (eager - graph).abs().max().item()

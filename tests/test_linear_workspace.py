@@ -23,8 +23,8 @@ from engine.model import Decoder
 from engine.ops import TRITON_OPS
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
+from engine.step import ScheduledRow
 from kernels.int8 import Int8Weight
 from kernels.linear_dequant import INT8_DEQUANT_MIN_M
 
@@ -58,11 +58,11 @@ def _steps(decoder: Decoder, seed: int) -> Iterator[torch.Tensor]:
     prompt = torch.randint(0, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
     seq = Sequence("s", prompt, SamplingParams())
     manager.allocate(seq)
-    yield runner.forward_eager([ScheduledSequence(seq, PROMPT_LEN)], num_logits={seq: PROMPT_LEN}).clone()
+    yield runner.forward_eager([ScheduledRow(seq, PROMPT_LEN)], num_logits={seq: PROMPT_LEN}).clone()
     seq.num_computed_tokens = seq.num_tokens
     seq.token_ids += [7, 8, 9, 10, 11]
     manager.append_slots(seq, 0)
-    yield runner.forward_eager([ScheduledSequence(seq, 5)], num_logits={seq: 5}).clone()
+    yield runner.forward_eager([ScheduledRow(seq, 5)], num_logits={seq: 5}).clone()
 
 
 def _two_decoders(device: str) -> list[Decoder]:

@@ -15,8 +15,8 @@ from engine.ops import ops_for
 from engine.runner import ModelRunner
 from engine.safetensors_loader import load_safetensors_folder
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
+from engine.step import ScheduledRow
 
 _COMMON = dict(
     vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -78,12 +78,12 @@ def test_logits_match_transformers(family: str, device: str, tmp_path: Path) -> 
         expected = reference(token_ids[None]).logits[0, num_prompt - 1 :]
     seq = Sequence("s", token_ids[:num_prompt].tolist(), SamplingParams())
     manager.allocate(seq)
-    got = [runner.forward_eager([ScheduledSequence(seq, num_prompt)])]
+    got = [runner.forward_eager([ScheduledRow(seq, num_prompt)])]
     seq.num_computed_tokens = num_prompt
     for token in token_ids[num_prompt:].tolist():  # teacher-forced decode steps
         seq.token_ids.append(token)
         manager.append_slots(seq, 0)
-        got.append(runner.forward_eager([ScheduledSequence(seq, 1)], is_decode=True))
+        got.append(runner.forward_eager([ScheduledRow(seq, 1)], is_decode=True))
         seq.num_computed_tokens += 1
     got_logits = torch.cat(got).cpu()
     scale = expected.abs().max()
