@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,6 +33,7 @@ from engine.default_model import default_model_path  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loader import LoadedModel, load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
+from engine.step import ScheduledRow  # noqa: E402
 from tests.divergence import differences  # noqa: E402
 
 OPEN_CHAT = [
@@ -96,6 +98,11 @@ PROPOSERS = {  # key: (name, settings); at most --num-draft drafts a step unless
 }
 
 
+def _verify_or_execute(scheduled: list[ScheduledRow], ring: object = None) -> str:
+    """ModelRunner.execute's calls: a verify step (some row has drafts) or a plain one."""
+    return "verify" if any(row.num_drafts for row in scheduled) else "execute"
+
+
 class CallTimer:
     """Wall time spent in chosen methods of an engine's parts (host work plus any wait for the GPU
     inside them), to split a speculative step into drafting, verifying and the rest."""
@@ -104,7 +111,8 @@ class CallTimer:
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: dict[str, int] = collections.defaultdict(int)
 
-    def wrap(self, owner: object, name: str) -> None:
+    def wrap(self, owner: object, name: str, key: Callable[..., str] | None = None) -> None:
+        """Time owner.name's calls, under `name` or under key(*args, **kwargs)."""
         method = getattr(owner, name)
 
         def timed(*args: object, **kwargs: object) -> object:
@@ -112,8 +120,9 @@ class CallTimer:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - started
-                self.calls[name] += 1
+                label = key(*args, **kwargs) if key is not None else name
+                self.seconds[label] += time.perf_counter() - started
+                self.calls[label] += 1
 
         setattr(owner, name, timed)
 
@@ -199,8 +208,8 @@ def main() -> None:
             for method in ("draft_lengths", "request_drafts"):
                 timer.wrap(engine.speculator, method)
             timer.wrap(engine.speculator.proposer, "propose")  # each ask ends a step's run-ahead
-            for method in ("execute_speculative", "execute", "launch"):
-                timer.wrap(engine.runner, method)
+            timer.wrap(engine.runner, "launch")
+            timer.wrap(engine.runner, "execute", key=_verify_or_execute)
             spec = run_set(engine, prompts, args.max_tokens)
             stats = engine.speculator.stats
             row = {
@@ -232,7 +241,7 @@ def main() -> None:
     print("| " + " | ".join(columns) + " |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
-        verify = row["time_in"].get("execute_speculative", {}).get("ms_per_call")
+        verify = row["time_in"].get("verify", {}).get("ms_per_call")
         cells = [
             row["prompts"], row["proposer"], f"{row['tau']:.2f}", f"{100 * row['acceptance']:.0f} %",
             f"{row['verify_steps']} of {row['engine_steps']}",

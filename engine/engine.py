@@ -28,12 +28,12 @@ from engine.kv_calibration import calibration_ids
 from engine.loader import LoadedModel, load_model
 from engine.model import Decoder
 from engine.ops import ops_for
-from engine.runner import ModelRunner, Verification
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import DEFAULT_DRAFT_COST, Speculator
-from engine.step import PendingStep, ScheduledRow, is_decode_step
+from engine.step import Drafts, PendingStep, RowOutput, ScheduledRow, is_decode_step
 from kernels.int8 import Int8Weight
 from kernels.triton_common import specialization_sizes
 
@@ -224,7 +224,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         if self.in_flight is not None and not self._can_schedule_ahead():
             outputs += self._apply_in_flight()
-        drafts: dict[Sequence, list[int]] = {}
+        drafts = Drafts()
         if self.speculator is not None:
             num_drafts = self.speculator.draft_lengths(
                 self.scheduler.running, self.block_manager, self.max_num_batched_tokens, self.max_model_len,
@@ -234,18 +234,13 @@ class Engine:
                 outputs += self._apply_in_flight()  # the proposer must see every token
                 num_drafts = {seq: k for seq, k in num_drafts.items() if not seq.is_finished}
                 drafts = self.speculator.request_drafts(num_drafts)
-        batch = self.scheduler.schedule(in_flight=self._in_flight_rows(), drafting=drafts)
+        batch = self.scheduler.schedule(in_flight=self._in_flight_rows(), drafts=drafts)
         if not batch:
             return outputs + self._apply_in_flight()
-        if drafts:
-            self.runner.copy_blocks(batch.block_copies)
-            outputs += self._speculative_step(batch.scheduled, drafts)
-            self.speculator.record_step(time.perf_counter() - started, verified_drafts=True)
-            return outputs
         self.runner.copy_blocks(batch.block_copies)
         scheduled = batch.scheduled
         is_decode = is_decode_step(scheduled)
-        if self.run_ahead and self.runner.can_launch_ahead(scheduled):
+        if not drafts and self.run_ahead and self.runner.can_launch_ahead(scheduled):
             launched = self.runner.launch(scheduled, self.in_flight)
             outputs += self._apply_in_flight()
             self._commit(scheduled)
@@ -261,74 +256,49 @@ class Engine:
                 ]
                 if not scheduled:
                     return outputs
-            sampled = self.runner.execute(scheduled)
-            self._keep_hidden(scheduled, {})
-            self._commit(scheduled)
-            for result in sampled:
-                result.seq.token_ids.append(result.token_id)
-            outputs += [self._emit(result.seq, result.logprob) for result in sampled]
-        if is_decode and self.speculator is not None:
+            results = self.runner.execute(scheduled, drafts.ring)
+            if drafts.ring is not None:
+                read = {item.seq: result.draft_ids for item, result in zip(scheduled, results, strict=True)}
+                self.speculator.took_ring_drafts(drafts, read)
+            outputs += self._apply(scheduled, results)
+        if drafts:
+            self.speculator.record_step(time.perf_counter() - started, verified_drafts=True)
+        elif is_decode and self.speculator is not None:
             self.speculator.record_step(time.perf_counter() - started, verified_drafts=False)
         return outputs
 
-    def _speculative_step(
-        self, scheduled: list[ScheduledRow], drafts: dict[Sequence, list[int]]
-    ) -> list[RequestOutput]:
-        """Verify the drafts; each sequence keeps its accepted drafts and the target's next token (its KV
-        stops at the last accepted draft: rolling back only moves num_computed_tokens)."""
-        ring = self.speculator.ring_step
-        sampled, verifications = self.runner.execute_speculative(scheduled, drafts, ring)
-        if ring is not None:
-            self.speculator.took_ring_drafts(ring, drafts)
-        verified = {verification.seq: verification for verification in verifications}
-        self._keep_hidden(scheduled, {seq: v.num_accepted for seq, v in verified.items()})
-        for item in scheduled:
+    def _apply(self, scheduled: list[ScheduledRow], results: list[RowOutput]) -> list[RequestOutput]:
+        """Apply a step's output: each sequence takes its new tokens (a verified one its accepted drafts
+        and the target's next token; its KV stops at the last accepted draft, so rolling back only moves
+        num_computed_tokens), commits its computed blocks and hands the proposer the hidden rows of the
+        tokens it kept; then every row's new tokens are emitted."""
+        for item, result in zip(scheduled, results, strict=True):
             seq = item.seq
-            if seq in verified:
-                num_drafts = len(drafts[seq])
-                accepted = verified[seq].num_accepted
-                del seq.token_ids[seq.num_tokens - num_drafts + accepted :]  # rejected drafts
-                seq.num_computed_tokens = seq.num_tokens  # the last token and the accepted drafts
-                self.speculator.record(seq, num_drafts, accepted)
-            else:
-                seq.num_computed_tokens += item.num_new_tokens
+            if result.hidden is not None:
+                self.speculator.add_hidden(seq.request_id, result.hidden, seq.num_computed_tokens)
+            seq.token_ids += result.token_ids
+            seq.num_computed_tokens += item.num_new_tokens + result.num_accepted
             self.block_manager.commit_computed(seq)
-        outputs = []
-        for result in sampled:
-            result.seq.token_ids.append(result.token_id)
-            outputs.append(self._emit(result.seq, result.logprob))
-        for verification in verifications:
-            outputs.append(self._emit_verified(verification))
-        return outputs
+            if item.num_drafts:
+                self.speculator.record(seq, len(result.draft_ids), result.num_accepted)
+        return [
+            self._emit_new(item.seq, len(result.token_ids), result.logprob)
+            for item, result in zip(scheduled, results, strict=True)
+            if result.token_ids
+        ]
 
-    def _keep_hidden(self, scheduled: list[ScheduledRow], num_accepted: dict[Sequence, int]) -> None:
-        """Hand the proposer's hidden-state rows of the tokens this step kept (a verified sequence keeps
-        its last token and the accepted drafts)."""
-        captured = self.runner.captured_hidden
-        if self.speculator is None or not self.speculator.target_layer_ids or captured is None:
-            return
-        start = 0
-        for item in scheduled:
-            rows = captured[start : start + item.num_new_tokens]
-            start += item.num_new_tokens
-            if item.seq in num_accepted:
-                rows = rows[: num_accepted[item.seq] + 1]
-            self.speculator.add_hidden(item.seq.request_id, rows, item.seq.num_computed_tokens)
-
-    def _emit_verified(self, verification: Verification) -> RequestOutput:
-        """Emit a verified step's tokens one by one (a stop among them ends the request there) as one
-        output."""
-        seq = verification.seq
-        start = seq.num_tokens - verification.num_accepted  # the first accepted draft
-        seq.token_ids.append(verification.token_ids[-1])
+    def _emit_new(self, seq: Sequence, num_new: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """Emit the sequence's last num_new tokens one by one (a stop among them ends the request there) as
+        one output."""
         parts = []
-        for position in range(start, seq.num_tokens):
-            parts.append(self._emit(seq, None, num_known_tokens=position + 1))
+        for position in range(seq.num_tokens - num_new, seq.num_tokens):
+            parts.append(self._emit(seq, logprob, num_known_tokens=position + 1))
             if parts[-1].finished:
                 break
         merged = parts[-1]
-        merged.new_token_ids = [token for part in parts for token in part.new_token_ids]
-        merged.new_text = "".join(part.new_text for part in parts)
+        if len(parts) > 1:
+            merged.new_token_ids = [token for part in parts for token in part.new_token_ids]
+            merged.new_text = "".join(part.new_text for part in parts)
         return merged
 
     def _in_flight_rows(self) -> dict[Sequence, int]:

@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from engine.sequence import Sequence as EngineSequence
-
 
 class ProposerUnavailableError(RuntimeError):
     """No drafts now, and no fault either (a remote proposer not attached yet): the step decodes plainly."""
@@ -72,15 +70,6 @@ class DeviceDrafts(Protocol):
     def read(self, token_rows: list[int], slots: list[tuple[int, int]], device: torch.device) -> DraftsRead:
         """A verify step's read: token_rows[i] (of the packed ids on `device`) takes draft
         slots[i] = (ring row, draft index)."""
-
-
-@dataclasses.dataclass
-class RingStep:
-    """A step's drafts in DeviceDrafts: each sequence's ring row and number of placeholders."""
-
-    drafts: DeviceDrafts
-    rows: dict[EngineSequence, int]
-    num_drafts: dict[EngineSequence, int]
 
 
 class Proposer(abc.ABC):

@@ -14,43 +14,21 @@ tokens back one step later.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from engine.block_manager import BlockCopy
 from engine.decode_graphs import DecodeGraphs
-from engine.interfaces import DraftsRead, RingStep
+from engine.interfaces import DeviceDrafts, DraftsRead
 from engine.kv_cache import allocate_kv_cache, copy_blocks
 from engine.model import Decoder
 from engine.sampler import Sampler
 from engine.sampling import TokenLogprob
 from engine.sequence import Sequence
-from engine.speculative import verify_greedy
-from engine.step import PendingStep, ScheduledRow, is_decode_step
+from engine.step import PendingStep, RowOutput, ScheduledRow, is_decode_step
 from engine.step_graphs import StepGraphs, StepInputs
+from engine.verify import read_ring, ring_drafts_read, verify_rows
 from kernels.attention import AttentionMetadata
 from kernels.sampling import top_logprobs
-
-# In Sequence.token_ids: a draft that the proposer writes into the draft ring, read by the verify step
-# (engine/interfaces.py RingStep); the host learns it with the step's results.
-PENDING_DRAFT = -2
-
-
-@dataclasses.dataclass
-class SampledToken:
-    seq: Sequence
-    token_id: int
-    logprob: TokenLogprob | None
-
-
-@dataclasses.dataclass
-class Verification:
-    """A sequence's drafts checked against the target: the tokens it emits this step."""
-
-    seq: Sequence
-    token_ids: list[int]  # the accepted drafts, then the target's own next token
-    num_accepted: int
 
 
 class ModelRunner:
@@ -72,7 +50,7 @@ class ModelRunner:
     ) -> None:
         """step_graphs: also replay prefill, mixed and verify steps from CUDA graphs (StepGraphs) of up to
         max_num_batched_tokens tokens and max_logit_rows logit rows (default: one per sequence).
-        capture_layers: decoder layers whose output stream every step keeps in captured_hidden (DFlash);
+        capture_layers: decoder layers whose output stream every step returns (RowOutput.hidden; DFlash);
         their steps run from the step graphs (which capture them too) or eagerly, never from DecodeGraphs.
         kv_cache_dtype "int8": an INT8 cache, whose key smoothing comes from a forward pass over
         calibration_tokens before any graph is captured (engine/kv_cache.py)."""
@@ -90,7 +68,6 @@ class ModelRunner:
         )  # fmt: skip
         self.sampler = Sampler(self.logit_vocab_size, self.device)
         self.capture_layers = capture_layers
-        self.captured_hidden: torch.Tensor | None = None  # [num_tokens, len(layers) * hidden], packed
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and use_cuda_graphs and not capture_layers:
             self.graphs = DecodeGraphs(self, max_num_seqs)
@@ -111,138 +88,58 @@ class ModelRunner:
             self.graphs.forget(request_id)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRow]) -> list[SampledToken]:
-        """Compute the scheduled tokens and sample the next token of every sequence whose tokens are
-        then all computed (in scheduled order)."""
-        sampled = [item.seq for item in scheduled if item.samples]
+    def execute(self, scheduled: list[ScheduledRow], ring: DeviceDrafts | None = None) -> list[RowOutput]:
+        """Compute the scheduled tokens (and drafts) and return each row's output: a row whose tokens are
+        then all computed samples its next token, or has its drafts verified exactly against the target's
+        [last token, drafts] logits (greedy: the target's argmax; sampled: rejection sampling). Drafts with
+        a ring_row come from `ring`, read on the device. Eager, a step graph, or a decode graph."""
+        outputs = [RowOutput([]) for _ in scheduled]
         is_decode = is_decode_step(scheduled)
+        hidden = None
         if self.graphs is not None and is_decode and self.graphs.fits(len(scheduled)):
             launch = self.graphs.launch(scheduled)
             launch.read()
-            token_ids, logits = launch.host_tokens, self.graphs.logits[: len(scheduled)]
-        else:
-            logits = self.forward_eager(scheduled, is_decode)
-            if not sampled:
-                return []
-            token_ids = self._sample_eager(logits, sampled, [seq.num_tokens for seq in sampled])
-        return self._results(sampled, token_ids, logits)
-
-    @torch.inference_mode()
-    def execute_speculative(
-        self,
-        scheduled: list[ScheduledRow],
-        drafts: dict[Sequence, list[int]],
-        ring: RingStep | None = None,
-    ) -> tuple[list[SampledToken], list[Verification]]:
-        """As execute, for a step in which some sequences end with drafts (already in their tokens):
-        the target scores [last token, drafts] of those in the same forward pass, and their drafts are
-        verified exactly (greedy: the target's argmax; sampled: rejection sampling). Eager, or a step
-        graph. With a `ring`, its sequences' drafts are PENDING_DRAFT here: the step reads them from the
-        draft ring, and they replace the placeholders (and their entries in `drafts`, as many as the
-        proposer wrote) before verification."""
-        num_logits = {seq: len(d) + 1 for seq, d in drafts.items()}
-        # (before the ring's drafts replace the placeholders, which may shorten the sequences)
-        completes = [
-            item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens for item in scheduled
-        ]
-        ring_read, covered = self._ring_read(scheduled, ring) if ring is not None else (None, [])
-        logits = self.forward_eager(scheduled, num_logits=num_logits, ring_read=ring_read)
-        if ring is not None:
-            self._take_ring_drafts(ring, ring_read, covered, drafts)
-        plain_seqs: list[Sequence] = []
-        plain_rows: list[int] = []
-        greedy: list[tuple[Sequence, int]] = []  # (sequence, its first logits row)
-        verifications: list[Verification] = []
-        row = 0
-        for item, complete in zip(scheduled, completes, strict=True):
-            seq = item.seq
-            if not complete:
+            logits = self.graphs.logits[: len(scheduled)]
+            self._sample_into(outputs, list(range(len(scheduled))), scheduled, logits, launch.host_tokens)
+            return outputs
+        ring_read = read_ring(scheduled, ring, self.device) if ring is not None else None
+        logits, hidden = self._forward(scheduled, is_decode, ring_read=ring_read)
+        ring_drafts = iter(ring_drafts_read(scheduled, ring_read)) if ring is not None else iter(())
+        plain: list[int] = []  # rows that sample
+        plain_logit_rows: list[int] = []
+        verifying: list[tuple[ScheduledRow, int, list[int]]] = []  # (row, its first logits row, drafts)
+        verifying_rows: list[int] = []
+        first = 0
+        start = 0
+        for index, item in enumerate(scheduled):
+            if hidden is not None:
+                outputs[index].hidden = hidden[start : start + item.num_tokens]
+            start += item.num_tokens
+            if not item.samples:
                 continue  # a prompt chunk: no logits
-            if seq not in drafts:
-                plain_seqs.append(seq)
-                plain_rows.append(row)
-                row += 1
-                continue
-            count = num_logits[seq]
-            if seq.params.is_greedy:
-                greedy.append((seq, row))
+            if item.num_drafts == 0:
+                plain.append(index)
+                plain_logit_rows.append(first)
             else:
-                token_ids, num_accepted = self.sampler.verify(seq, logits[row : row + count], drafts[seq])
-                verifications.append(Verification(seq, token_ids, num_accepted))
-            row += count
-        if greedy:
-            verifications += self._verify_greedy(greedy, logits, drafts)
-        results: list[SampledToken] = []
-        if plain_seqs:
-            plain_logits = logits[torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)]
-            token_ids = self._sample_eager(plain_logits, plain_seqs, [seq.num_tokens for seq in plain_seqs])
-            results = self._results(plain_seqs, token_ids, plain_logits)
-        return results, verifications
-
-    def _ring_read(
-        self, scheduled: list[ScheduledRow], ring: RingStep
-    ) -> tuple[DraftsRead | None, list[Sequence]]:
-        """Where the step's packed input ids take the ring's drafts (each ring sequence's last tokens),
-        and the ring sequences the step runs, in that order."""
-        token_rows: list[int] = []
-        slots: list[tuple[int, int]] = []
-        covered: list[Sequence] = []
-        end = 0
-        for item in scheduled:
-            end += item.num_new_tokens
-            row = ring.rows.get(item.seq)
-            if row is not None:
-                count = ring.num_drafts[item.seq]
-                token_rows += range(end - count, end)
-                slots += [(row, j) for j in range(count)]
-                covered.append(item.seq)
-        if not token_rows:
-            return None, covered
-        return ring.drafts.read(token_rows, slots, self.device), covered
-
-    @staticmethod
-    def _take_ring_drafts(
-        ring: RingStep,
-        ring_read: DraftsRead | None,
-        covered: list[Sequence],
-        drafts: dict[Sequence, list[int]],
-    ) -> None:
-        """Put the drafts the step read from the ring in place of each sequence's placeholders (only as
-        many as the proposer wrote: the rest were padding; a sequence the step did not run gets none)."""
-        used, lengths = ring_read.finish() if ring_read is not None else ([], {})
-        read: dict[Sequence, list[int]] = {}
-        offset = 0
-        for seq in covered:
-            count = ring.num_drafts[seq]
-            read[seq] = used[offset : offset + count][: lengths[ring.rows[seq]]]
-            offset += count
-        for seq in ring.rows:
-            count = ring.num_drafts[seq]
-            del seq.token_ids[len(seq.token_ids) - count :]
-            drafts[seq] = read.get(seq, [])
-            seq.token_ids += drafts[seq]
-
-    @staticmethod
-    def _verify_greedy(
-        greedy: list[tuple[Sequence, int]], logits: torch.Tensor, drafts: dict[Sequence, list[int]]
-    ) -> list[Verification]:
-        """All greedy sequences at once, drafts padded to the longest. One argmax on the device and one
-        read back; the drafts are on the host, so the comparison runs there (a few ops on [rows] ints,
-        where on a GPU it cost three copies up and a dozen tiny kernels)."""
-        k_max = max(len(drafts[seq]) for seq, _ in greedy)
-        rows = [[first + min(j, len(drafts[seq])) for j in range(k_max + 1)] for seq, first in greedy]
-        targets = logits.argmax(dim=-1).cpu()[torch.tensor(rows, dtype=torch.int64)]
-        padded = [drafts[seq] + [-1] * (k_max - len(drafts[seq])) for seq, _ in greedy]
-        verified = verify_greedy(
-            targets,
-            torch.tensor(padded, dtype=torch.int64),
-            torch.tensor([len(drafts[seq]) for seq, _ in greedy]),
-        )
-        emitted, accepted = verified.output_token_ids.tolist(), verified.num_accepted.tolist()
-        return [
-            Verification(seq, tokens[: count + 1], count)
-            for (seq, _), tokens, count in zip(greedy, emitted, accepted, strict=True)
-        ]
+                drafts = item.draft_ids if item.ring_row is None else next(ring_drafts)
+                outputs[index].draft_ids = drafts
+                verifying.append((item, first, drafts))
+                verifying_rows.append(index)
+            first += 1 + item.num_drafts
+        for index, (token_ids, num_accepted) in zip(
+            verifying_rows, verify_rows(self.sampler, logits, verifying), strict=True
+        ):
+            output = outputs[index]
+            output.token_ids, output.num_accepted = token_ids, num_accepted
+            if output.hidden is not None:  # the rows of the tokens it keeps: the last one, accepted drafts
+                output.hidden = output.hidden[: num_accepted + 1]
+        if plain:
+            if verifying:
+                logits = logits[torch.tensor(plain_logit_rows, dtype=torch.int64, device=logits.device)]
+            seqs = [scheduled[index].seq for index in plain]
+            token_ids = self._sample_eager(logits, seqs, [seq.num_tokens for seq in seqs])
+            self._sample_into(outputs, plain, scheduled, logits, token_ids)
+        return outputs
 
     def can_launch_ahead(self, scheduled: list[ScheduledRow]) -> bool:
         """Whether this step can run before the host has read the previous launch's tokens: a decode-graph
@@ -283,7 +180,7 @@ class ModelRunner:
             fed_back = previous.device_tokens
         sampled = [item for item in scheduled if item.samples]
         seqs, draw_positions = [item.seq for item in sampled], [item.end for item in sampled]
-        logits = self.forward_eager(scheduled, is_decode, fed_back=fed_back)
+        logits = self.forward_eager(scheduled, is_decode, fed_back)
         if self.graphs is not None:
             return self.graphs.sample_rows(logits, seqs, draw_positions)
         token_ids = self._sample_eager(logits, seqs, draw_positions)
@@ -296,13 +193,23 @@ class ModelRunner:
         is_decode: bool = False,
         fed_back: torch.Tensor | None = None,
         num_logits: dict[Sequence, int] | None = None,
-        ring_read: DraftsRead | None = None,
     ) -> torch.Tensor:
         """The float32 logits [num_rows, logit_vocab_size] of each sequence whose tokens are all computed
-        after this step, without sampling: its last token's row, or its last num_logits[seq] rows.
-        fed_back: the previous launch's samples (PendingStep.device_tokens), the last input of each row
-        with a fed_back_row. ring_read: input ids that come from the draft ring (PENDING_DRAFT in the
-        sequences' lists)."""
+        after this step, without sampling: its last token's row and one per draft, or its last
+        num_logits[seq] rows. fed_back: the previous launch's samples (PendingStep.device_tokens), the last
+        input of each row with a fed_back_row."""
+        return self._forward(scheduled, is_decode, fed_back, num_logits)[0]
+
+    def _forward(
+        self,
+        scheduled: list[ScheduledRow],
+        is_decode: bool = False,
+        fed_back: torch.Tensor | None = None,
+        num_logits: dict[Sequence, int] | None = None,
+        ring_read: DraftsRead | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward_eager's logits, and the captured hidden rows of every packed token (capture_layers;
+        else None). ring_read: input ids (draft rows with a ring_row) that come from the draft ring."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -316,26 +223,25 @@ class ModelRunner:
             if item.fed_back_row is not None:
                 fed_back_rows[len(input_ids)] = item.fed_back_row
                 input_ids.append(0)  # the graph (or the eager step below) takes it from fed_back
+            if item.num_drafts:  # ring drafts: a valid id, should the proposer never answer
+                input_ids += item.draft_ids if item.ring_row is None else [0] * item.num_drafts
+            end += item.num_drafts
             positions += range(start, end)
             table = seq.block_table
             slot_mapping += [
                 table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)
             ]
-            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+            query_start_loc.append(query_start_loc[-1] + item.num_tokens)
             seq_lens.append(end)
             if item.samples:
-                count = num_logits.get(seq, 1) if num_logits else 1
+                count = num_logits.get(seq, 1) if num_logits else 1 + item.num_drafts
                 logit_rows += range(query_start_loc[-1] - count, query_start_loc[-1])
         source_rows = None
         if fed_back_rows:
             source_rows = [-1] * len(input_ids)
             for row, source in fed_back_rows.items():
                 source_rows[row] = source
-        gather_drafts = None
-        if ring_read is not None:
-            for row in ring_read.token_rows:  # a valid id, should the proposer never answer
-                input_ids[row] = 0
-            gather_drafts = ring_read.gather_into
+        gather_drafts = ring_read.gather_into if ring_read is not None else None
         if self.step_graphs is not None and logit_rows:
             inputs = StepInputs(
                 input_ids, positions, slot_mapping, query_start_loc, seq_lens,
@@ -343,9 +249,10 @@ class ModelRunner:
             )  # fmt: skip
             if self.step_graphs.fits(inputs) and (fed_back is None or fed_back is self.step_graphs.feedback):
                 logits = self.step_graphs.forward(inputs, gather_drafts)
+                hidden = None
                 if self.capture_layers:  # the graph's buffer is overwritten by its next replay
-                    self.captured_hidden = self.step_graphs.captured[: len(input_ids)].clone()
-                return logits
+                    hidden = self.step_graphs.captured[: len(input_ids)].clone()
+                return logits, hidden
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
         block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
         for row, item in enumerate(scheduled):
@@ -357,7 +264,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=block_tables.to(device),
             is_decode=is_decode,
-            max_query_len=max(item.num_new_tokens for item in scheduled),
+            max_query_len=max(item.num_tokens for item in scheduled),
         )
         capture: dict[int, torch.Tensor | None] | None = (
             dict.fromkeys(self.capture_layers) if self.capture_layers else None
@@ -371,12 +278,13 @@ class ModelRunner:
         if gather_drafts is not None:  # last: a copy queued behind the ring's wait would block the host
             gather_drafts(ids)
         hidden, residual = self.decoder(ids, position_ids, self.kv_cache, metadata, capture)
+        captured = None
         if capture is not None:
-            self.captured_hidden = torch.cat([capture[index] for index in self.capture_layers], dim=-1)
+            captured = torch.cat([capture[index] for index in self.capture_layers], dim=-1)
         if not logit_rows:  # a prompt chunk that completes no sequence
-            return torch.empty(0, self.logit_vocab_size, dtype=torch.float32, device=device)
+            return torch.empty(0, self.logit_vocab_size, dtype=torch.float32, device=device), captured
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=device)
-        return self.decoder.compute_logits(hidden[rows], residual[rows])
+        return self.decoder.compute_logits(hidden[rows], residual[rows]), captured
 
     def _sample_eager(
         self, logits: torch.Tensor, seqs: list[Sequence], draw_positions: list[int]
@@ -389,9 +297,17 @@ class ModelRunner:
             return launch.host_tokens.clone()  # the pinned buffer is reused two launches later
         return self.sampler.sample(logits, seqs, draw_positions).cpu()
 
-    def _results(
-        self, seqs: list[Sequence], token_ids: torch.Tensor, logits: torch.Tensor
-    ) -> list[SampledToken]:
+    def _sample_into(
+        self,
+        outputs: list[RowOutput],
+        indices: list[int],
+        scheduled: list[ScheduledRow],
+        logits: torch.Tensor,
+        token_ids: torch.Tensor,
+    ) -> None:
+        """Fill the outputs of the rows at `indices` (which sampled token_ids[i] from logits[i]): the
+        token, and its logprobs where the request asks for them."""
+        seqs = [scheduled[index].seq for index in indices]
         wanted = [seq.params.logprobs for seq in seqs]
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if any(count is not None for count in wanted):
@@ -402,5 +318,6 @@ class ModelRunner:
                 if count is not None:
                     pairs = list(zip(top_ids[row][:count], top_values[row][:count], strict=True))
                     logprobs[row] = TokenLogprob(int(token_ids[row]), chosen[row], pairs)
-        ids = token_ids.tolist()
-        return [SampledToken(seq, ids[row], logprobs[row]) for row, seq in enumerate(seqs)]
+        for row, (index, token_id) in enumerate(zip(indices, token_ids.tolist(), strict=True)):
+            outputs[index].token_ids = [token_id]
+            outputs[index].logprob = logprobs[row]

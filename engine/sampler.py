@@ -74,12 +74,12 @@ class Sampler:
         return sample_triton(logits, tensors) if self.on_gpu else sample_reference(logits, tensors)
 
     def verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
-        """Rejection sampling of a sequence whose last len(drafts) tokens are its drafts; logits [k + 1, V]
+        """Rejection sampling of a sequence's drafts (the tokens after its committed ones); logits [k + 1, V]
         score its last committed token and each draft. Returns (accepted drafts + the target's own next
         token, number of drafts accepted)."""
         device = logits.device
         num_rows = len(drafts) + 1
-        first = seq.num_tokens - len(drafts)  # the position of the first draft
+        first = seq.num_tokens  # the position of the first draft
         tensors = SamplingTensors.from_params(
             [seq.params] * num_rows, [[]] * num_rows, [[]] * num_rows, [self.key_of(seq)] * num_rows,
             range(first, first + num_rows), self.vocab_size, device,

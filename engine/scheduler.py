@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 from engine.block_manager import BlockCopy, BlockManager
 from engine.sequence import Sequence, SequenceStatus
-from engine.step import ScheduledRow
+from engine.step import Drafts, ScheduledRow
 
 # How many later requests may start before a waiting one that does not fit, before it reserves the cache.
 MAX_TIMES_PASSED_OVER = 8
@@ -104,27 +104,30 @@ class Scheduler:
         return min(seq.num_uncomputed_tokens, self.long_prefill_token_threshold, budget)
 
     def schedule(
-        self, in_flight: Mapping[Sequence, int] | None = None, drafting: Collection[Sequence] = ()
+        self, in_flight: Mapping[Sequence, int] | None = None, drafts: Drafts | None = None
     ) -> Batch:
         """in_flight: running sequences whose next token a launched step sampled and the host has not read
         yet, and its row of that step's samples. Such a token counts toward the sequence's length: the
         sequence computes it (fed back on the device), or sits this step out when it ends the sequence by
-        length (it finishes once the host reads it). drafting: running sequences whose tokens end with
-        drafts to verify (they decode, though more than one token is left to compute)."""
+        length (it finishes once the host reads it). drafts: the speculator's, for decoding sequences: a
+        row computes its last token and its drafts (the speculator asked for no more than the cache and the
+        budget hold)."""
         in_flight = in_flight or {}
+        drafts = drafts or Drafts()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRow] = []
         sitting_out = False
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running or _is_prefilling(seq, drafting):
+            if seq not in self.running or _is_prefilling(seq):
                 continue  # preempted below to make room for an earlier sequence, or a prompt
             num_pending = int(seq in in_flight)
             if num_pending and self._ends_by_length(seq, num_pending):
                 sitting_out = True
                 continue
-            while not self.block_manager.can_append(seq, num_pending):
+            num_drafts = drafts.count(seq)
+            while not self.block_manager.can_append(seq, num_pending + num_drafts):
                 victim = self.running[-1]
                 # alone, a sequence always fits (admission and max_model_len see to it)
                 assert victim is not seq or len(self.running) > 1, "a sequence outgrew the whole KV cache"
@@ -133,13 +136,15 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.WAITING:
                 continue
-            self.block_manager.append_slots(seq, num_pending)
-            # the speculator asked for no more drafts than the budget holds beside one token a sequence
+            self.block_manager.append_slots(seq, num_pending + num_drafts)
             num_new = min(seq.num_uncomputed_tokens + num_pending, budget)
-            scheduled.append(ScheduledRow(seq, num_new, in_flight.get(seq)))
-            budget -= num_new
+            if num_drafts:
+                scheduled.append(drafts.row(seq, num_new))
+            else:
+                scheduled.append(ScheduledRow(seq, num_new, in_flight.get(seq)))
+            budget -= scheduled[-1].num_tokens
         # Prompts being prefilled: admission gave them blocks for all their tokens, so none is preempted here.
-        prefilling = [seq for seq in self.running if _is_prefilling(seq, drafting)]
+        prefilling = [seq for seq in self.running if _is_prefilling(seq)]
         threshold = self.long_prefill_token_threshold
         num_long = sum(seq.num_uncomputed_tokens > threshold for seq in prefilling)
         chunks: list[ScheduledRow] = []
@@ -195,7 +200,7 @@ class Scheduler:
         )
 
 
-def _is_prefilling(seq: Sequence, drafting: Collection[Sequence]) -> bool:
+def _is_prefilling(seq: Sequence) -> bool:
     """Whether a running sequence has prompt tokens (or, resumed after a preemption, generated ones) to
-    compute before it samples: more than its last token, drafts aside."""
-    return seq.num_uncomputed_tokens > 1 and seq not in drafting
+    compute before it samples: more than its last token."""
+    return seq.num_uncomputed_tokens > 1

@@ -1,17 +1,17 @@
 """Speculative decoding in the engine: which sequences get drafts this step, how many, from the proposer.
 
 Each step, every running sequence that is ready to decode gets k drafts (k from its own
-DraftLengthController), appended to its tokens so that the scheduler computes [last token, drafts] in
-one forward pass; the runner verifies them (engine/speculative.py) and the engine rolls the sequence
-back to the accepted prefix plus the target's own next token. Sequences whose sampling needs the exact
+DraftLengthController), which its row of the step carries (engine/step.py Drafts, ScheduledRow) so that the
+runner computes [last token, drafts] in one forward pass and verifies them (engine/verify.py); the engine
+keeps the accepted drafts plus the target's own next token. Sequences whose sampling needs the exact
 token history per position (penalties) or logprobs decode plainly.
 
 A proposer that fails (a dead or stalled actor raises) costs nothing but speed: the step goes on without
 drafts, and the proposer is tried again after a pause.
 
 A proposer in another process whose drafts cross in the draft ring (RemoteProposer.launch) is asked
-without waiting: each sequence gets its k drafts as PENDING_DRAFT placeholders, and the verify step reads
-the real ones from the ring (ModelRunner.execute_speculative with the RingStep of `ring_step`).
+without waiting: each sequence gets its ring row and k (Drafts.ring_rows), and the verify step reads the
+drafts from the ring on the device.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from collections.abc import Sequence as Seq
 import torch
 
 from engine.block_manager import BlockManager
-from engine.interfaces import DeviceDrafts, DraftRequest, Proposer, ProposerUnavailableError, RingStep
-from engine.runner import PENDING_DRAFT
+from engine.interfaces import DeviceDrafts, DraftRequest, Proposer, ProposerUnavailableError
 from engine.sequence import Sequence
 from engine.speculative import DraftLengthController
+from engine.step import Drafts
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,6 @@ class Speculator:
         }
         self.controllers: dict[str, DraftLengthController] = {}
         self.stats = SpeculationStats()
-        self.ring_step: RingStep | None = None  # the last step's drafts, when they cross in the ring
         self._paused_until = 0.0
         # A proposer that reads the target's hidden states (DFlash) names the layers; the engine hands
         # over the rows of each request's newly kept tokens, sent with its next DraftRequest.
@@ -137,8 +136,7 @@ class Speculator:
         """How many drafts each sequence ready to decode asks for this step (only those that ask). Never
         more than the cache, the token budget and each sequence's limits can take, so that the step needs
         no preemption. in_flight: sequences with a next token that a launched step sampled and the host
-        has not read (the engine reads it before propose)."""
-        self.ring_step = None
+        has not read (the engine reads it before request_drafts)."""
         if time.monotonic() < self._paused_until:
             return {}
         step_cost = self.step_cost
@@ -176,12 +174,11 @@ class Speculator:
                 budget -= limit
         return wanted
 
-    def request_drafts(self, wanted: dict[Sequence, int]) -> dict[Sequence, list[int]]:
-        """Ask the proposer for wanted[seq] drafts of each sequence (draft_lengths) and append them to its
-        tokens. Returns the drafts per sequence (only non-empty ones). Drafts that cross in the ring are
-        PENDING_DRAFT placeholders here (self.ring_step)."""
+    def request_drafts(self, wanted: dict[Sequence, int]) -> Drafts:
+        """Ask the proposer for wanted[seq] drafts of each sequence (draft_lengths). Returns the non-empty
+        proposals, or the ring rows of drafts that cross in the draft ring."""
         if not wanted:
-            return {}
+            return Drafts()
         requests = []
         for seq, k in wanted.items():
             hidden, hidden_start = self._target_hidden(seq.request_id)
@@ -190,44 +187,40 @@ class Speculator:
             ring = self.proposer.launch(requests)
             proposals = self.proposer.propose(requests) if ring is None else []
         except ProposerUnavailableError:
-            return {}  # e.g. a restarted proposer actor that has not attached yet: not a failure
+            return Drafts()  # e.g. a restarted proposer actor that has not attached yet: not a failure
         except Exception:  # noqa: BLE001 - any proposer fault means: decode without drafts for a while
             self.proposer_failed()
-            return {}
+            return Drafts()
         for seq in wanted:
             self._unsent_hidden.pop(seq.request_id, None)  # the proposer has them now
         if ring is not None:
-            return self._await_ring(list(wanted), ring)
-        drafts: dict[Sequence, list[int]] = {}
+            return self._ring_drafts(list(wanted), ring)
+        drafts = Drafts()
         for (seq, k), proposal in zip(wanted.items(), proposals, strict=True):
             proposal = [int(token) for token in proposal[:k]]
             if proposal:
-                seq.token_ids.extend(proposal)
-                drafts[seq] = proposal
+                drafts.ids[seq] = proposal
             else:
                 self._no_proposal(seq)
         return drafts
 
-    def _await_ring(self, seqs: list[Sequence], ring: DeviceDrafts) -> dict[Sequence, list[int]]:
-        """Placeholders for the drafts that will be in the ring, recorded in self.ring_step."""
-        drafts: dict[Sequence, list[int]] = {}
-        step = RingStep(ring, {}, {})
+    @staticmethod
+    def _ring_drafts(seqs: list[Sequence], ring: DeviceDrafts) -> Drafts:
+        """The ring rows of the drafts that the proposer will write into the ring."""
+        drafts = Drafts(ring=ring)
         for seq, row, count in zip(seqs, ring.rows, ring.num_drafts, strict=True):
             if row is not None and count > 0:
-                drafts[seq] = [PENDING_DRAFT] * count
-                seq.token_ids.extend(drafts[seq])
-                step.rows[seq], step.num_drafts[seq] = row, count
-        self.ring_step = step if drafts else None
-        return drafts
+                drafts.ring_rows[seq] = (row, count)
+        return drafts if drafts else Drafts()
 
-    def took_ring_drafts(self, step: RingStep, drafts: dict[Sequence, list[int]]) -> None:
-        """A step read its drafts from the ring (`drafts`: what it found per sequence)."""
+    def took_ring_drafts(self, drafts: Drafts, read: dict[Sequence, list[int]]) -> None:
+        """A step read its drafts from the ring (`read`: what it found per sequence it ran)."""
         self.stats.ring_steps += 1
-        self.stats.ring_wait_seconds += step.drafts.waited_s
-        if step.drafts.timed_out:
+        self.stats.ring_wait_seconds += drafts.ring.waited_s
+        if drafts.ring.timed_out:
             self.proposer_failed()
-        for seq in step.rows:
-            if not drafts.get(seq):
+        for seq in drafts.ring_rows:
+            if not read.get(seq):
                 self._no_proposal(seq)
 
     def _no_proposal(self, seq: Sequence) -> None:

@@ -1,18 +1,25 @@
-"""A step as data: what the scheduler plans for each sequence (ScheduledRow), and a step launched on the
-device whose sampled tokens the host has not read yet (PendingStep).
+"""A step as data: the speculator's drafts (Drafts), what the scheduler plans for each sequence
+(ScheduledRow), what the runner returns for it (RowOutput), and a step launched on the device whose sampled
+tokens the host has not read yet (PendingStep).
 
-A Sequence holds committed tokens only. Run-ahead (EngineConfig.run_ahead) launches step n+1 before the
-host reads step n's tokens: a row of step n+1 whose last input is such a token says so (fed_back_row)
-instead of holding it in the sequence, and the step reads it on the device.
+A Sequence holds committed tokens only. Drafts ride in the row (draft_ids, or a row of the draft ring) and
+come back verified in its RowOutput. Run-ahead (EngineConfig.run_ahead) launches step n+1 before the host
+reads step n's tokens: a row of step n+1 whose last input is such a token says so (fed_back_row) instead of
+holding it in the sequence, and the step reads it on the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine.sampling import TokenLogprob
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.interfaces import DeviceDrafts
 
 
 @dataclasses.dataclass(slots=True)
@@ -24,11 +31,19 @@ class ScheduledRow:
     num_new_tokens: int
     # run-ahead: the last of them is row r of the previous PendingStep's samples, not in seq.token_ids yet
     fed_back_row: int | None = None
+    num_drafts: int = 0  # drafts computed after the new tokens, to verify (1 + num_drafts logit rows)
+    draft_ids: list[int] | None = None  # None with num_drafts > 0: read from the draft ring at ring_row
+    ring_row: int | None = None
 
     @property
     def end(self) -> int:
-        """The position after its last computed token: the index of the token it samples."""
+        """The position after its last computed token (drafts aside): the index of the token it samples."""
         return self.seq.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens the step computes for it: the new ones and the drafts."""
+        return self.num_new_tokens + self.num_drafts
 
     @property
     def samples(self) -> bool:
@@ -37,8 +52,45 @@ class ScheduledRow:
 
 
 def is_decode_step(rows: list[ScheduledRow]) -> bool:
-    """One new token per sequence, each sampled: what a decode graph runs."""
-    return all(row.num_new_tokens == 1 and row.samples for row in rows)
+    """One new token per sequence, each sampled, no drafts: what a decode graph runs."""
+    return all(row.num_new_tokens == 1 and row.num_drafts == 0 and row.samples for row in rows)
+
+
+@dataclasses.dataclass
+class Drafts:
+    """The speculator's drafts for one step: on the host (ids), or in the draft ring (ring: each sequence's
+    ring row and number of drafts, which the verify step reads on the device)."""
+
+    ids: dict[Sequence, list[int]] = dataclasses.field(default_factory=dict)
+    ring: DeviceDrafts | None = None
+    ring_rows: dict[Sequence, tuple[int, int]] = dataclasses.field(default_factory=dict)  # (row, count)
+
+    def __bool__(self) -> bool:
+        return bool(self.ids or self.ring_rows)
+
+    def count(self, seq: Sequence) -> int:
+        if seq in self.ids:
+            return len(self.ids[seq])
+        return self.ring_rows[seq][1] if seq in self.ring_rows else 0
+
+    def row(self, seq: Sequence, num_new_tokens: int) -> ScheduledRow:
+        """The sequence's row of a verify step (or a plain one, without drafts)."""
+        ring_row, num_drafts = self.ring_rows.get(seq, (None, 0))
+        draft_ids = self.ids.get(seq)
+        if draft_ids is not None:
+            num_drafts = len(draft_ids)
+        return ScheduledRow(seq, num_new_tokens, None, num_drafts, draft_ids, ring_row)
+
+
+@dataclasses.dataclass(slots=True)
+class RowOutput:
+    """What a step gave one of its rows (runner -> engine)."""
+
+    token_ids: list[int]  # accepted drafts, then the target's own token; [] for a prompt chunk
+    num_accepted: int = 0
+    draft_ids: list[int] = dataclasses.field(default_factory=list)  # the drafts verified (ring ones as read)
+    logprob: TokenLogprob | None = None
+    hidden: torch.Tensor | None = None  # captured hidden rows of the tokens it keeps (for the proposer)
 
 
 @dataclasses.dataclass

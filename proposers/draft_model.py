@@ -229,11 +229,9 @@ class DraftModelProposer(Proposer):
                 _append(pending)
                 pending = None
                 scheduled = self._prefill_chunks(active)
-                sampled = self.runner.execute(scheduled)
-                for item in scheduled:
+                for item, result in zip(scheduled, self.runner.execute(scheduled), strict=True):
                     item.seq.num_computed_tokens += item.num_new_tokens
-                for result in sampled:
-                    result.seq.token_ids.append(result.token_id)
+                    item.seq.token_ids += result.token_ids
             in_flight = pending.sample_rows() if pending is not None else {}
             active = [seq for seq in active if seq.num_tokens + (seq in in_flight) < goal[seq]]
         _append(pending)

@@ -16,6 +16,7 @@ from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
 from engine.scheduler import MAX_TIMES_PASSED_OVER, Batch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step import Drafts
 
 PARAMS = SamplingParams(max_tokens=8)
 
@@ -26,7 +27,7 @@ def _seq(name: str, length: int, first_token: int = 0) -> Sequence:
 
 
 def _split(batch: Batch) -> list[tuple[str, int]]:
-    return [(item.seq.request_id, item.num_new_tokens) for item in batch.scheduled]
+    return [(item.seq.request_id, item.num_tokens) for item in batch.scheduled]
 
 
 def _run(batch: Batch) -> None:
@@ -90,8 +91,8 @@ def test_drafts_are_scheduled_whole_before_prompts() -> None:
     scheduler.add(long)
     scheduler.add(drafting)
     _run(scheduler.schedule())
-    drafting.token_ids += [11, 12, 13]  # the speculator appends drafts before the step is scheduled
-    assert _split(scheduler.schedule(drafting={drafting})) == [("drafting", 4), ("long", 60)]
+    drafts = Drafts(ids={drafting: [11, 12, 13]})  # the speculator's, before the step is scheduled
+    assert _split(scheduler.schedule(drafts=drafts)) == [("drafting", 4), ("long", 60)]
 
 
 def test_one_long_prompt_is_prefilled_at_a_time_and_short_ones_pass_the_next() -> None:
