@@ -229,8 +229,16 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+    @staticmethod
+    def slots(
+        block_tables: abc.Sequence[list[int]], positions: abc.Sequence[int], block_size: int
+    ) -> list[int]:
+        """The KV cache slot of each (block table, position) pair: where a step writes that token's keys
+        and values (engine/step_inputs.py; the runner knows the block size, not the manager)."""
+        return [
+            table[position // block_size] * block_size + position % block_size
+            for table, position in zip(block_tables, positions, strict=True)
+        ]
 
     def reset_prefix_cache(self) -> None:
         """Forget the cached KV of every block no sequence references (they become never-used blocks), so

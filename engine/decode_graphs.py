@@ -5,14 +5,15 @@ staging that feeds them (engine/runner.py uses them for decode steps and launche
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy
 import torch
 
 from engine.sequence import Sequence
-from engine.step import PendingStep, ScheduledRow
+from engine.step import PendingStep
 from engine.step_graphs import capture_graph
+from engine.step_inputs import SAMPLING_FLOAT_FIELDS, StepInputs
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
 from kernels.sampling import SamplingTensors, SamplingWorkspace, sample_triton
 
@@ -53,7 +54,6 @@ class DecodeGraphs:
         self.written_tables: list[list[tuple[list[int] | None, int]]] = [
             [(None, 0)] * max_bs for _ in range(2)
         ]
-        self._constants: dict[str, _RowConstants] = {}
         self.host_token_ids = [torch.empty(max_bs, dtype=torch.int64).pin_memory() for _ in range(2)]
         self.ready = [torch.cuda.Event() for _ in range(2)]
         self.parity = 0
@@ -65,7 +65,7 @@ class DecodeGraphs:
         vocab = runner.logit_vocab_size
         self.logits = torch.zeros(max_bs, vocab, dtype=torch.float32, device=device)
         self.sampling = SamplingTensors(
-            **dict(zip(_FLOAT_FIELDS, self.floats, strict=True)),
+            **dict(zip(SAMPLING_FLOAT_FIELDS, self.floats, strict=True)),
             top_k=self.int32s[1],
             seeds=self.ints[3],
             positions=self.ints[4],
@@ -131,77 +131,64 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[batch_size] = graph
 
-    def launch(self, scheduled: list[ScheduledRow]) -> PendingStep:
-        """Write the step's inputs into the static buffers and replay, without waiting. A row with a
-        fed_back_row takes that row of the previous replay's samples as its input. The logits stay in
+    def launch(self, inputs: StepInputs) -> PendingStep:
+        """Write a decode step's inputs into the static buffers and replay, without waiting. A row with a
+        source row takes that row of the previous replay's samples as its input. The logits stay in
         self.logits until the next replay.
 
-        The host side is a few list comprehensions written into numpy views of the pinned staging
-        buffers: at 256 sequences a tensor per block table row, and per-row parameter lookups, had cost
-        the host more than the GPU's step."""
-        runner = self.runner
-        num_seqs = len(scheduled)
+        The host side writes the inputs' lists into numpy views of the pinned staging buffers: at 256
+        sequences a tensor per block table row, and per-row parameter lookups, had cost the host more
+        than the GPU's step."""
+        num_seqs = inputs.num_seqs
         batch_size = next(size for size in self.batch_sizes if size >= num_seqs)
-        block_size = runner.block_size
-        seqs = [item.seq for item in scheduled]
-        lengths = [item.end for item in scheduled]  # with the input token (a fed-back one too)
-        self._stage_sampling(seqs, lengths)
+        self._stage_sampling(inputs)
         ints, int32s, floats, tables = self.staging_arrays[self.parity]
-        # a fed-back row's input id comes from its source row (the previous replay's sample)
-        ints[0, :num_seqs] = [
-            0 if item.fed_back_row is not None else item.seq.token_ids[-1] for item in scheduled
-        ]
-        ints[1, :num_seqs] = [length - 1 for length in lengths]  # positions
-        ints[2, :num_seqs] = [
-            seq.block_table[(length - 1) // block_size] * block_size + (length - 1) % block_size
-            for seq, length in zip(seqs, lengths, strict=True)
-        ]  # slots
-        ints[5, :num_seqs] = [-1 if item.fed_back_row is None else item.fed_back_row for item in scheduled]
+        ints[0, :num_seqs] = inputs.input_ids
+        ints[1, :num_seqs] = inputs.positions
+        ints[2, :num_seqs] = inputs.slot_mapping
+        ints[5, :num_seqs] = inputs.source_rows if inputs.source_rows is not None else -1
         ints[:, num_seqs:batch_size] = _PADDING_INTS[:, None]  # slot -1: padding writes nothing
-        int32s[0, :num_seqs] = lengths  # a length of 0 makes attention skip the row
+        int32s[0, :num_seqs] = inputs.seq_lens  # a length of 0 makes attention skip the row
         int32s[:, num_seqs:batch_size] = 0
         floats[:, num_seqs:batch_size] = _PADDING_FLOATS[:, None]
-        self._write_block_tables(tables, seqs)
+        self._write_block_tables(tables, inputs.block_tables)
         ints_host, int32s_host, floats_host, tables_host = self.staging[self.parity]
         self.ints[:, :batch_size].copy_(ints_host[:, :batch_size], non_blocking=True)
         self.int32s[:, :batch_size].copy_(int32s_host[:, :batch_size], non_blocking=True)
         self.floats[:, :batch_size].copy_(floats_host[:, :batch_size], non_blocking=True)
         self.block_tables[:batch_size].copy_(tables_host[:batch_size], non_blocking=True)
-        self._write_penalty_counts(seqs)
+        self._write_penalty_counts(inputs.sample_seqs)
         self.graphs[batch_size].replay()
-        return self._read_back(seqs)
+        return self._read_back(inputs.sample_seqs)
 
-    def sample_rows(
-        self, logits: torch.Tensor, seqs: list[Sequence], draw_positions: list[int]
-    ) -> PendingStep:
-        """Sample the rows of eagerly computed (or step-graph) logits, one per sequence, each drawing the
-        token at its draw position, into token_ids as a replay would, without waiting: the next launch can
-        take them as inputs on the device."""
-        num_seqs = len(seqs)
+    def sample_rows(self, logits: torch.Tensor, inputs: StepInputs) -> PendingStep:
+        """Sample the step's sampled rows of eagerly computed (or step-graph) logits, one logits row each,
+        each drawing the token at its draw position, into token_ids as a replay would, without waiting:
+        the next launch can take them as inputs on the device."""
+        num_seqs = len(inputs.sample_seqs)
         assert logits.shape[0] == num_seqs <= self.max_bs
-        self._stage_sampling(seqs, draw_positions)
+        self._stage_sampling(inputs)
         ints_host, int32s_host, floats_host, _ = self.staging[self.parity]
         self.ints[3:5, :num_seqs].copy_(ints_host[3:5, :num_seqs], non_blocking=True)
         self.int32s[1, :num_seqs].copy_(int32s_host[1, :num_seqs], non_blocking=True)
         self.floats[:, :num_seqs].copy_(floats_host[:, :num_seqs], non_blocking=True)
-        self._write_penalty_counts(seqs)
+        self._write_penalty_counts(inputs.sample_seqs)
         sample_triton(
             logits, self._sampling_rows(num_seqs), out=self.token_ids[:num_seqs],
             workspace=self.sampling_workspace,
         )  # fmt: skip
-        return self._read_back(seqs)
+        return self._read_back(inputs.sample_seqs)
 
-    def _stage_sampling(self, seqs: list[Sequence], draw_positions: list[int]) -> None:
-        """Write the rows' sampling parameters (seeds, draw positions: the drawn token's index in the
+    def _stage_sampling(self, inputs: StepInputs) -> None:
+        """Write the sampled rows' parameters (seeds, draw positions: the drawn token's index in the
         sequence, top-k, the float fields) into this launch's pinned staging buffers: graph inputs,
         refreshed every step."""
         ints, int32s, floats, _ = self.staging_arrays[self.parity]
-        constants = [self._row_constants(seq) for seq in seqs]
-        num_seqs = len(seqs)
-        ints[3, :num_seqs] = [row.seed for row in constants]
-        ints[4, :num_seqs] = draw_positions
-        int32s[1, :num_seqs] = [row.top_k for row in constants]
-        floats[:, :num_seqs] = numpy.array([row.floats for row in constants], dtype=numpy.float32).T
+        num_seqs = len(inputs.sample_seqs)
+        ints[3, :num_seqs] = inputs.seeds
+        ints[4, :num_seqs] = inputs.draw_positions
+        int32s[1, :num_seqs] = inputs.top_k
+        floats[:, :num_seqs] = numpy.array(inputs.sampling_floats, dtype=numpy.float32).T
 
     def _read_back(self, seqs: list[Sequence]) -> PendingStep:
         """Queue the copy of the sampled tokens to the host and return the step that waits for it."""
@@ -212,29 +199,13 @@ class DecodeGraphs:
         self.parity ^= 1
         return PendingStep(seqs, self.token_ids, host_token_ids, ready)
 
-    def _row_constants(self, seq: Sequence) -> _RowConstants:
-        """What a sequence's row holds at every step, computed on its first step."""
-        constants = self._constants.get(seq.request_id)
-        if constants is None or constants.seq is not seq:
-            params = seq.params
-            constants = _RowConstants(
-                seq, self.runner.sampler.key_of(seq), max(params.top_k, 0),
-                tuple(getattr(params, field) for field in _FLOAT_FIELDS),
-            )  # fmt: skip
-            self._constants[seq.request_id] = constants
-        return constants
-
-    def forget(self, request_id: str) -> None:
-        self._constants.pop(request_id, None)
-
-    def _write_block_tables(self, tables: numpy.ndarray, seqs: list[Sequence]) -> None:
+    def _write_block_tables(self, tables: numpy.ndarray, block_tables: list[list[int]]) -> None:
         """Bring this staging buffer's block table rows up to date: a row that held the same sequence's
         table (the same list: a block table only grows, and is replaced when the sequence is preempted)
         takes only the blocks appended since; any other row is written whole. Columns past a row's table
         keep stale block ids, which attention never reads (it stops at the row's length)."""
         written = self.written_tables[self.parity]
-        for row, seq in enumerate(seqs):
-            table = seq.block_table
+        for row, table in enumerate(block_tables):
             held, count = written[row]
             if held is not table:
                 count = 0
@@ -260,24 +231,7 @@ class DecodeGraphs:
         self._penalized_rows = penalized
 
 
-class _RowConstants(NamedTuple):
-    """A sequence's decode-graph row values that stay the same at every step."""
-
-    seq: Sequence
-    seed: int  # as int64
-    top_k: int
-    floats: tuple[float, ...]  # _FLOAT_FIELDS
-
-
-# SamplingTensors' float fields, in the order of the packed buffer; and their values for a padding row
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
+# the float fields' values (SAMPLINGSAMPLING_FLOAT_FIELDS) for a padding row
 _NEUTRAL_FLOATS = [0.0, 1.0, 0.0, 0.0, 0.0, 1.0]  # greedy, no filtering, no penalties
 _PADDING_FLOATS = numpy.array(_NEUTRAL_FLOATS, dtype=numpy.float32)
 # a padding row's ids, positions, slots (-1: no KV write), seeds, draw positions and source rows (-1: none)

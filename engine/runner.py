@@ -25,7 +25,8 @@ from engine.sampler import Sampler
 from engine.sampling import TokenLogprob
 from engine.sequence import Sequence
 from engine.step import PendingStep, RowOutput, ScheduledRow, is_decode_step
-from engine.step_graphs import StepGraphs, StepInputs
+from engine.step_graphs import StepGraphs
+from engine.step_inputs import StepInputs, StepInputsBuilder
 from engine.verify import read_ring, ring_drafts_read, verify_rows
 from kernels.attention import AttentionMetadata
 from kernels.sampling import top_logprobs
@@ -67,6 +68,7 @@ class ModelRunner:
             calibration_tokens,
         )  # fmt: skip
         self.sampler = Sampler(self.logit_vocab_size, self.device)
+        self.inputs = StepInputsBuilder(block_size, self.sampler)
         self.capture_layers = capture_layers
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and use_cuda_graphs and not capture_layers:
@@ -84,8 +86,7 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
-        if self.graphs is not None:
-            self.graphs.forget(request_id)
+        self.inputs.forget(request_id)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRow], ring: DeviceDrafts | None = None) -> list[RowOutput]:
@@ -94,19 +95,17 @@ class ModelRunner:
         [last token, drafts] logits (greedy: the target's argmax; sampled: rejection sampling). Drafts with
         a ring_row come from `ring`, read on the device. Eager, a step graph, or a decode graph."""
         outputs = [RowOutput([]) for _ in scheduled]
-        is_decode = is_decode_step(scheduled)
-        hidden = None
-        if self.graphs is not None and is_decode and self.graphs.fits(len(scheduled)):
-            launch = self.graphs.launch(scheduled)
+        inputs = self.inputs.build(scheduled)
+        if self.graphs is not None and inputs.is_decode and self.graphs.fits(len(scheduled)):
+            launch = self.graphs.launch(inputs)
             launch.read()
             logits = self.graphs.logits[: len(scheduled)]
             self._sample_into(outputs, list(range(len(scheduled))), scheduled, logits, launch.host_tokens)
             return outputs
         ring_read = read_ring(scheduled, ring, self.device) if ring is not None else None
-        logits, hidden = self._forward(scheduled, is_decode, ring_read=ring_read)
+        logits, hidden = self._forward(inputs, ring_read=ring_read)
         ring_drafts = iter(ring_drafts_read(scheduled, ring_read)) if ring is not None else iter(())
         plain: list[int] = []  # rows that sample
-        plain_logit_rows: list[int] = []
         verifying: list[tuple[ScheduledRow, int, list[int]]] = []  # (row, its first logits row, drafts)
         verifying_rows: list[int] = []
         first = 0
@@ -119,7 +118,6 @@ class ModelRunner:
                 continue  # a prompt chunk: no logits
             if item.num_drafts == 0:
                 plain.append(index)
-                plain_logit_rows.append(first)
             else:
                 drafts = item.draft_ids if item.ring_row is None else next(ring_drafts)
                 outputs[index].draft_ids = drafts
@@ -135,9 +133,8 @@ class ModelRunner:
                 output.hidden = output.hidden[: num_accepted + 1]
         if plain:
             if verifying:
-                logits = logits[torch.tensor(plain_logit_rows, dtype=torch.int64, device=logits.device)]
-            seqs = [scheduled[index].seq for index in plain]
-            token_ids = self._sample_eager(logits, seqs, [seq.num_tokens for seq in seqs])
+                logits = logits[torch.tensor(inputs.sample_rows, dtype=torch.int64, device=logits.device)]
+            token_ids = self._sample_eager(logits, inputs)
             self._sample_into(outputs, plain, scheduled, logits, token_ids)
         return outputs
 
@@ -171,20 +168,18 @@ class ModelRunner:
         assert all(item.num_new_tokens == 1 for item in scheduled if item.fed_back_row is not None), (
             "a fed-back token is a decoding sequence's input"
         )
-        is_decode = is_decode_step(scheduled)
-        if self.graphs is not None and is_decode:
-            return self.graphs.launch(scheduled)
+        inputs = self.inputs.build(scheduled)
+        if self.graphs is not None and inputs.is_decode:
+            return self.graphs.launch(inputs)
         fed_back = None
-        if any(item.fed_back_row is not None for item in scheduled):
+        if inputs.source_rows is not None:
             assert previous is not None
             fed_back = previous.device_tokens
-        sampled = [item for item in scheduled if item.samples]
-        seqs, draw_positions = [item.seq for item in sampled], [item.end for item in sampled]
-        logits = self.forward_eager(scheduled, is_decode, fed_back)
+        logits = self._forward(inputs, fed_back)[0]
         if self.graphs is not None:
-            return self.graphs.sample_rows(logits, seqs, draw_positions)
-        token_ids = self._sample_eager(logits, seqs, draw_positions)
-        return PendingStep(seqs, token_ids, token_ids, ready=None)  # CPU: filled already
+            return self.graphs.sample_rows(logits, inputs)
+        token_ids = self._sample_eager(logits, inputs)
+        return PendingStep(inputs.sample_seqs, token_ids, token_ids, ready=None)  # CPU: filled already
 
     @torch.inference_mode()
     def forward_eager(
@@ -198,104 +193,68 @@ class ModelRunner:
         after this step, without sampling: its last token's row and one per draft, or its last
         num_logits[seq] rows. fed_back: the previous launch's samples (PendingStep.device_tokens), the last
         input of each row with a fed_back_row."""
-        return self._forward(scheduled, is_decode, fed_back, num_logits)[0]
+        inputs = self.inputs.build(scheduled, num_logits)
+        inputs.is_decode = is_decode
+        return self._forward(inputs, fed_back)[0]
 
     def _forward(
-        self,
-        scheduled: list[ScheduledRow],
-        is_decode: bool = False,
-        fed_back: torch.Tensor | None = None,
-        num_logits: dict[Sequence, int] | None = None,
-        ring_read: DraftsRead | None = None,
+        self, inputs: StepInputs, fed_back: torch.Tensor | None = None, ring_read: DraftsRead | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward_eager's logits, and the captured hidden rows of every packed token (capture_layers;
         else None). ring_read: input ids (draft rows with a ring_row) that come from the draft ring."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logit_rows: list[int] = []
-        fed_back_rows: dict[int, int] = {}  # packed token row -> row of fed_back
-        for item in scheduled:
-            seq, start, end = item.seq, item.seq.num_computed_tokens, item.end
-            input_ids += seq.token_ids[start:end]
-            if item.fed_back_row is not None:
-                fed_back_rows[len(input_ids)] = item.fed_back_row
-                input_ids.append(0)  # the graph (or the eager step below) takes it from fed_back
-            if item.num_drafts:  # ring drafts: a valid id, should the proposer never answer
-                input_ids += item.draft_ids if item.ring_row is None else [0] * item.num_drafts
-            end += item.num_drafts
-            positions += range(start, end)
-            table = seq.block_table
-            slot_mapping += [
-                table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)
-            ]
-            query_start_loc.append(query_start_loc[-1] + item.num_tokens)
-            seq_lens.append(end)
-            if item.samples:
-                count = num_logits.get(seq, 1) if num_logits else 1 + item.num_drafts
-                logit_rows += range(query_start_loc[-1] - count, query_start_loc[-1])
-        source_rows = None
-        if fed_back_rows:
-            source_rows = [-1] * len(input_ids)
-            for row, source in fed_back_rows.items():
-                source_rows[row] = source
         gather_drafts = ring_read.gather_into if ring_read is not None else None
-        if self.step_graphs is not None and logit_rows:
-            inputs = StepInputs(
-                input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                [item.seq.block_table for item in scheduled], logit_rows, source_rows,
-            )  # fmt: skip
-            if self.step_graphs.fits(inputs) and (fed_back is None or fed_back is self.step_graphs.feedback):
-                logits = self.step_graphs.forward(inputs, gather_drafts)
-                hidden = None
-                if self.capture_layers:  # the graph's buffer is overwritten by its next replay
-                    hidden = self.step_graphs.captured[: len(input_ids)].clone()
-                return logits, hidden
-        max_blocks = max(len(item.seq.block_table) for item in scheduled)
-        block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
-        for row, item in enumerate(scheduled):
-            block_tables[row, : len(item.seq.block_table)] = torch.tensor(item.seq.block_table)
+        step_graphs = self.step_graphs
+        if (
+            step_graphs is not None
+            and inputs.logit_rows
+            and step_graphs.fits(inputs)
+            and (fed_back is None or fed_back is step_graphs.feedback)
+        ):
+            logits = step_graphs.forward(inputs, gather_drafts)
+            hidden = None
+            if self.capture_layers:  # the graph's buffer is overwritten by its next replay
+                hidden = step_graphs.captured[: inputs.num_tokens].clone()
+            return logits, hidden
+        max_blocks = max(len(table) for table in inputs.block_tables)
+        block_tables = torch.zeros(inputs.num_seqs, max_blocks, dtype=torch.int32)
+        for row, table in enumerate(inputs.block_tables):
+            block_tables[row, : len(table)] = torch.tensor(table)
         device = self.device
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(inputs.query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=device),
             block_tables=block_tables.to(device),
-            is_decode=is_decode,
-            max_query_len=max(item.num_tokens for item in scheduled),
+            is_decode=inputs.is_decode,
+            max_query_len=inputs.max_query_len,
         )
         capture: dict[int, torch.Tensor | None] | None = (
             dict.fromkeys(self.capture_layers) if self.capture_layers else None
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        if fed_back_rows:
-            token_rows = torch.tensor(list(fed_back_rows), dtype=torch.int64, device=device)
-            sources = torch.tensor(list(fed_back_rows.values()), dtype=torch.int64, device=device)
-            ids[token_rows] = fed_back.to(device)[sources]
-        position_ids = torch.tensor(positions, dtype=torch.int64, device=device)
+        ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=device)
+        if inputs.source_rows is not None:  # a fed-back token's id is that row of the previous samples
+            sources = torch.tensor(inputs.source_rows, dtype=torch.int64, device=device)
+            ids = torch.where(sources >= 0, fed_back.to(device)[sources.clamp(min=0)], ids)
+        position_ids = torch.tensor(inputs.positions, dtype=torch.int64, device=device)
         if gather_drafts is not None:  # last: a copy queued behind the ring's wait would block the host
             gather_drafts(ids)
         hidden, residual = self.decoder(ids, position_ids, self.kv_cache, metadata, capture)
         captured = None
         if capture is not None:
             captured = torch.cat([capture[index] for index in self.capture_layers], dim=-1)
-        if not logit_rows:  # a prompt chunk that completes no sequence
+        if not inputs.logit_rows:  # a prompt chunk that completes no sequence
             return torch.empty(0, self.logit_vocab_size, dtype=torch.float32, device=device), captured
-        rows = torch.tensor(logit_rows, dtype=torch.int64, device=device)
+        rows = torch.tensor(inputs.logit_rows, dtype=torch.int64, device=device)
         return self.decoder.compute_logits(hidden[rows], residual[rows]), captured
 
-    def _sample_eager(
-        self, logits: torch.Tensor, seqs: list[Sequence], draw_positions: list[int]
-    ) -> torch.Tensor:
-        """The next token of each row, drawn at draw_positions (its index in the sequence), on the host
-        (int64)."""
-        if self.graphs is not None and len(seqs) <= self.graphs.max_bs:
-            launch = self.graphs.sample_rows(logits, seqs, draw_positions)
+    def _sample_eager(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """The next token of each sampled row (one logits row each), drawn at its draw position, on the
+        host (int64)."""
+        if self.graphs is not None and len(inputs.sample_seqs) <= self.graphs.max_bs:
+            launch = self.graphs.sample_rows(logits, inputs)
             launch.read()
             return launch.host_tokens.clone()  # the pinned buffer is reused two launches later
-        return self.sampler.sample(logits, seqs, draw_positions).cpu()
+        return self.sampler.sample(logits, inputs.sample_seqs, inputs.draw_positions).cpu()
 
     def _sample_into(
         self,

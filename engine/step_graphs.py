@@ -16,13 +16,13 @@ eager step.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable
 
 import torch
 
 from engine.model import Decoder
+from engine.step_inputs import StepInputs
 from kernels.attention import AttentionMetadata
 from kernels.prefill_attention import allocate_prefill_workspace, prefill_num_splits
 
@@ -43,22 +43,6 @@ def capture_graph(step: Callable[[], None], pool: tuple | None) -> torch.cuda.CU
     with torch.cuda.graph(graph, pool=pool):
         step()
     return graph
-
-
-@dataclasses.dataclass
-class StepInputs:
-    """One step's packed inputs, as host lists (engine/runner.py builds them)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_start_loc: list[int]  # [num_seqs + 1]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    logit_rows: list[int]  # rows of the packed tokens whose logits the step needs
-    # per packed token: the row of the previous launch's samples (StepGraphs.feedback) that is its input
-    # id, or -1 for input_ids' own; None: all their own
-    source_rows: list[int] | None = None
 
 
 def padded_sequences(

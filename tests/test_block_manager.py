@@ -22,7 +22,7 @@ def test_allocate_gives_each_token_a_distinct_slot_and_free_returns_blocks() -> 
     seq = _seq(list(range(10)))
     assert manager.allocate(seq) == []
     assert len(seq.block_table) == 3 and seq.num_computed_tokens == 0
-    slots = [manager.slot(seq, position) for position in range(10)]
+    slots = BlockManager.slots([seq.block_table] * 10, range(10), manager.block_size)
     assert len(set(slots)) == 10
     assert all(slot // 4 == seq.block_table[position // 4] for position, slot in enumerate(slots))
     assert manager.num_free_blocks == 5
