@@ -123,7 +123,7 @@ class Engine:
         )  # fmt: skip
         self.runner = ModelRunner(
             decoder, num_blocks, config.block_size, config.torch_dtype(), config.max_num_seqs,
-            self.max_model_len, use_cuda_graphs=config.cuda_graphs, step_graphs=config.step_graphs,
+            self.max_model_len, graphs=None if config.cuda_graphs else False, step_graphs=config.step_graphs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_logit_rows=max_logit_rows,
             capture_layers=self.speculator.target_layer_ids if self.speculator is not None else (),
             kv_cache_dtype=config.kv_cache_dtype,
@@ -131,9 +131,9 @@ class Engine:
         )  # fmt: skip
         # A step's tokens fit the largest step graph: a larger step would run eagerly and compile kernels
         # for its shapes.
-        step_graphs = self.runner.step_graphs
+        graphs = self.runner.graphs
         self.max_num_batched_tokens = min(
-            config.max_num_batched_tokens, step_graphs.max_tokens if step_graphs is not None else 1 << 62
+            config.max_num_batched_tokens, (graphs.max_step_tokens if graphs is not None else 0) or 1 << 62
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,

@@ -1,12 +1,13 @@
 """Runs one step of the model and samples: owns the KV cache, builds the step's inputs, returns tokens.
 
 On the CPU every step runs eagerly with the torch reference ops and sampler. On a GPU the decoder runs
-Triton kernels and samples on the device (engine/sampler.py: the same tokens for the same logits); a step
-that only decodes (one new token per sequence) replays a CUDA graph captured for its batch-size bucket,
-whose inputs are written into static buffers, so the step costs the GPU's time and not the host's.
+Triton kernels and samples on the device (engine/sampler.py: the same tokens for the same logits), and a
+step replays a CUDA graph of the graph cache (engine/graphs.py) where one fits: a decode step (one new
+token per sequence) a decode bucket's, which samples too; a prefill, mixed or verify step a step bucket's.
+Each step's inputs are built once (engine/step_inputs.py), and the graphs and the eager step fill from them.
 
-A step can also be launched ahead (launch): a decode step (a decode-graph replay) or a mixed one
-(prompt chunks beside decoding sequences: a step-graph replay, then sampling on the device). Its input
+A step can also be launched ahead (launch): a decode step (a decode-bucket replay) or a mixed one
+(prompt chunks beside decoding sequences: a step-bucket replay, then sampling on the device). Its input
 tokens may be the device-side samples of the previous launch, which the host has not read yet (rows with
 a fed_back_row, engine/step.py), so the host prepares step n+1 while the GPU still runs step n and reads
 tokens back one step later.
@@ -14,10 +15,12 @@ tokens back one step later.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.block_manager import BlockCopy
-from engine.decode_graphs import DecodeGraphs
+from engine.graphs import GraphCache
 from engine.interfaces import DeviceDrafts, DraftsRead
 from engine.kv_cache import allocate_kv_cache, copy_blocks
 from engine.model import Decoder
@@ -25,7 +28,6 @@ from engine.sampler import Sampler
 from engine.sampling import TokenLogprob
 from engine.sequence import Sequence
 from engine.step import PendingStep, RowOutput, ScheduledRow, is_decode_step
-from engine.step_graphs import StepGraphs
 from engine.step_inputs import StepInputs, StepInputsBuilder
 from engine.verify import read_ring, ring_drafts_read, verify_rows
 from kernels.attention import AttentionMetadata
@@ -41,7 +43,7 @@ class ModelRunner:
         dtype: torch.dtype,
         max_num_seqs: int,
         max_model_len: int,
-        use_cuda_graphs: bool = True,
+        graphs: bool | None = None,
         step_graphs: bool = True,
         max_num_batched_tokens: int = 2048,
         max_logit_rows: int | None = None,
@@ -49,10 +51,12 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         calibration_tokens: list[int] | None = None,
     ) -> None:
-        """step_graphs: also replay prefill, mixed and verify steps from CUDA graphs (StepGraphs) of up to
-        max_num_batched_tokens tokens and max_logit_rows logit rows (default: one per sequence).
+        """graphs: replay steps from a GraphCache (None: on a GPU only; True on the CPU too, where capture
+        records each step and replay calls it: tests); decode steps from its decode buckets, and with
+        step_graphs prefill, mixed and verify steps of up to max_num_batched_tokens tokens and
+        max_logit_rows logit rows (default: one per sequence) from its step buckets.
         capture_layers: decoder layers whose output stream every step returns (RowOutput.hidden; DFlash);
-        their steps run from the step graphs (which capture them too) or eagerly, never from DecodeGraphs.
+        their steps run from step buckets (which capture them too) or eagerly, never from decode buckets.
         kv_cache_dtype "int8": an INT8 cache, whose key smoothing comes from a forward pass over
         calibration_tokens before any graph is captured (engine/kv_cache.py)."""
         spec = decoder.spec
@@ -70,15 +74,14 @@ class ModelRunner:
         self.sampler = Sampler(self.logit_vocab_size, self.device)
         self.inputs = StepInputsBuilder(block_size, self.sampler)
         self.capture_layers = capture_layers
-        self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and use_cuda_graphs and not capture_layers:
-            self.graphs = DecodeGraphs(self, max_num_seqs)
-        self.step_graphs: StepGraphs | None = None
-        if self.device.type == "cuda" and use_cuda_graphs and step_graphs:
-            self.step_graphs = StepGraphs(
-                decoder, self.kv_cache, max_num_seqs, max_num_batched_tokens,
-                max_logit_rows or max_num_seqs, self.max_blocks_per_seq, block_size, capture_layers,
-                feedback=self.graphs.token_ids if self.graphs is not None else None,
+        self.graphs: GraphCache | None = None
+        if graphs is None:
+            graphs = self.device.type == "cuda"
+        if graphs and (step_graphs or not capture_layers):
+            self.graphs = GraphCache(
+                decoder, self.kv_cache, self.sampler, max_num_seqs,
+                max_num_batched_tokens if step_graphs else None, max_logit_rows or max_num_seqs,
+                self.max_blocks_per_seq, block_size, capture_layers, decode=not capture_layers,
             )  # fmt: skip
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
@@ -93,10 +96,10 @@ class ModelRunner:
         """Compute the scheduled tokens (and drafts) and return each row's output: a row whose tokens are
         then all computed samples its next token, or has its drafts verified exactly against the target's
         [last token, drafts] logits (greedy: the target's argmax; sampled: rejection sampling). Drafts with
-        a ring_row come from `ring`, read on the device. Eager, a step graph, or a decode graph."""
+        a ring_row come from `ring`, read on the device. Eager, a step bucket, or a decode bucket."""
         outputs = [RowOutput([]) for _ in scheduled]
         inputs = self.inputs.build(scheduled)
-        if self.graphs is not None and inputs.is_decode and self.graphs.fits(len(scheduled)):
+        if self.graphs is not None and inputs.is_decode and self.graphs.fits_decode(len(scheduled)):
             launch = self.graphs.launch(inputs)
             launch.read()
             logits = self.graphs.logits[: len(scheduled)]
@@ -148,17 +151,15 @@ class ModelRunner:
             return False
         if self.device.type != "cuda":
             return True
-        if self.graphs is None:
+        graphs = self.graphs
+        if graphs is None or not graphs.decode_buckets:
             return False
         if is_decode_step(scheduled):
-            return self.graphs.fits(len(scheduled))
+            return graphs.fits_decode(len(scheduled))
         num_sampled = sum(item.samples for item in scheduled)
-        step_graphs = self.step_graphs
         return (
-            step_graphs is not None
-            and 0 < num_sampled <= min(step_graphs.max_logit_rows, self.graphs.max_bs)
-            and sum(item.num_new_tokens for item in scheduled) <= step_graphs.max_tokens
-            and len(scheduled) <= step_graphs.max_num_seqs
+            graphs.fits_step(sum(item.num_new_tokens for item in scheduled), len(scheduled), num_sampled)
+            and num_sampled <= graphs.max_num_seqs
         )
 
     @torch.inference_mode()
@@ -169,7 +170,7 @@ class ModelRunner:
             "a fed-back token is a decoding sequence's input"
         )
         inputs = self.inputs.build(scheduled)
-        if self.graphs is not None and inputs.is_decode:
+        if self.graphs is not None and inputs.is_decode and self.graphs.fits_decode(inputs.num_seqs):
             return self.graphs.launch(inputs)
         fed_back = None
         if inputs.source_rows is not None:
@@ -177,44 +178,48 @@ class ModelRunner:
             fed_back = previous.device_tokens
         logits = self._forward(inputs, fed_back)[0]
         if self.graphs is not None:
-            return self.graphs.sample_rows(logits, inputs)
+            return self.graphs.sample(logits, inputs)
         token_ids = self._sample_eager(logits, inputs)
         return PendingStep(inputs.sample_seqs, token_ids, token_ids, ready=None)  # CPU: filled already
 
     @torch.inference_mode()
     def forward_eager(
-        self,
-        scheduled: list[ScheduledRow],
-        is_decode: bool = False,
-        fed_back: torch.Tensor | None = None,
-        num_logits: dict[Sequence, int] | None = None,
+        self, scheduled: list[ScheduledRow], num_logits: dict[Sequence, int] | None = None
     ) -> torch.Tensor:
         """The float32 logits [num_rows, logit_vocab_size] of each sequence whose tokens are all computed
-        after this step, without sampling: its last token's row and one per draft, or its last
-        num_logits[seq] rows. fed_back: the previous launch's samples (PendingStep.device_tokens), the last
-        input of each row with a fed_back_row."""
-        inputs = self.inputs.build(scheduled, num_logits)
-        inputs.is_decode = is_decode
-        return self._forward(inputs, fed_back)[0]
+        after this step, computed eagerly (no graph), without sampling: its last token's row and one per
+        draft, or its last num_logits[seq] rows."""
+        return self._eager(self.inputs.build(scheduled, num_logits))[0]
 
     def _forward(
         self, inputs: StepInputs, fed_back: torch.Tensor | None = None, ring_read: DraftsRead | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward_eager's logits, and the captured hidden rows of every packed token (capture_layers;
-        else None). ring_read: input ids (draft rows with a ring_row) that come from the draft ring."""
+        """The step's logits (inputs.logit_rows), from a step bucket where one fits, else eagerly; and the
+        captured hidden rows of every packed token (capture_layers; else None). fed_back: the previous
+        launch's samples (PendingStep.device_tokens), which rows with a source row take as input.
+        ring_read: input ids (draft rows with a ring_row) that come from the draft ring."""
         gather_drafts = ring_read.gather_into if ring_read is not None else None
-        step_graphs = self.step_graphs
+        graphs = self.graphs
         if (
-            step_graphs is not None
+            graphs is not None
             and inputs.logit_rows
-            and step_graphs.fits(inputs)
-            and (fed_back is None or fed_back is step_graphs.feedback)
+            and graphs.fits(inputs)
+            and (fed_back is None or fed_back is graphs.token_ids)
         ):
-            logits = step_graphs.forward(inputs, gather_drafts)
+            logits = graphs.forward(inputs, gather_drafts)
             hidden = None
             if self.capture_layers:  # the graph's buffer is overwritten by its next replay
-                hidden = step_graphs.captured[: inputs.num_tokens].clone()
+                hidden = graphs.captured[: inputs.num_tokens].clone()
             return logits, hidden
+        return self._eager(inputs, fed_back, gather_drafts)
+
+    def _eager(
+        self,
+        inputs: StepInputs,
+        fed_back: torch.Tensor | None = None,
+        gather_drafts: Callable[[torch.Tensor], None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """_forward's logits and hidden rows, computed eagerly."""
         max_blocks = max(len(table) for table in inputs.block_tables)
         block_tables = torch.zeros(inputs.num_seqs, max_blocks, dtype=torch.int32)
         for row, table in enumerate(inputs.block_tables):
@@ -250,8 +255,8 @@ class ModelRunner:
     def _sample_eager(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """The next token of each sampled row (one logits row each), drawn at its draw position, on the
         host (int64)."""
-        if self.graphs is not None and len(inputs.sample_seqs) <= self.graphs.max_bs:
-            launch = self.graphs.sample_rows(logits, inputs)
+        if self.graphs is not None and len(inputs.sample_seqs) <= self.graphs.max_num_seqs:
+            launch = self.graphs.sample(logits, inputs)
             launch.read()
             return launch.host_tokens.clone()  # the pinned buffer is reused two launches later
         return self.sampler.sample(logits, inputs.sample_seqs, inputs.draw_positions).cpu()

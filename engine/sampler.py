@@ -19,6 +19,7 @@ from kernels.sampling import (
     ACCEPT_STREAM,
     TOKEN_STREAM,
     SamplingTensors,
+    SamplingWorkspace,
     filtered_probs_reference,
     philox_uniform_reference,
     philox_uniform_triton,
@@ -72,6 +73,15 @@ class Sampler:
         [num_seqs] int64 on the logits' device."""
         tensors = self.tensors(seqs, draw_positions)
         return sample_triton(logits, tensors) if self.on_gpu else sample_reference(logits, tensors)
+
+    def sample_into(
+        self, logits: torch.Tensor, tensors: SamplingTensors, out: torch.Tensor, workspace: SamplingWorkspace
+    ) -> None:
+        """Each row's token into `out`, drawing on `workspace` on a GPU: a graph's static buffers."""
+        if self.on_gpu:
+            sample_triton(logits, tensors, out=out, workspace=workspace)
+        else:
+            out.copy_(sample_reference(logits, tensors))
 
     def verify(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
         """Rejection sampling of a sequence's drafts (the tokens after its committed ones); logits [k + 1, V]

@@ -96,7 +96,7 @@ class RowOutput:
 @dataclasses.dataclass
 class PendingStep:
     """A step sent to the device; its sampled tokens reach the host when `ready` has fired. On a GPU the
-    same tokens stay on the device (device_tokens: DecodeGraphs.token_ids, row order), where the next
+    same tokens stay on the device (device_tokens: GraphCache.token_ids, row order), where the next
     launch's fed-back rows read them."""
 
     seqs: list[Sequence]  # the sequences it samples a token for, in row order

@@ -132,44 +132,49 @@ class StepInputsBuilder:
             input_ids, positions, BlockManager.slots(tables, positions, self.block_size), source_rows,
             query_start_loc, seq_lens, [item.seq.block_table for item in rows],
             max(item.num_tokens for item in rows), False, logit_rows,
-            *self._sampling(sampled, sample_rows),
+            *self._sampling([item.seq for item in sampled], sample_rows, [item.end for item in sampled]),
         )  # fmt: skip
         return inputs
 
     def _build_decode(self, rows: list[ScheduledRow]) -> StepInputs:
         """A decode step's inputs, without the general loop (at 256 sequences the host's time per step
-        is what a decode step costs)."""
+        is what a decode step costs: one pass over the rows per field)."""
         num_seqs = len(rows)
-        tables = [item.seq.block_table for item in rows]
+        seqs = [item.seq for item in rows]
+        tables = [seq.block_table for seq in seqs]
         lengths = [item.end for item in rows]  # with the input token (a fed-back one too)
         positions = [length - 1 for length in lengths]
-        source_rows = None
-        if any(item.fed_back_row is not None for item in rows):
-            source_rows = [-1 if item.fed_back_row is None else item.fed_back_row for item in rows]
+        source_rows: list[int] | None = [
+            -1 if item.fed_back_row is None else item.fed_back_row for item in rows
+        ]
+        if max(source_rows, default=-1) < 0:
+            source_rows = None
         every_row = list(range(num_seqs))
         return StepInputs(
             [0 if item.fed_back_row is not None else item.seq.token_ids[-1] for item in rows],
             positions, BlockManager.slots(tables, positions, self.block_size), source_rows,
             list(range(num_seqs + 1)), lengths, tables, 1, True, every_row,
-            *self._sampling(rows, every_row),
+            *self._sampling(seqs, every_row, lengths),
         )  # fmt: skip
 
-    def _sampling(self, rows: list[ScheduledRow], sample_rows: list[int]) -> tuple:
+    def _sampling(self, seqs: list[Sequence], sample_rows: list[int], draw_positions: list[int]) -> tuple:
         """The sampled rows' fields of StepInputs, from sample_seqs on."""
-        seqs = [item.seq for item in rows]
-        constants = [self._row_constants(seq) for seq in seqs]
-        return (
-            seqs, sample_rows, [item.end for item in rows], [row.seed for row in constants],
-            [row.top_k for row in constants], [row.floats for row in constants],
-        )  # fmt: skip
+        cached = self._constants
+        constants = [
+            row
+            if (row := cached.get(seq.request_id)) is not None and row.seq is seq
+            else self._row_constants(seq)
+            for seq in seqs
+        ]
+        seeds, top_k = [row.seed for row in constants], [row.top_k for row in constants]
+        return seqs, sample_rows, draw_positions, seeds, top_k, [row.floats for row in constants]
 
     def _row_constants(self, seq: Sequence) -> _RowConstants:
-        constants = self._constants.get(seq.request_id)
-        if constants is None or constants.seq is not seq:
-            params = seq.params
-            constants = _RowConstants(
-                seq, self.sampler.key_of(seq), max(params.top_k, 0),
-                tuple(getattr(params, field) for field in SAMPLING_FLOAT_FIELDS),
-            )  # fmt: skip
-            self._constants[seq.request_id] = constants
+        """The sequence's sampling constants, looked up now (its first step, or a new sequence)."""
+        params = seq.params
+        constants = _RowConstants(
+            seq, self.sampler.key_of(seq), max(params.top_k, 0),
+            tuple(getattr(params, field) for field in SAMPLING_FLOAT_FIELDS),
+        )  # fmt: skip
+        self._constants[seq.request_id] = constants
         return constants

@@ -77,7 +77,7 @@ class DraftModelProposer(Proposer):
         )
         self.runner = ModelRunner(
             decoder, num_blocks, config.block_size, dtype, config.max_num_seqs, self.max_model_len,
-            use_cuda_graphs=config.cuda_graphs,
+            graphs=None if config.cuda_graphs else False,
         )  # fmt: skip
         self._states: dict[str, _DraftState] = {}
         self._last_call: list[_DraftState] = []  # what draft_ahead extends

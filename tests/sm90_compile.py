@@ -153,7 +153,7 @@ def run_decoder(
         torch.bfloat16,
         max_num_seqs=2,
         max_model_len=1024,
-        use_cuda_graphs=False,
+        graphs=False,
         kv_cache_dtype=kv_cache_dtype,
     )
     manager = BlockManager(num_blocks=64, block_size=16)
@@ -163,7 +163,7 @@ def run_decoder(
     seq.num_computed_tokens = prompt_len
     seq.token_ids.append(7)
     manager.append_slots(seq, 0)
-    runner.forward_eager([ScheduledRow(seq, 1)], is_decode=True)
+    runner.forward_eager([ScheduledRow(seq, 1)])
     seq.num_computed_tokens += 1
     seq.token_ids += [8, 9, 10, 11, 12]
     manager.append_slots(seq, 0)

@@ -41,7 +41,7 @@ def _reference_logits(spec, weights, token_ids: list[int], num_prompt: int) -> t
         torch.float32,
         max_num_seqs=1,
         max_model_len=64,
-        use_cuda_graphs=False,
+        graphs=False,
     )
     manager = BlockManager(num_blocks, block_size)
     seq = Sequence("s", token_ids[:num_prompt], SamplingParams())
@@ -51,7 +51,7 @@ def _reference_logits(spec, weights, token_ids: list[int], num_prompt: int) -> t
     for token in token_ids[num_prompt:]:
         seq.token_ids.append(token)
         manager.append_slots(seq, 0)
-        logits.append(runner.forward_eager([ScheduledRow(seq, 1)], is_decode=True))
+        logits.append(runner.forward_eager([ScheduledRow(seq, 1)]))
         seq.num_computed_tokens += 1
     return torch.cat(logits)
 

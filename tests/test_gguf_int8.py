@@ -41,9 +41,7 @@ def _write(path: Path, tiny: Tiny, linear_type: dict[str, QuantType]) -> Path:
 
 def _last_logits(spec, weights) -> torch.Tensor:
     decoder = Decoder.from_weights(spec, weights, max_positions=64)
-    runner = ModelRunner(
-        decoder, 8, 4, torch.float32, max_num_seqs=1, max_model_len=64, use_cuda_graphs=False
-    )
+    runner = ModelRunner(decoder, 8, 4, torch.float32, max_num_seqs=1, max_model_len=64, graphs=False)
     seq = Sequence("s", list(range(3, 20)), SamplingParams())
     BlockManager(8, 4).allocate(seq)
     return runner.forward_eager([ScheduledRow(seq, seq.num_tokens)], num_logits={seq: seq.num_tokens})

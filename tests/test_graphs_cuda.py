@@ -41,8 +41,8 @@ def test_graph_decode_step_equals_eager(prompt_lens: list[int]) -> None:
     for seq in seqs:
         engine.block_manager.append_slots(seq, 0)
     scheduled = [ScheduledRow(seq, 1) for seq in seqs]
-    eager = runner.forward_eager(scheduled, is_decode=True).clone()
-    launch = runner.graphs.launch(scheduled)
+    eager = runner.forward_eager(scheduled).clone()
+    launch = runner.graphs.launch(runner.inputs.build(scheduled))
     launch.read()
     graph = runner.graphs.logits[: len(seqs)]
     difference = (eager - graph).abs().max().item()
@@ -55,9 +55,9 @@ def test_graph_decode_step_equals_eager(prompt_lens: list[int]) -> None:
 @pytest.mark.parametrize("quantization", [None, "int8"], ids=["float", "int8"])
 @pytest.mark.parametrize("prompt_lens", [[37], [5, 300, 64]], ids=["one", "three"])
 def test_step_graph_equals_eager(prompt_lens: list[int], quantization: str | None) -> None:
-    """A prefill step (and a verify-shaped one: several logit rows per sequence) replayed from a
-    StepGraphs bucket gives the eager step's logits; then whole greedy runs agree. INT8 weights: a
-    369-token step dequantizes each weight for the GEMM, the next one ahead on a side stream, in the
+    """A prefill step (and a verify-shaped one: several logit rows per sequence) replayed from a step
+    bucket of the graph cache gives the eager step's logits; then whole greedy runs agree. INT8 weights:
+    a 369-token step dequantizes each weight for the GEMM, the next one ahead on a side stream, in the
     graph as eagerly; without the workspace (the INT8 GEMM) the step's logits are the same."""
     spec = dataclasses.replace(SMOLLM2_135M, num_layers=4)
     weights = random_weights(spec, torch.float32, "cuda")
@@ -71,7 +71,7 @@ def test_step_graph_equals_eager(prompt_lens: list[int], quantization: str | Non
 
     graphed = engine(step_graphs=True)
     runner = graphed.runner
-    assert runner.step_graphs is not None
+    assert runner.graphs is not None and runner.graphs.step_buckets
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, spec.vocab_size, (n,), generator=generator).tolist() for n in prompt_lens]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -81,10 +81,10 @@ def test_step_graph_equals_eager(prompt_lens: list[int], quantization: str | Non
     runner.copy_blocks(batch.block_copies)
     seqs = [item.seq for item in batch.scheduled]
     for num_logits in (None, {seq: 3 for seq in seqs}):
-        from_graph = runner.forward_eager(batch.scheduled, num_logits=num_logits).clone()
-        step_graphs, runner.step_graphs = runner.step_graphs, None
+        inputs = runner.inputs.build(batch.scheduled, num_logits)
+        assert runner.graphs.fits(inputs)
+        from_graph = runner.graphs.forward(inputs).clone()
         eager = runner.forward_eager(batch.scheduled, num_logits=num_logits)
-        runner.step_graphs = step_graphs
         difference = (eager - from_graph).abs().max().item()
         print(f"max |eager - step graph| = {difference:.3e}")
         assert difference <= 1e-4 * eager.abs().max().item()
@@ -92,9 +92,7 @@ def test_step_graph_equals_eager(prompt_lens: list[int], quantization: str | Non
             workspace = runner.decoder.linear_workspace
             assert workspace is not None and workspace.dequant is not None
             dequant, workspace.dequant = workspace.dequant, None
-            runner.step_graphs = None
             int8_gemm = runner.forward_eager(batch.scheduled, num_logits=num_logits)
-            runner.step_graphs = step_graphs
             workspace.dequant = dequant
             assert (int8_gemm - eager).abs().max().item() <= 1e-4 * eager.abs().max().item()
     for seq in seqs:
@@ -145,7 +143,7 @@ def test_verify_steps_from_step_graphs_equal_plain_decoding() -> None:
     config = dict(device="cuda", dtype="float32", max_model_len=1024, kv_cache_tokens=4096, max_num_seqs=8,
                   max_num_batched_tokens=64)  # fmt: skip
     speculative = build_engine(model, EngineConfig(**config, proposer="ngram", num_draft=4))
-    assert speculative.runner.step_graphs is not None
+    assert speculative.runner.graphs is not None and speculative.runner.graphs.step_buckets
     plain = Engine(model, EngineConfig(**config, step_graphs=False))
     prompt = list(range(100, 120)) * 4
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -186,7 +184,8 @@ def test_step_graphs_hand_over_the_hidden_states_that_eager_steps_do() -> None:
     for graphed in (True, False):
         proposer = _RecordingProposer((1, 3))
         engine = Engine(model, EngineConfig(**config, step_graphs=graphed), proposer=proposer)
-        assert (engine.runner.step_graphs is not None) == graphed and engine.runner.graphs is None
+        graphs = engine.runner.graphs  # step buckets only: a decode bucket captures no layers
+        assert (graphs is not None) == graphed and (graphs is None or not graphs.decode_buckets)
         outputs[graphed] = engine.generate(prompt, params)[0]
         assert engine.speculator.stats.drafts_proposed > 0
         (chunks,) = proposer.rows.values()

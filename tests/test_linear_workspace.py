@@ -51,7 +51,7 @@ def _steps(decoder: Decoder, seed: int) -> Iterator[torch.Tensor]:
     uses no workspace.)"""
     runner = ModelRunner(
         decoder, MAX_MODEL_LEN // BLOCK_SIZE, BLOCK_SIZE, torch.bfloat16, max_num_seqs=1,
-        max_model_len=MAX_MODEL_LEN, use_cuda_graphs=False,
+        max_model_len=MAX_MODEL_LEN, graphs=False,
     )  # fmt: skip
     manager = BlockManager(MAX_MODEL_LEN // BLOCK_SIZE, BLOCK_SIZE)
     vocab = decoder.logit_vocab_size

@@ -69,7 +69,7 @@ def test_logits_match_transformers(family: str, device: str, tmp_path: Path) -> 
     block_size, num_tokens, num_prompt = 4, 23, 13
     decoder = Decoder.from_weights(spec, weights, max_positions=64, ops=ops_for(torch.device(device)))
     runner = ModelRunner(
-        decoder, 12, block_size, torch.float32, max_num_seqs=1, max_model_len=64, use_cuda_graphs=False
+        decoder, 12, block_size, torch.float32, max_num_seqs=1, max_model_len=64, graphs=False
     )
     manager = BlockManager(num_blocks=12, block_size=block_size)
     manager.allocate(Sequence("pad", [1] * 7, SamplingParams()))  # so block ids are not just 0, 1, 2...
@@ -83,7 +83,7 @@ def test_logits_match_transformers(family: str, device: str, tmp_path: Path) -> 
     for token in token_ids[num_prompt:].tolist():  # teacher-forced decode steps
         seq.token_ids.append(token)
         manager.append_slots(seq, 0)
-        got.append(runner.forward_eager([ScheduledRow(seq, 1)], is_decode=True))
+        got.append(runner.forward_eager([ScheduledRow(seq, 1)]))
         seq.num_computed_tokens += 1
     got_logits = torch.cat(got).cpu()
     scale = expected.abs().max()

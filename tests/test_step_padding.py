@@ -1,4 +1,4 @@
-"""How a step graph's sequence slots are filled (engine.step_graphs.padded_sequences): the real sequences,
+"""How a step graph's sequence slots are filled (engine.graphs.padded_sequences): the real sequences,
 then padding sequences no longer than a context, then empty slots. The graphs themselves are checked on
 the GPU (tests/test_graphs_cuda.py)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.step_graphs import padded_sequences
+from engine.graphs import padded_sequences
 
 
 @pytest.mark.parametrize(

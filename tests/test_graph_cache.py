@@ -1,0 +1,108 @@
+"""The graph cache (engine/graphs.py) on the CPU, where capture records each step and replay calls it on
+the same static buffers a GPU's graphs read: the inputs' layout, one copy per step from alternating
+staging buffers, padding rows and padding sequences, fed-back rows, sampling inside a decode replay and
+after a step replay, and verify steps. Outputs equal the eager engine's exactly, on the real
+SmolLM2-135M-Instruct. (The CUDA graphs themselves: tests/test_graphs_cuda.py.)"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from deployments.proposers import build_engine
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loader import LoadedModel
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_model: LoadedModel) -> LoadedModel:
+    return smollm2_model  # loaded once for the session (tests/conftest.py)
+
+
+def _with_graph_cache(engine: Engine) -> collections.Counter:
+    """Rebuild the engine's runner with a graph cache on the CPU; returns the count of replays by kind
+    ("decode", "step"), which grows as the engine steps."""
+    config, runner = engine.config, engine.runner
+    max_logit_rows = config.max_num_seqs * (1 + config.num_draft if engine.speculator is not None else 1)
+    engine.runner = ModelRunner(
+        runner.decoder, engine.block_manager.num_blocks, config.block_size, config.torch_dtype(),
+        config.max_num_seqs, engine.max_model_len, graphs=True,
+        max_num_batched_tokens=engine.max_num_batched_tokens, max_logit_rows=max_logit_rows,
+    )  # fmt: skip
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.decode_buckets and graphs.step_buckets
+    replays: collections.Counter = collections.Counter()
+    for kind, buckets in (("decode", graphs.decode_buckets), ("step", graphs.step_buckets)):
+        for bucket in buckets.values():
+            replay = bucket.replay
+
+            def counted(replay=replay, kind=kind) -> None:  # noqa: ANN001 - the bucket's own replay
+                replays[kind] += 1
+                replay()
+
+            bucket.replay = counted
+    return replays
+
+
+def _run(
+    engine: Engine, requests: dict[int, list[tuple[str, list[int], SamplingParams]]]
+) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while step <= max(requests) or engine.has_unfinished():
+        for request_id, prompt, params in requests.get(step, []):
+            engine.add_request(prompt, params, request_id)
+            tokens[request_id] = []
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+        step += 1
+    return tokens
+
+
+@pytest.mark.parametrize("run_ahead", [False, True], ids=["step-by-step", "run-ahead"])
+def test_graph_cache_steps_equal_eager_steps(model: LoadedModel, run_ahead: bool) -> None:
+    """Prompts chunked by a 48-token budget beside decoding sequences (step buckets of 16-48 tokens, then
+    sampling), batches of 1-4 decoding sequences (decode buckets 1, 2, 4: padding rows), greedy, seeded
+    and penalized requests; with run-ahead, rows fed back from the launch before on the device."""
+    tokenizer = model.tokenizer
+    chat = tokenizer.encode_chat([{"role": "user", "content": "Name three rivers in Europe, and say why."}])
+    story = tokenizer.encode("Once upon a time, in a quiet village by the sea, there lived an old sailor")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    requests = {
+        0: [("first", story, greedy)],
+        3: [("chat", chat, greedy), ("short", story, SamplingParams(max_tokens=2, temperature=0.0))],
+        5: [("sampled", chat, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=3))],
+        7: [("penalized", story, SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=1.0))],
+    }
+
+    def engine() -> Engine:
+        config = EngineConfig(
+            run_ahead=run_ahead, max_num_batched_tokens=48, max_num_seqs=4, max_model_len=512
+        )
+        return Engine(model, config)
+
+    graphed = engine()
+    replays = _with_graph_cache(graphed)
+    assert _run(graphed, requests) == _run(engine(), requests)
+    assert replays["decode"] > 5 and replays["step"] > 3, replays
+
+
+def test_verify_steps_from_the_graph_cache_equal_eager_ones(model: LoadedModel) -> None:
+    """N-gram drafts on a repetitive prompt: verify steps replay step buckets (greedy and sampled rows)."""
+    config = dict(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=512, run_ahead=False)
+    prompt = model.tokenizer.encode("one two three four, one two three four, one two three four, one two")
+    requests = {
+        0: [
+            ("greedy", prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)),
+            ("sampled", prompt, SamplingParams(max_tokens=16, temperature=0.7, seed=5, ignore_eos=True)),
+        ]
+    }
+    graphed = build_engine(model, EngineConfig(**config, proposer="ngram", num_draft=3))
+    replays = _with_graph_cache(graphed)
+    eager = build_engine(model, EngineConfig(**config, proposer="ngram", num_draft=3))
+    assert _run(graphed, requests) == _run(eager, requests)
+    assert graphed.speculator.stats.drafts_proposed > 0 and replays["step"] > 3, replays
