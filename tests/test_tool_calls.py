@@ -6,14 +6,19 @@ accepts; a template that ignores tools gets them in a system message; the 400s o
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import llguidance
+import openai
 import pytest
 from assets import llama3_tokenizer_dir, llama_cpp_models_dir, qwen3_tokenizer_dir
+from ingress_harness import MODEL as SERVED_MODEL
+from ingress_harness import build
 
 from deployments.chat_output import ChatOutputPlan
 from deployments.errors import OpenAIError
@@ -324,3 +329,93 @@ def test_bad_tool_requests_get_400_naming_the_field(fields: dict[str, Any], para
         parse_request(ChatCompletionRequest, body)
     assert (raised.value.status_code, raised.value.param) == (400, param)
     assert param in raised.value.message
+
+
+# ---- through the ingress, with the official client (a stand-in engine replies the tokens of a call) -----
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf: Path) -> Tokenizer:
+    return load_tokenizer("smollm2-135m")
+
+
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+
+
+def _client(smollm2: Tokenizer, monkeypatch: pytest.MonkeyPatch, reply: str) -> tuple[Any, Any, Any]:
+    """The official client on an ingress whose engine replies `reply` a token at a time, then <|im_end|>."""
+    http_client, engine = build(smollm2, monkeypatch)
+    engine.reply = smollm2.encode(reply + "<|im_end|>", add_special_tokens=False)
+    engine.finish_reason, engine.piecewise = "stop", True
+    base_url = http_client.base_url.join("/v1")
+    client = openai.AsyncOpenAI(api_key="k", base_url=base_url, http_client=http_client, max_retries=0)
+    return client, http_client, engine
+
+
+FORCED = {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+
+
+def test_a_forced_call_comes_back_as_tool_calls(smollm2: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def run() -> None:
+        client, http_client, engine = _client(smollm2, monkeypatch, CALL_TEXT)
+        async with http_client:
+            reply = await client.chat.completions.create(
+                model=SERVED_MODEL, messages=[USER], max_tokens=64, **FORCED
+            )
+        choice = reply.choices[0]
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+        (call,) = choice.message.tool_calls
+        assert call.id.startswith("call_") and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
+        prompt, params = engine.submitted[-1]
+        assert "<tools>" in smollm2.decode(prompt)  # the fallback's system message
+        assert params.grammar.kind == "lark" and '"const": "get_weather"' in params.grammar.source
+        assert '"const": "get_time"' not in params.grammar.source  # the named function only
+
+    asyncio.run(run())
+
+
+def test_a_streamed_call_sends_its_arguments_in_pieces(
+    smollm2: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def run() -> list[Any]:
+        client, http_client, _ = _client(smollm2, monkeypatch, "Checking.\n" + CALL_TEXT)
+        async with http_client:
+            stream = await client.chat.completions.create(
+                model=SERVED_MODEL, messages=[USER], max_tokens=64, stream=True, tools=[WEATHER]
+            )
+            return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(run())
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    assert "".join(delta.content or "" for delta in deltas) == "Checking."
+    pieces = [call for delta in deltas for call in delta.tool_calls or ()]
+    assert (pieces[0].index, pieces[0].type, pieces[0].function.name) == (0, "function", "get_weather")
+    assert pieces[0].id.startswith("call_") and all(piece.id is None for piece in pieces[1:])
+    assert len(pieces) > 3  # the arguments came in pieces, as the tokens did
+    arguments = "".join(piece.function.arguments or "" for piece in pieces)
+    jsonschema.validate(json.loads(arguments), WEATHER_PARAMETERS)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_tool_result_goes_back_in_the_next_turn(
+    smollm2: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def run() -> None:
+        client, http_client, engine = _client(smollm2, monkeypatch, CALL_TEXT)
+        async with http_client:
+            first = await client.chat.completions.create(
+                model=SERVED_MODEL, messages=[USER], max_tokens=64, **FORCED
+            )
+            called = first.choices[0].message
+            engine.reply = smollm2.encode("Sunny.<|im_end|>", add_special_tokens=False)
+            result = {"role": "tool", "tool_call_id": called.tool_calls[0].id, "content": '{"sky": "clear"}'}
+            second = await client.chat.completions.create(
+                model=SERVED_MODEL, messages=[USER, called.model_dump(exclude_none=True), result],
+                tools=[WEATHER], max_tokens=8,
+            )  # fmt: skip
+        assert (second.choices[0].message.content, second.choices[0].finish_reason) == ("Sunny.", "stop")
+        prompt = smollm2.decode(engine.submitted[-1][0])
+        assert CALL_TEXT in prompt and '<tool_response>\n{"sky": "clear"}\n</tool_response>' in prompt
+
+    asyncio.run(run())
