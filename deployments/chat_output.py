@@ -131,6 +131,8 @@ class AnswerStream:
     def push(self, new_text: str, final: bool) -> dict[str, Any]:
         """The delta's fields for what `new_text` (and, final, the end) adds: reasoning_content, content,
         tool_calls (a call's first names it, with its id; then its arguments come in pieces)."""
+        if self.plan.tool_format is None and not self.plan.thinking:  # plain text, as it comes
+            return {"content": new_text} if new_text else {}
         self.text += new_text
         parsed = self.plan.parse(self.text, final)
         delta: dict[str, Any] = {}

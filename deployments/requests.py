@@ -291,7 +291,10 @@ class GenerationRequest(_OpenAIModel):
 class FunctionDefinition(_OpenAIModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object; none: no arguments
+    parameters: dict[str, Any] | None = Field(
+        None, description="a JSON Schema of the arguments object, in the keywords llguidance implements; "
+        "none: no arguments",
+    )  # fmt: skip
     strict: bool | None = None  # the arguments of a forced call always validate here
 
 
@@ -311,12 +314,21 @@ class NamedToolChoice(_OpenAIModel):
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
-# What ChatCompletionRequest._tool_fields checks in its schema: a call can be forced only among tools.
-_FORCED_CALL_NEEDS_TOOLS = {
+# What ChatCompletionRequest._tool_fields checks in its schema: a call can be forced only among tools, and
+# not beside a format for the answer's text. That a named function is among the tools, and that a tool
+# message answers an earlier call, the fields' descriptions say in words (JSON Schema cannot compare values).
+_FORCED_CALL_ALONE = {
     "if": {
         "anyOf": [_given("tool_choice", {"const": "required"}), _given("tool_choice", {"type": "object"})]
     },
-    "then": _given("tools", {"type": "array", "minItems": 1}),
+    "then": {
+        **_given("tools", {"type": "array", "minItems": 1}),
+        "properties": {
+            "tools": {"type": "array", "minItems": 1},
+            "response_format": {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]},
+            "structured_outputs": {"type": "null"},
+        },
+    },
 }
 
 
@@ -325,7 +337,10 @@ _RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "
 
 
 class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(
+        min_length=1,
+        description="a tool message's tool_call_id is the id of a call of an earlier assistant message",
+    )
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -339,7 +354,7 @@ class ChatCompletionRequest(GenerationRequest):
     # tool calling (deployments/tool_calls.py): the functions the model may call, whether it must
     # (default: auto with tools, none without), and whether it may call several at once
     tools: list[Tool] = Field(default_factory=list)
-    tool_choice: ToolChoice | None = None
+    tool_choice: ToolChoice | None = Field(None, description="a named function is one of the tools")
     parallel_tool_calls: bool = True
 
     prompt_field: ClassVar[str] = "messages"
@@ -375,7 +390,7 @@ class ChatCompletionRequest(GenerationRequest):
             "if": _given("top_logprobs", {"type": "integer", "minimum": 1}),
             "then": _given("logprobs", {"const": True}),
         },
-        _FORCED_CALL_NEEDS_TOOLS,
+        _FORCED_CALL_ALONE,
     )
 
     @model_validator(mode="after")
@@ -398,10 +413,6 @@ class ChatCompletionRequest(GenerationRequest):
             param = f"tools[{index}].function.parameters"
             if (problem := schema_problem(tool.function.parameters)) is not None:
                 raise OpenAIError.invalid_request(f"{param} is not a JSON Schema: {problem}", param=param)
-            if names.index(tool.function.name) != index:
-                raise OpenAIError.invalid_request(
-                    f"tools[{index}] repeats the function name {tool.function.name!r}", param="tools"
-                )
         if self.tool_choice == "required" and not self.tools:
             raise OpenAIError.invalid_request("tool_choice 'required' needs tools", param="tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:

@@ -94,10 +94,12 @@ def test_the_api_key_is_a_bearer_scheme_that_the_keyed_routes_require(
 
 def _bounded(case: schemathesis.Case) -> None:
     """A valid request kept valid and small: at most MAX_TOKENS tokens, MAX_CHOICES choices and prompts,
-    token ids within any vocabulary (the schema cannot say whose); everything else as generated. (An
-    invalid one stays as generated: the server refuses it before it decodes anything.)"""
+    token ids within any vocabulary (the schema cannot say whose), and what the schema says in words only
+    (_keep_tool_references); everything else as generated. (An invalid one stays as generated: the server
+    refuses it before it decodes anything.)"""
     if not isinstance(case.body, dict):
         return
+    _keep_tool_references(case.body)
     prompt = case.body.get("prompt")
     if isinstance(prompt, list):
         is_batch = isinstance(prompt[0], (str, list))
@@ -115,6 +117,29 @@ def _bounded(case: schemathesis.Case) -> None:
         and case.body.get("max_completion_tokens") is None
     ):
         case.body["max_tokens"] = MAX_TOKENS  # unset: the rest of the context
+
+
+def _keep_tool_references(body: dict[str, Any]) -> None:
+    """What the schema gives in words: a tool's parameters are a JSON Schema (the generator's objects hold
+    JSON Schema's keywords with any values: each becomes {"type": "object"}), a named tool_choice names one
+    of the tools, and a tool message answers a call of an earlier assistant message (else it is left out)."""
+    choice, tools = body.get("tool_choice"), body.get("tools") or []
+    for tool in tools:
+        if tool["function"].get("parameters") is not None:
+            tool["function"]["parameters"] = {"type": "object"}
+    if isinstance(choice, dict) and tools:
+        choice["function"]["name"] = tools[0]["function"]["name"]
+    if not isinstance(body.get("messages"), list):
+        return
+    kept, call_ids = [], []
+    for message in body["messages"]:
+        call_ids += [call["id"] for call in message.get("tool_calls") or ()]
+        if message.get("role") == "tool":
+            if not call_ids:
+                continue
+            message["tool_call_id"] = call_ids[-1]
+        kept.append(message)
+    body["messages"] = kept or [{"role": "user", "content": "Hi"}]
 
 
 def _is_number(value: Any) -> bool:
@@ -179,6 +204,12 @@ def test_no_request_from_the_schema_gets_a_5xx(served: Served) -> None:
 # ---- the disagreements schemathesis found (issue #31, item 6): the status, and the schema's verdict -------
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+CALL_AND_RESULT = [
+    {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
 AGREEMENT_CASES = {  # name: (path, fields over a small valid request, status)
     "top_logprobs without logprobs": (CHAT, {"top_logprobs": 2}, 400),
     "top_logprobs with logprobs": (CHAT, {"logprobs": True, "top_logprobs": 2}, 200),
@@ -188,6 +219,14 @@ AGREEMENT_CASES = {  # name: (path, fields over a small valid request, status)
     "no tools": (CHAT, {"tools": []}, 200),
     "a tool": (CHAT, {"tools": [TOOL]}, 200),
     "a forced call without tools": (CHAT, {"tool_choice": "required"}, 400),
+    "a forced call": (CHAT, {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}, 200),
+    "a forced call and a response format": (
+        CHAT,
+        {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        400,
+    ),
+    "a call and its result": (CHAT, {"tools": [TOOL], "messages": CALL_AND_RESULT}, 200),
+    "a tool message without its id": (CHAT, {"messages": [{"role": "tool", "content": "sunny"}]}, 400),
     "nulls: not given": (CHAT, {"temperature": None, "n": None, "tool_choice": None}, 200),
     "usage without stream": (CHAT, {"stream_options": {"include_usage": True}}, 400),
     "both token limits": (CHAT, {"max_tokens": 2, "max_completion_tokens": 1}, 200),
