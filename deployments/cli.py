@@ -190,10 +190,11 @@ def _load_engine(args: argparse.Namespace) -> Engine:
         draft_model=args.draft_model, draft_layers=args.draft_layers, num_draft=args.num_draft,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
+    chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr, flush=True)
     model = load_model(args.model, config.torch_dtype(), config.torch_device(), config.quantization)
-    if args.chat_template is not None:
-        model.tokenizer.chat_template = load_chat_template(args.chat_template)
+    if chat_template is not None:
+        model.tokenizer.chat_template = chat_template
     return build_engine(model, config)  # with the proposer in this process
 
 

@@ -419,3 +419,24 @@ def test_a_tool_result_goes_back_in_the_next_turn(
         assert CALL_TEXT in prompt and '<tool_response>\n{"sky": "clear"}\n</tool_response>' in prompt
 
     asyncio.run(run())
+
+
+def test_the_chat_template_arg_replaces_the_model_template(
+    smollm2: Tokenizer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A user's template (the chat_template app arg, here a file) renders the prompt; with tools that it
+    renders itself, no fallback system message is added."""
+    own = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{{ tools | length }} tools\n"
+    (tmp_path / "own.jinja").write_text(own)
+
+    async def run() -> str:
+        http_client, engine = build(smollm2, monkeypatch, chat_template=str(tmp_path / "own.jinja"))
+        client = openai.AsyncOpenAI(
+            api_key="k", base_url=http_client.base_url.join("/v1"), http_client=http_client, max_retries=0
+        )
+        async with http_client:
+            await client.chat.completions.create(model=SERVED_MODEL, messages=[USER], tools=[WEATHER])
+        return smollm2.decode(engine.submitted[-1][0])
+
+    assert asyncio.run(run()) == f"[user] {USER['content']}\n1 tools"  # (jinja drops the last newline)
+    assert smollm2.chat_template != own  # the model's own tokenizer is left as it was
