@@ -3,7 +3,7 @@
 A field is either
 - honoured (it changes the output as OpenAI documents),
 - accepted and ignored (it has no effect on the output: `user`, `metadata`, `store`, ...),
-- rejected with a 400 naming it unless it carries its no-effect value (`tools`, `logit_bias`, ...), or
+- rejected with a 400 naming it unless it carries its no-effect value (`logit_bias`, ...), or
 - unknown: rejected as OpenAI does ("Unrecognized request argument supplied: X").
 JSON null means "not given", as in OpenAI's API. deployments/request_parsing.py validates a body into a
 model, deployments/request_to_engine.py turns a model into what the engine takes.
@@ -322,7 +322,7 @@ _FORCED_CALL_ALONE = {
         "anyOf": [_given("tool_choice", {"const": "required"}), _given("tool_choice", {"type": "object"})]
     },
     "then": {
-        **_given("tools", {"type": "array", "minItems": 1}),
+        "required": ["tools"],
         "properties": {
             "tools": {"type": "array", "minItems": 1},
             "response_format": {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]},
