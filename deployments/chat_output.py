@@ -89,18 +89,23 @@ class ChatOutputPlan:
 
     # ---- reading the answer ---------------------------------------------------------------------
 
-    def parse(self, text: str, final: bool) -> ParsedAnswer:
+    def parse(self, text: str, final: bool, cut_short: bool = False) -> ParsedAnswer:
+        """The answer so far (final: all of it). cut_short (max_tokens ended it): a last call cut off is
+        kept as far as it goes, as the stream sent it, rather than the whole answer read as content."""
         reasoning, answer = split_reasoning(text, final) if self.thinking else (None, text)
         if self.tool_format is None:
             return ParsedAnswer(reasoning, answer, [])
         content, calls = self.tool_format.parse(answer, final)
+        if cut_short and not calls:
+            content_so_far, calls = self.tool_format.parse(answer, final=False)
+            content = content_so_far if calls else content
         if calls or not final:  # whitespace before a call is no content; while streaming, one may follow
             content = content.rstrip()
         return ParsedAnswer(reasoning, content, calls)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole answer's message, and its finish_reason ("tool_calls" for one that ends in calls)."""
-        parsed = self.parse(text, final=True)
+        parsed = self.parse(text, final=True, cut_short=finish_reason == "length")
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.calls or (parsed.reasoning is not None and not parsed.content):
             message["content"] = parsed.content or None
@@ -128,13 +133,13 @@ class AnswerStream:
         self._sent_content = 0
         self._sent_calls: list[int] = []  # per call announced: the characters of its arguments sent
 
-    def push(self, new_text: str, final: bool) -> dict[str, Any]:
+    def push(self, new_text: str, final: bool, finish_reason: str | None = None) -> dict[str, Any]:
         """The delta's fields for what `new_text` (and, final, the end) adds: reasoning_content, content,
         tool_calls (a call's first names it, with its id; then its arguments come in pieces)."""
         if self.plan.tool_format is None and not self.plan.thinking:  # plain text, as it comes
             return {"content": new_text} if new_text else {}
         self.text += new_text
-        parsed = self.plan.parse(self.text, final)
+        parsed = self.plan.parse(self.text, final, cut_short=final and finish_reason == "length")
         delta: dict[str, Any] = {}
         if parsed.reasoning is not None and len(parsed.reasoning) > self._sent_reasoning:
             delta["reasoning_content"] = parsed.reasoning[self._sent_reasoning :]

@@ -509,7 +509,7 @@ class OpenAIIngress:
             num_tokens += len(output.new_token_ids)
             answer = answers[choice.index]
             # the text's reasoning, content and tool calls
-            delta = answer.push(output.new_text, output.finished)
+            delta = answer.push(output.new_text, output.finished, output.finish_reason)
             if delta or (request.logprobs and output.new_logprobs):
                 yield response.chunk(choice.index, delta or {"content": ""}, logprobs=output.new_logprobs)
             if output.finished:

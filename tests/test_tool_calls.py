@@ -131,6 +131,19 @@ def test_several_calls_and_text_that_is_no_call() -> None:
     message, _ = plan.message(two, "stop")
     assert [call["function"]["name"] for call in message["tool_calls"]] == ["get_weather", "get_time"]
     assert len({call["id"] for call in message["tool_calls"]}) == 2
+    cut = two[: two.index('"arguments": {}') + len('"arguments": {')]  # max_tokens ended the second call
+    message, finish_reason = plan.message(cut, "length")
+    assert [call["function"]["name"] for call in message["tool_calls"]] == ["get_weather", "get_time"]
+    assert (message["tool_calls"][1]["function"]["arguments"], finish_reason) == ("{", "length")
+    stream = plan.stream()
+    sent = [
+        stream.push(cut[start : start + 5], start + 5 >= len(cut), "length")
+        for start in range(0, len(cut), 5)
+    ]
+    announced = [
+        call["function"]["name"] for delta in sent for call in delta.get("tool_calls", ()) if "id" in call
+    ]
+    assert announced == ["get_weather", "get_time"]
     for broken in ("<tool_call>\n{not json}\n</tool_call>", "The answer is 42."):
         message, finish_reason = plan.message(broken, "stop")
         assert (message["content"], finish_reason) == (broken, "stop") and "tool_calls" not in message

@@ -58,7 +58,7 @@ def test_a_forced_call(client: openai.OpenAI, served: Served, tool_choice: Any) 
 def test_a_forced_call_streamed(client: openai.OpenAI, served: Served) -> None:
     stream = client.chat.completions.create(
         model=served.model, messages=[USER], tools=[WEATHER, TIME], tool_choice=NAMED, temperature=0,
-        max_tokens=MAX_TOKENS, stream=True,
+        max_tokens=MAX_TOKENS, stream=True, parallel_tool_calls=False,
     )  # fmt: skip
     chunks = list(stream)
     pieces = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
