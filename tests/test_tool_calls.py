@@ -233,6 +233,23 @@ def test_a_schema_constrains_only_the_answer_after_the_thinking() -> None:
         assert _accepts(qwen3_tokenizer_dir(), grammar, text) == accepted, (tools, thinking, text)
 
 
+@pytest.mark.parametrize(
+    ("grammar", "answer", "refused"),
+    [(GrammarSpec("regex", "[0-9]{3}/[a-z]+"), "123/abc", "12/abc"),
+     (GrammarSpec("choice", '["yes", "no"]'), "no", "maybe")],
+)  # fmt: skip
+def test_a_regex_or_a_choice_follows_the_thinking_too(
+    grammar: GrammarSpec, answer: str, refused: str
+) -> None:
+    tokenizer, _ = _tokenizers(qwen3_tokenizer_dir())
+    plan = ChatOutputPlan.for_request(
+        request(tools=[]), template("Qwen-Qwen3-0.6B"), tokenizer.single_token_id
+    )
+    wrapped = plan.constrain(SamplingParams(grammar=grammar)).grammar
+    assert _accepts(qwen3_tokenizer_dir(), wrapped, f"<think>\nSo: {refused}?\n</think>\n\n{answer}")
+    assert not _accepts(qwen3_tokenizer_dir(), wrapped, f"<think>\nSo.\n</think>\n\n{refused}")
+
+
 # ---- Qwen3's thinking ------------------------------------------------------------------------------
 
 
