@@ -15,6 +15,7 @@ A final text whose calls do not parse is content, as vLLM's parsers return it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import uuid
@@ -345,6 +346,7 @@ class MistralFormat(ToolCallFormat):
         return "\n".join(rules) + "\n"
 
 
+@functools.lru_cache(maxsize=8)  # one template per server, asked per request; formats hold no state
 def format_for_template(template: str | None) -> tuple[ToolCallFormat, bool]:
     """The call format a chat template teaches its model, and whether the template renders `tools`
     itself (else: fallback_messages)."""
