@@ -16,7 +16,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import TextStream
 from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.grammar import Grammars
+from engine.grammar import Grammars, SequenceGrammar
 from engine.interfaces import Proposer
 from engine.kv_budget import (
     dequant_buffer_bytes,
@@ -368,10 +368,9 @@ class Engine:
         else:
             if text is not None:
                 new_text = text.push(token_id)
-            if text is not None and text.stopped:
+            grammar_ends = seq.grammar is not None and self._grammar_ends(seq.grammar, token_id)
+            if (text is not None and text.stopped) or grammar_ends:
                 finish_reason = "stop"
-            elif seq.grammar is not None and (not seq.grammar.consume(token_id) or seq.grammar.is_complete):
-                finish_reason = "stop"  # the grammar is complete (or, never expected, refused the token)
             elif (
                 num_known_tokens - seq.num_prompt_tokens >= params.max_tokens
                 or num_known_tokens >= self.max_model_len
@@ -391,6 +390,13 @@ class Engine:
             num_cached_tokens=seq.num_cached_prompt_tokens,
             new_logprobs=[logprob] if logprob is not None else [],
         )
+
+    def _grammar_ends(self, grammar: SequenceGrammar, token_id: int) -> bool:
+        """Commit a generated token to the sequence's grammar: whether that ends the sequence. A complete
+        grammar allows only an end-of-sequence token next, which the stop check above then ends on (it
+        reports no text for it); with ignore_eos, the grammar's taking that token ends it here. A token the
+        grammar refuses (never expected: the mask allowed it) ends it too."""
+        return not grammar.consume(token_id) or (token_id in self.eos_token_ids and grammar.is_complete)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
