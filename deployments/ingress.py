@@ -1,9 +1,11 @@
 """The OpenAI-compatible ingress: HTTP (FastAPI under Serve) and the same calls for Python handles.
 
-It validates a request, renders the chat template, tokenizes, and submits one engine request per
-choice. Token ids come back through this replica's one outputs stream from the engine
-(deployments/engine.py, EngineClient), once per engine step; this replica detokenizes them and
-finds stop strings (engine.detokenizer.TextStream: the same code the engine runs in process).
+It validates a request, renders the chat template (with the request's tools), tokenizes, and submits
+one engine request per choice (a chat's with the grammar that forces its tool call, if any:
+deployments/chat_output.py, which also reads reasoning and tool calls out of the answer's text). Token
+ids come back through this replica's one outputs stream from the engine (deployments/engine.py,
+EngineClient), once per engine step; this replica detokenizes them and finds stop strings
+(engine.detokenizer.TextStream: the same code the engine runs in process).
 
 A stop string ends its choice at once (finish_reason "stop"): no text, token or logprob past the
 token that completed it is returned or counted, and the engine request is aborted (it stops within
