@@ -470,3 +470,34 @@ def test_the_chat_template_arg_replaces_the_model_template(
 
     assert asyncio.run(run()) == f"[user] {USER['content']}\n1 tools"  # (jinja drops the last newline)
     assert smollm2.chat_template != own  # the model's own tokenizer is left as it was
+
+
+def test_reasoning_content_through_the_ingress(smollm2: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3's template (the chat_template arg) on SmolLM2's tokenizer: the think block comes back as
+    message.reasoning_content, and streamed as delta.reasoning_content; enable_thinking false renders
+    Qwen3's empty think block into the prompt."""
+    thought = "<think>\nParis is sunny in June.\n</think>\n\nSunny."
+
+    async def run() -> tuple[Any, list[Any], str]:
+        http_client, engine = build(smollm2, monkeypatch, chat_template=template("Qwen-Qwen3-0.6B"))
+        engine.reply = smollm2.encode(thought + "<|im_end|>", add_special_tokens=False)
+        engine.finish_reason, engine.piecewise = "stop", True
+        base_url = http_client.base_url.join("/v1")
+        client = openai.AsyncOpenAI(api_key="k", base_url=base_url, http_client=http_client, max_retries=0)
+        async with http_client:
+            whole = await client.chat.completions.create(model=SERVED_MODEL, messages=[USER])
+            stream = await client.chat.completions.create(model=SERVED_MODEL, messages=[USER], stream=True)
+            chunks = [chunk async for chunk in stream]
+            off = {"chat_template_kwargs": {"enable_thinking": False}}
+            await client.chat.completions.create(model=SERVED_MODEL, messages=[USER], extra_body=off)
+        return whole.choices[0].message, chunks, smollm2.decode(engine.submitted[-1][0])
+
+    message, chunks, prompt_without_thinking = asyncio.run(run())
+    assert (message.reasoning_content, message.content) == ("\nParis is sunny in June.\n", "\n\nSunny.")
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert (
+        "".join(getattr(delta, "reasoning_content", None) or "" for delta in deltas)
+        == message.reasoning_content
+    )
+    assert "".join(delta.content or "" for delta in deltas) == message.content
+    assert prompt_without_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
