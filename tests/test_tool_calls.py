@@ -173,12 +173,12 @@ def _accepts(tokenizer_dir: Path, grammar: GrammarSpec | None, text: str) -> boo
 
 
 @pytest.mark.parametrize(
-    ("name", "tokenizer_dir"),
-    [("Qwen-Qwen3-0.6B", qwen3_tokenizer_dir), ("meta-llama-Llama-3.1-8B-Instruct", llama3_tokenizer_dir)],
-)
-@pytest.mark.parametrize(
-    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
-)
+    ("name", "tokenizer_dir", "tool_choice"),
+    [("Qwen-Qwen3-0.6B", qwen3_tokenizer_dir, "required"),
+     ("meta-llama-Llama-3.1-8B-Instruct", llama3_tokenizer_dir, {"type": "function",
+                                                                 "function": {"name": "get_weather"}})],
+    ids=["qwen3-required", "llama3-named"],
+)  # fmt: skip
 def test_the_forced_call_grammar_takes_the_written_call_and_refuses_bad_arguments(
     name: str, tokenizer_dir: Any, tool_choice: Any
 ) -> None:
