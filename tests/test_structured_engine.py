@@ -6,7 +6,9 @@ neither n-gram speculation nor run-ahead changes a constrained output or holds t
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 
 import jsonschema
@@ -43,7 +45,7 @@ def _prompt(model: LoadedModel, text: str) -> list[int]:
 
 
 def test_each_kind_gives_what_its_grammar_allows(engine: Engine, model: LoadedModel) -> None:
-    """All four kinds in one batch, sampled (top-k): each output matches its grammar and ends with it."""
+    """All four kinds in one batch: each output matches its grammar and ends with it."""
     prompt = _prompt(model, "Name a European river and its length in km, as JSON.")
     specs = {
         "json": JSON_SPEC,
@@ -51,20 +53,29 @@ def test_each_kind_gives_what_its_grammar_allows(engine: Engine, model: LoadedMo
         "choice": GrammarSpec("choice", '["yes", "no"]'),
         "lark": GrammarSpec("lark", 'start: "river: " NAME\nNAME: /[A-Z][a-z]{1,8}/'),
     }
-    texts, finishes = {}, {}
+    sampling = {  # sampled (top-k; top-p with a penalty), and greedy with logprobs
+        "json": SamplingParams(temperature=0.8, top_k=20, seed=3),
+        "regex": SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.2, seed=4),
+        "choice": SamplingParams(temperature=0.0, logprobs=2),
+        "lark": SamplingParams(temperature=0.0),
+    }
+    texts, finishes, logprobs = {}, {}, []
     for kind, spec in specs.items():
-        params = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=3, grammar=spec)
-        engine.add_request(prompt, params, kind)
+        engine.add_request(prompt, dataclasses.replace(sampling[kind], max_tokens=24, grammar=spec), kind)
         texts[kind] = ""
     while engine.has_unfinished():
         for output in engine.step():
             texts[output.request_id] += output.new_text
             finishes[output.request_id] = output.finish_reason
+            if output.request_id == "choice":
+                logprobs += output.new_logprobs
     jsonschema.validate(json.loads(texts["json"]), SCHEMA)
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", texts["regex"]), texts["regex"]
     assert texts["choice"] in ("yes", "no")
     assert re.fullmatch("river: [A-Z][a-z]{1,8}", texts["lark"]), texts["lark"]
     assert set(finishes.values()) == {"stop"}  # each ended when its grammar was complete
+    # logprobs are the raw logits': the chosen tokens' are finite, and the top ones not only the allowed
+    assert logprobs and all(math.isfinite(entry.logprob) and len(entry.top) == 2 for entry in logprobs)
 
 
 @pytest.mark.parametrize(
