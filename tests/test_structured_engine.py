@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from deployments.proposers import build_engine
+from engine import grammar
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
@@ -151,3 +152,27 @@ def test_run_ahead_keeps_unconstrained_rows_running_ahead(model: LoadedModel) ->
     assert len(free_steps) >= len(plain["free"]) - 2
     with_json = [step for step in free_steps if "json" in step]
     assert 0 < len(with_json) <= len(free_steps) // 2 + 1
+
+
+def test_compiles_are_cached_by_spec_in_a_bounded_cache(
+    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grammar, "CACHE_SIZE", 2)
+    grammars = grammar.Grammars(model.tokenizer, model.logit_vocab_size, model.tokenizer.eos_token_ids)
+    specs = [GrammarSpec("regex", pattern) for pattern in ("[a-c]+", "[d-f]+", "[g-i]+")]
+    first = grammars.compile(specs[0])
+    assert grammars.compile(GrammarSpec("regex", "[a-c]+")) is first  # an equal spec: the same compile
+    grammars.compile(specs[1])
+    grammars.compile(specs[2])  # the least recently asked (specs[0]) is dropped
+    assert grammars.compile(specs[0]) is not first
+    assert grammars.check(specs[0]).is_error() is False
+
+
+def test_a_compile_over_its_time_limit_is_a_request_error(
+    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The limit (10 s) shrunk to nothing: a real compile then overruns it."""
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.0)
+    grammars = grammar.Grammars(model.tokenizer, model.logit_vocab_size, model.tokenizer.eos_token_ids)
+    with pytest.raises(InvalidRequestError, match="did not compile within 0 s"):
+        grammars.check(JSON_SPEC)
