@@ -72,6 +72,8 @@ class ChatOutputPlan:
         alternatives: list[str] = []
         if self.forced:
             alternatives.append("tool_calls")
+        elif params.grammar is not None and params.grammar.kind == "lark" and not self.thinking:
+            return params  # a Lark grammar cannot sit beside a call: the answer follows it (no call)
         elif params.grammar is not None and (self.tool_format is not None or self.thinking):
             rules.append(_answer_rule(params.grammar))
             alternatives.append("formatted")
@@ -173,7 +175,7 @@ def _finish_reason(called: bool, finish_reason: str | None) -> str | None:
 
 def _answer_rule(grammar: GrammarSpec) -> str:
     """A response format's grammar as the Lark rule `formatted`, to sit after a think block or beside a
-    call; 400 for a Lark grammar, which cannot be embedded."""
+    call; 400 for a Lark grammar after a think block (it cannot be embedded)."""
     if grammar.kind == "json":
         return f"formatted: %json {json.dumps(json.loads(grammar.source))}\n"
     if grammar.kind == "regex":
@@ -181,8 +183,7 @@ def _answer_rule(grammar: GrammarSpec) -> str:
     if grammar.kind == "choice":
         return "formatted: " + " | ".join(json.dumps(text) for text in json.loads(grammar.source)) + "\n"
     raise OpenAIError.invalid_request(
-        "a grammar cannot be combined with tools or with thinking (it would have to follow the think "
-        "block or sit beside a call); leave out the tools, or set chat_template_kwargs "
-        '{"enable_thinking": false}',
+        "a grammar cannot follow a think block (it is not embedded in another grammar); set "
+        'chat_template_kwargs {"enable_thinking": false} to constrain the whole answer',
         param="structured_outputs",
     )

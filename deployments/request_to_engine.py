@@ -9,6 +9,7 @@ from typing import Any
 
 from deployments.errors import OpenAIError
 from deployments.requests import ChatCompletionRequest, GenerationRequest
+from deployments.structured_output import grammar_for
 from deployments.tool_calls import fallback_messages, format_for_template
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
@@ -57,6 +58,7 @@ def sampling_params_for(request: GenerationRequest, choice_index: int, max_token
         ignore_eos=request.ignore_eos,
         logprobs=request.logprobs_count,
         skip_special_tokens=request.skip_special_tokens,
+        grammar=grammar_for(request.response_format, request.structured_outputs),
     )
     try:
         params.validate()

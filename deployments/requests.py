@@ -13,7 +13,8 @@ for any field that is not required, the unsupported fields' harmless values, the
 `schema_constraints` what the model validators check across fields.
 
 Extensions (vLLM's names and meanings): top_k, min_p, repetition_penalty, ignore_eos,
-skip_special_tokens, stop_token_ids; for chat also chat_template_kwargs and add_generation_prompt.
+skip_special_tokens, stop_token_ids, structured_outputs; for chat also chat_template_kwargs and
+add_generation_prompt.
 """
 
 from __future__ import annotations
@@ -206,6 +207,86 @@ class ChatMessage(_OpenAIModel):
         return "\n".join(part.text for part in self.content)  # vLLM joins text parts the same way
 
 
+# --- structured output (deployments/structured_output.py turns these into the engine's grammar) ---
+
+
+class JsonSchemaFormat(_OpenAIModel):
+    name: str
+    description: str | None = None
+    # a JSON Schema; "schema" shadows a BaseModel attribute, so the field is named schema_
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool = False  # the grammar is enforced either way
+
+    model_config = {**_OpenAIModel.model_config, "populate_by_name": True}
+
+
+class ResponseFormat(_OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    schema_constraints: ClassVar[tuple[dict[str, Any], ...]] = (
+        {
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
+            "else": {"properties": {"json_schema": {"type": "null"}}},
+        },
+    )
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise OpenAIError.invalid_request(
+                "response_format.json_schema is required with type 'json_schema', and only with it",
+                param="response_format",
+            )
+        return self
+
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputs(_OpenAIModel):
+    """vLLM's `structured_outputs`: exactly one of the constraints."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: Literal[True] | None = None
+
+    model_config = {**_OpenAIModel.model_config, "populate_by_name": True}
+    # vLLM's options of its own grammar back-ends: no effect here
+    ignored_fields: ClassVar[frozenset[str]] = frozenset(
+        {"disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
+    )
+    # _exactly_one: one constraint is given (not null)
+    schema_constraints: ClassVar[tuple[dict[str, Any], ...]] = (
+        {
+            "oneOf": [
+                _given(kind, {"not": {"type": "null"}})
+                for kind in ("json", "regex", "choice", "grammar", "json_object")
+            ]
+        },
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [kind for kind in _KINDS if self._value(kind) is not None]
+        if len(given) != 1:
+            raise OpenAIError.invalid_request(
+                f"structured_outputs takes exactly one of {', '.join(_KINDS)}, got {given or 'none'}",
+                param="structured_outputs",
+            )
+        return self
+
+    def kind(self) -> str:
+        """The one constraint given."""
+        return next(kind for kind in _KINDS if self._value(kind) is not None)
+
+    def _value(self, kind: str) -> Any:
+        return self.json_ if kind == "json" else getattr(self, kind)
+
+
 # What GenerationRequest._stop_sequences checks, in its schema
 _STOP_SCHEMA = {
     "anyOf": [
@@ -238,6 +319,9 @@ class GenerationRequest(_OpenAIModel):
     stop_token_ids: list[int] = Field(
         default_factory=list, json_schema_extra={"items": {"type": "integer", "minimum": 0}}
     )
+    # structured output: OpenAI's response_format, and vLLM's structured_outputs (one of the two)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     # the field a context-length error names
     prompt_field: ClassVar[str]
@@ -246,6 +330,10 @@ class GenerationRequest(_OpenAIModel):
         {
             "if": _given("stream_options", _given("include_usage", {"const": True})),
             "then": _given("stream", {"const": True}),
+        },
+        {  # a constraining response_format, or structured_outputs, not both
+            "if": _given("response_format", _given("type", {"enum": ["json_object", "json_schema"]})),
+            "then": {"properties": {"structured_outputs": {"type": "null"}}},
         },
     )
 
@@ -261,6 +349,15 @@ class GenerationRequest(_OpenAIModel):
 
     @model_validator(mode="after")
     def _usage_needs_stream(self) -> GenerationRequest:
+        if (
+            self.response_format is not None
+            and self.response_format.type != "text"
+            and self.structured_outputs
+        ):
+            raise OpenAIError.invalid_request(
+                "response_format cannot be combined with structured_outputs: give one of them",
+                param="response_format",
+            )
         if self.include_usage and not self.stream:
             raise OpenAIError.invalid_request(
                 "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
@@ -361,7 +458,6 @@ class ChatCompletionRequest(GenerationRequest):
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
         "functions": ([],),
         "function_call": ("none", "auto"),
-        "response_format": ({"type": "text"},),
         "logit_bias": ({},),
         "audio": (),
         "modalities": (["text"],),

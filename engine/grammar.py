@@ -8,8 +8,8 @@ does not compile, or takes more than COMPILE_TIMEOUT_S, is a request error (Inva
 whose message is llguidance's (it names the problem: "Unimplemented keys: [...]", a regex parse error).
 
 Masks: bit j of word i allows token 32 i + j (kernels/token_mask.py applies them). The end-of-sequence
-tokens are allowed only where the grammar accepts; a sequence whose grammar is complete (it allows nothing
-more) finishes (Engine._emit).
+tokens are allowed only where the grammar accepts; once it is complete (it allows nothing more) they are
+all it allows, so the sequence ends with one (Engine._emit).
 """
 
 from __future__ import annotations

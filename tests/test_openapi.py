@@ -94,11 +94,13 @@ def test_the_api_key_is_a_bearer_scheme_that_the_keyed_routes_require(
 
 def _bounded(case: schemathesis.Case) -> None:
     """A valid request kept valid and small: at most MAX_TOKENS tokens, MAX_CHOICES choices and prompts,
-    token ids within any vocabulary (the schema cannot say whose), and what the schema says in words only
-    (_keep_tool_references); everything else as generated. (An invalid one stays as generated: the server
-    refuses it before it decodes anything.)"""
+    token ids within any vocabulary (the schema cannot say whose), grammars that compile (neither can it say
+    which do: a 400 naming the problem, pinned by tests/test_structured_serve.py), and what the schema says
+    in words only (_keep_tool_references); everything else as generated. (An invalid one stays as
+    generated: the server refuses it before it decodes anything.)"""
     if not isinstance(case.body, dict):
         return
+    _compiling_grammars(case.body)
     _keep_tool_references(case.body)
     prompt = case.body.get("prompt")
     if isinstance(prompt, list):
@@ -140,6 +142,21 @@ def _keep_tool_references(body: dict[str, Any]) -> None:
             message["tool_call_id"] = call_ids[-1]
         kept.append(message)
     body["messages"] = kept or [{"role": "user", "content": "Hi"}]
+
+
+# a valid value of each field that holds a grammar, in place of what schemathesis generated
+COMPILING = {"json": {"type": "object"}, "regex": "[a-z]{1,3}", "grammar": 'start: "yes" | "no"'}
+
+
+def _compiling_grammars(body: dict[str, Any]) -> None:
+    structured = body.get("structured_outputs")
+    if isinstance(structured, dict):
+        for field, value in COMPILING.items():
+            if structured.get(field) is not None:
+                structured[field] = value
+    json_schema = (body.get("response_format") or {}).get("json_schema")
+    if isinstance(json_schema, dict) and json_schema.get("schema") is not None:
+        json_schema["schema"] = COMPILING["json"]
 
 
 def _is_number(value: Any) -> bool:
@@ -215,7 +232,31 @@ AGREEMENT_CASES = {  # name: (path, fields over a small valid request, status)
     "top_logprobs with logprobs": (CHAT, {"logprobs": True, "top_logprobs": 2}, 200),
     "top_logprobs 0 alone": (CHAT, {"top_logprobs": 0}, 200),
     "response_format text": (CHAT, {"response_format": {"type": "text"}}, 200),
-    "response_format json_object": (CHAT, {"response_format": {"type": "json_object"}}, 400),
+    "response_format json_object": (CHAT, {"response_format": {"type": "json_object"}}, 200),
+    "response_format json_schema": (
+        COMPLETIONS,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
+        200,
+    ),
+    "json_schema type without it": (CHAT, {"response_format": {"type": "json_schema"}}, 400),
+    "json_schema with type text": (
+        CHAT,
+        {"response_format": {"type": "text", "json_schema": {"name": "a"}}},
+        400,
+    ),
+    "structured_outputs regex": (CHAT, {"structured_outputs": {"regex": "[a-z]"}}, 200),
+    "structured_outputs choice, a null beside": (
+        COMPLETIONS,
+        {"structured_outputs": {"choice": ["a"], "regex": None}},
+        200,
+    ),
+    "structured_outputs of two kinds": (CHAT, {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400),
+    "structured_outputs empty": (CHAT, {"structured_outputs": {}}, 400),
+    "response_format with structured_outputs": (
+        CHAT,
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        400,
+    ),
     "no tools": (CHAT, {"tools": []}, 200),
     "a tool": (CHAT, {"tools": [TOOL]}, 200),
     "a forced call without tools": (CHAT, {"tool_choice": "required"}, 400),

@@ -157,7 +157,6 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     [
         (ChatCompletionRequest, "functions", [TOOL["function"]]),
         (ChatCompletionRequest, "function_call", {"name": "get_weather"}),
-        (ChatCompletionRequest, "response_format", {"type": "json_object"}),
         (ChatCompletionRequest, "logit_bias", {"50256": -100}),
         (ChatCompletionRequest, "audio", {"voice": "alloy", "format": "wav"}),
         (ChatCompletionRequest, "modalities", ["text", "audio"]),

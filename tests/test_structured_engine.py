@@ -6,13 +6,16 @@ neither n-gram speculation nor run-ahead changes a constrained output or holds t
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 
 import jsonschema
 import pytest
 
 from deployments.proposers import build_engine
+from engine import grammar
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
@@ -43,7 +46,7 @@ def _prompt(model: LoadedModel, text: str) -> list[int]:
 
 
 def test_each_kind_gives_what_its_grammar_allows(engine: Engine, model: LoadedModel) -> None:
-    """All four kinds in one batch, sampled (top-k): each output matches its grammar and ends with it."""
+    """All four kinds in one batch: each output matches its grammar and ends with it."""
     prompt = _prompt(model, "Name a European river and its length in km, as JSON.")
     specs = {
         "json": JSON_SPEC,
@@ -51,20 +54,29 @@ def test_each_kind_gives_what_its_grammar_allows(engine: Engine, model: LoadedMo
         "choice": GrammarSpec("choice", '["yes", "no"]'),
         "lark": GrammarSpec("lark", 'start: "river: " NAME\nNAME: /[A-Z][a-z]{1,8}/'),
     }
-    texts, finishes = {}, {}
+    sampling = {  # sampled (top-k; top-p with a penalty), and greedy with logprobs
+        "json": SamplingParams(temperature=0.8, top_k=20, seed=3),
+        "regex": SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.2, seed=4),
+        "choice": SamplingParams(temperature=0.0, logprobs=2),
+        "lark": SamplingParams(temperature=0.0),
+    }
+    texts, finishes, logprobs = {}, {}, []
     for kind, spec in specs.items():
-        params = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=3, grammar=spec)
-        engine.add_request(prompt, params, kind)
+        engine.add_request(prompt, dataclasses.replace(sampling[kind], max_tokens=24, grammar=spec), kind)
         texts[kind] = ""
     while engine.has_unfinished():
         for output in engine.step():
             texts[output.request_id] += output.new_text
             finishes[output.request_id] = output.finish_reason
+            if output.request_id == "choice":
+                logprobs += output.new_logprobs
     jsonschema.validate(json.loads(texts["json"]), SCHEMA)
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", texts["regex"]), texts["regex"]
     assert texts["choice"] in ("yes", "no")
     assert re.fullmatch("river: [A-Z][a-z]{1,8}", texts["lark"]), texts["lark"]
     assert set(finishes.values()) == {"stop"}  # each ended when its grammar was complete
+    # logprobs are the raw logits': the chosen tokens' are finite, and the top ones not only the allowed
+    assert logprobs and all(math.isfinite(entry.logprob) and len(entry.top) == 2 for entry in logprobs)
 
 
 @pytest.mark.parametrize(
@@ -140,3 +152,27 @@ def test_run_ahead_keeps_unconstrained_rows_running_ahead(model: LoadedModel) ->
     assert len(free_steps) >= len(plain["free"]) - 2
     with_json = [step for step in free_steps if "json" in step]
     assert 0 < len(with_json) <= len(free_steps) // 2 + 1
+
+
+def test_compiles_are_cached_by_spec_in_a_bounded_cache(
+    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grammar, "CACHE_SIZE", 2)
+    grammars = grammar.Grammars(model.tokenizer, model.logit_vocab_size, model.tokenizer.eos_token_ids)
+    specs = [GrammarSpec("regex", pattern) for pattern in ("[a-c]+", "[d-f]+", "[g-i]+")]
+    first = grammars.compile(specs[0])
+    assert grammars.compile(GrammarSpec("regex", "[a-c]+")) is first  # an equal spec: the same compile
+    grammars.compile(specs[1])
+    grammars.compile(specs[2])  # the least recently asked (specs[0]) is dropped
+    assert grammars.compile(specs[0]) is not first
+    assert grammars.check(specs[0]).is_error() is False
+
+
+def test_a_compile_over_its_time_limit_is_a_request_error(
+    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The limit (10 s) shrunk to nothing: a real compile then overruns it."""
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.0)
+    grammars = grammar.Grammars(model.tokenizer, model.logit_vocab_size, model.tokenizer.eos_token_ids)
+    with pytest.raises(InvalidRequestError, match="did not compile within 0 s"):
+        grammars.check(JSON_SPEC)

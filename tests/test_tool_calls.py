@@ -501,3 +501,15 @@ def test_reasoning_content_through_the_ingress(smollm2: Tokenizer, monkeypatch: 
     )
     assert "".join(delta.content or "" for delta in deltas) == message.content
     assert prompt_without_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_lark_grammar_stands_alone() -> None:
+    """A Lark grammar is not embedded: beside tool_choice auto it constrains the whole answer (no call), and
+    after a think block it is a 400 naming the field."""
+    lark = GrammarSpec("lark", 'start: "yes" | "no"')
+    plan = ChatOutputPlan.for_request(request(), template("Qwen-Qwen2.5-7B-Instruct"), lambda text: None)
+    assert plan.constrain(SamplingParams(grammar=lark)).grammar == lark
+    thinking = ChatOutputPlan.for_request(request(tools=[]), template("Qwen-Qwen3-0.6B"), lambda text: None)
+    with pytest.raises(OpenAIError) as raised:
+        thinking.constrain(SamplingParams(grammar=lark))
+    assert (raised.value.status_code, raised.value.param) == (400, "structured_outputs")
