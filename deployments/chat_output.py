@@ -177,7 +177,12 @@ def _answer_rule(grammar: GrammarSpec) -> str:
     """A response format's grammar as the Lark rule `formatted`, to sit after a think block or beside a
     call; 400 for a Lark grammar after a think block (it cannot be embedded)."""
     if grammar.kind == "json":
-        return f"formatted: %json {json.dumps(json.loads(grammar.source))}\n"
+        try:
+            schema = json.loads(grammar.source)
+        except ValueError as error:
+            message = f"the JSON Schema is not JSON: {error}"
+            raise OpenAIError.invalid_request(message, param="structured_outputs") from None
+        return f"formatted: %json {json.dumps(schema)}\n"
     if grammar.kind == "regex":
         return "formatted: /" + re.sub(r"(?<!\\)/", r"\\/", grammar.source) + "/\n"
     if grammar.kind == "choice":

@@ -513,3 +513,5 @@ def test_a_lark_grammar_stands_alone() -> None:
     with pytest.raises(OpenAIError) as raised:
         thinking.constrain(SamplingParams(grammar=lark))
     assert (raised.value.status_code, raised.value.param) == (400, "structured_outputs")
+    with pytest.raises(OpenAIError, match="not JSON"):  # a schema given as text (structured_outputs.json)
+        plan.constrain(SamplingParams(grammar=GrammarSpec("json", "{not json")))
