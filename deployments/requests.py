@@ -67,7 +67,9 @@ def _nullable(field_schema: dict[str, Any]) -> dict[str, Any]:
 
 def _given(field: str, value_schema: dict[str, Any]) -> dict[str, Any]:
     """JSON Schema for "`field` is in the body and matches value_schema" (null matches no value_schema
-    here that names a type), the `if` of a schema constraint."""
+    here that names a type, nor a nested _given: an object), the `if` of a schema constraint."""
+    if "required" in value_schema:  # JSON Schema's `required` holds for any value that is not an object
+        value_schema = {"type": "object", **value_schema}
     return {"required": [field], "properties": {field: value_schema}}
 
 
