@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from engine.chat_template import load_chat_template
 from engine.config import (
     DEVICES,
     DTYPES,
@@ -65,6 +66,12 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         default="auto",
         help="int8: keys and values in int8, a scale per token and head (default auto: the dtype)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEXT",
+        help="a jinja chat template (a file, or the template itself) in place of the model's",
     )
     parser.add_argument(
         "--max-model-len",
@@ -183,8 +190,11 @@ def _load_engine(args: argparse.Namespace) -> Engine:
         draft_model=args.draft_model, draft_layers=args.draft_layers, num_draft=args.num_draft,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
+    chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr, flush=True)
     model = load_model(args.model, config.torch_dtype(), config.torch_device(), config.quantization)
+    if chat_template is not None:
+        model.tokenizer.chat_template = chat_template
     return build_engine(model, config)  # with the proposer in this process
 
 

@@ -36,6 +36,10 @@ class AppArgs(BaseModel):
 
     model: str = Field(DEFAULT_MODEL_ALIAS, description="a folder, a .gguf file, a hub id, or smollm2-135m")
     served_model_name: str | None = Field(None, description="the `model` clients name; default: model")
+    chat_template: str | None = Field(
+        None, min_length=1, description="a jinja chat template in place of the model's: a file (read where "
+        "the ingress runs) or the template itself; rendered in a sandbox, as the model's own",
+    )  # fmt: skip
     dtype: Literal["auto", Dtype] = "auto"  # auto: bfloat16 on a GPU, else float32
     device: Literal["auto", Device] = "auto"  # auto: the GPU when the Ray cluster has one
     quantization: Quantization | None = Field(

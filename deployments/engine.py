@@ -199,7 +199,7 @@ class EngineDeployment:
                 f"engine replica {replica_id} is gone (the call reached {self.replica.replica_id})"
             )
 
-    def submit(
+    async def submit(
         self,
         requests: list[tuple[str, list[int], SamplingParams]],
         subscriber_id: str,
@@ -210,6 +210,15 @@ class EngineDeployment:
         UnknownSubscriberError when that stream is not open here (this replica restarted), and
         WrongReplicaError when the call was meant for another replica; then none is queued."""
         self._check_replica(replica_id)
+        if any(params.grammar is not None for _, _, params in requests):
+            # the engine's check waits for each grammar's compile (engine/grammar.py, up to 10 s): not on
+            # this event loop, which streams every request's outputs
+            return await asyncio.to_thread(self._submit, requests, subscriber_id)
+        return self._submit(requests, subscriber_id)
+
+    def _submit(
+        self, requests: list[tuple[str, list[int], SamplingParams]], subscriber_id: str
+    ) -> list[TileInferError | None]:
         refused: list[TileInferError | None] = []
         for request_id, prompt_token_ids, params in requests:
             try:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible ingress: HTTP (FastAPI under Serve) and the same calls for Python handles.
 
-It validates a request, renders the chat template, tokenizes, and submits one engine request per
-choice. Token ids come back through this replica's one outputs stream from the engine
-(deployments/engine.py, EngineClient), once per engine step; this replica detokenizes them and
-finds stop strings (engine.detokenizer.TextStream: the same code the engine runs in process).
+It validates a request, renders the chat template (with the request's tools), tokenizes, and submits
+one engine request per choice (a chat's with the grammar that forces its tool call, if any:
+deployments/chat_output.py, which also reads reasoning and tool calls out of the answer's text). Token
+ids come back through this replica's one outputs stream from the engine (deployments/engine.py,
+EngineClient), once per engine step; this replica detokenizes them and finds stop strings
+(engine.detokenizer.TextStream: the same code the engine runs in process).
 
 A stop string ends its choice at once (finish_reason "stop"): no text, token or logprob past the
 token that completed it is returned or counted, and the engine request is aborted (it stops within
@@ -19,6 +21,7 @@ metrics_require_key (vLLM's convention). Calls to the engine beyond requests (/h
 
 import asyncio
 import collections
+import copy
 import dataclasses
 import hmac
 import json
@@ -35,6 +38,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from deployments import openapi
+from deployments.chat_output import ChatOutputPlan
 from deployments.config import AppArgs
 from deployments.engine import EngineInfo
 from deployments.engine_client import EngineClient, Inbox
@@ -42,12 +46,13 @@ from deployments.engine_loop import Delta
 from deployments.errors import OpenAIError, openai_error_from, original_exception
 from deployments.metrics import exposition, router_families
 from deployments.request_parsing import json_body_of, parse_json_body, parse_request
-from deployments.request_to_engine import chat_messages_for_template, max_tokens_for, sampling_params_for
+from deployments.request_to_engine import chat_template_input, max_tokens_for, sampling_params_for
 from deployments.requests import ChatCompletionRequest, CompletionRequest
 from deployments.responses import ChatResponse, ChoiceResult, CompletionResponse, echo_text, usage
 from deployments.routing import ROUTE_KWARG, RoutingPolicy, block_keys, policy_for
 from deployments.serve_logs import route_to_serve
 from deployments.sse import SSE_DONE, sse
+from engine.chat_template import load_chat_template
 from engine.detokenizer import TextStream
 from engine.engine import RequestOutput
 from engine.loader import load_tokenizer
@@ -76,6 +81,7 @@ class _Prepared:
     prompts: list[list[int]]
     choices: list[_Choice]
     outputs: Inbox
+    plan: ChatOutputPlan | None = None  # a chat's: the reasoning and tool calls its answers may hold
 
 
 class BodySizeLimit:
@@ -129,6 +135,9 @@ class OpenAIIngress:
         self.client = EngineClient(engine, _routing_policy(args, engine))
         self.api_key = args.resolve_api_key()  # here, where the replica runs: never in the args' logs
         self.tokenizer = load_tokenizer(args.model)
+        if args.chat_template is not None:  # the user's template in place of the model's
+            self.tokenizer = copy.copy(self.tokenizer)
+            self.tokenizer.chat_template = load_chat_template(args.chat_template)
         self.info: EngineInfo | None = None
         self.created = int(time.time())
         self._open_streams = 0  # streamed responses being sent (paced: _merged)
@@ -344,15 +353,19 @@ class OpenAIIngress:
 
     async def _prepare_chat(self, request: ChatCompletionRequest) -> _Prepared:
         info = await self._check_model(request.model)
+        template = self.tokenizer.chat_template
         try:
+            messages, tools = chat_template_input(request, template)
             prompt = self.tokenizer.encode_chat(
-                chat_messages_for_template(request),
+                messages,
                 add_generation_prompt=request.add_generation_prompt,
+                tools=tools,
                 **(request.chat_template_kwargs or {}),
             )
         except Exception as error:  # a template's raise_exception, or a bad message
             raise openai_error_from(error, prompt_param=request.prompt_field) from None
-        return await self._submit(request, [prompt], info, "chatcmpl")
+        plan = ChatOutputPlan.for_request(request, template, self.tokenizer.single_token_id)
+        return await self._submit(request, [prompt], info, "chatcmpl", plan)
 
     async def _prepare_completion(self, request: CompletionRequest) -> _Prepared:
         info = await self._check_model(request.model)
@@ -362,7 +375,14 @@ class OpenAIIngress:
         ]
         return await self._submit(request, prompts, info, "cmpl")
 
-    async def _submit(self, request: Any, prompts: list[list[int]], info: EngineInfo, kind: str) -> _Prepared:
+    async def _submit(
+        self,
+        request: Any,
+        prompts: list[list[int]],
+        info: EngineInfo,
+        kind: str,
+        plan: ChatOutputPlan | None = None,
+    ) -> _Prepared:
         """Start one engine request per choice; every one must be accepted, or none runs."""
         outputs = Inbox()
         choices: list[_Choice] = []
@@ -372,6 +392,8 @@ class OpenAIIngress:
                 max_tokens = max_tokens_for(request, len(prompt), info.max_model_len)
                 for sample_index in range(request.n):
                     params = sampling_params_for(request, sample_index, max_tokens)
+                    if plan is not None:
+                        params = plan.constrain(params)
                     outputs.eager |= bool(params.stop)  # stop strings: read each token as it comes
                     text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
                     choice = _Choice(len(choices), prompt_index, len(prompt), text)
@@ -387,7 +409,7 @@ class OpenAIIngress:
             if isinstance(error, asyncio.CancelledError):
                 raise
             raise openai_error_from(error, prompt_param=request.prompt_field) from None
-        return _Prepared(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prompts, choices, outputs)
+        return _Prepared(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prompts, choices, outputs, plan)
 
     async def _merged(
         self, prepared: _Prepared, paced: bool = False
@@ -473,22 +495,27 @@ class OpenAIIngress:
     async def _chat_response(self, prepared: _Prepared, request: ChatCompletionRequest) -> dict[str, Any]:
         results = await self._collect(prepared)
         usage = self._usage(prepared, sum(len(result.token_ids) for result in results))
-        response = ChatResponse(prepared.request_id, prepared.created, request, self.tokenizer)
+        response = ChatResponse(prepared.request_id, prepared.created, request, self.tokenizer, prepared.plan)
         return response.body(results, usage)
 
     async def _chat_chunks(
         self, prepared: _Prepared, request: ChatCompletionRequest
     ) -> AsyncIterator[dict[str, Any]]:
-        response = ChatResponse(prepared.request_id, prepared.created, request, self.tokenizer)
+        response = ChatResponse(prepared.request_id, prepared.created, request, self.tokenizer, prepared.plan)
+        assert prepared.plan is not None
+        answers = {choice.index: prepared.plan.stream() for choice in prepared.choices}
         for choice in prepared.choices:
             yield response.chunk(choice.index, {"role": "assistant", "content": ""})
         num_tokens = 0
         async for choice, output in self._merged(prepared, paced=True):
             num_tokens += len(output.new_token_ids)
-            if output.new_text or (request.logprobs and output.new_logprobs):
-                yield response.chunk(choice.index, {"content": output.new_text}, logprobs=output.new_logprobs)
+            answer = answers[choice.index]
+            # the text's reasoning, content and tool calls
+            delta = answer.push(output.new_text, output.finished, output.finish_reason)
+            if delta or (request.logprobs and output.new_logprobs):
+                yield response.chunk(choice.index, delta or {"content": ""}, logprobs=output.new_logprobs)
             if output.finished:
-                yield response.chunk(choice.index, {}, output.finish_reason)
+                yield response.chunk(choice.index, {}, answer.finish_reason(output.finish_reason))
         if request.include_usage:
             yield response.usage_chunk(self._usage(prepared, num_tokens))
 

@@ -53,16 +53,32 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str  # call_...
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null: only tool calls (or only reasoning)
+    reasoning_content: str | None = None  # a thinking model's think block (vLLM's field); absent otherwise
+    tool_calls: list[ToolCall] | None = None  # absent without calls
+
+
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletion(BaseModel):
@@ -99,16 +115,30 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class CalledFunctionDelta(BaseModel):
+    name: str | None = None  # in a call's first delta
+    arguments: str | None = None  # the arguments' JSON text, in pieces
+
+
+class ToolCallDelta(BaseModel):
+    index: int  # the call's place among the choice's calls
+    id: str | None = None  # in a call's first delta, with its type and name
+    type: Literal["function"] | None = None
+    function: CalledFunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None  # in a choice's first chunk
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionChunk(BaseModel):

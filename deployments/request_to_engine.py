@@ -3,10 +3,14 @@ generate, and one SamplingParams per choice."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 from deployments.errors import OpenAIError
 from deployments.requests import ChatCompletionRequest, GenerationRequest
+from deployments.structured_output import grammar_for
+from deployments.tool_calls import fallback_messages, format_for_template
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 
@@ -54,6 +58,7 @@ def sampling_params_for(request: GenerationRequest, choice_index: int, max_token
         ignore_eos=request.ignore_eos,
         logprobs=request.logprobs_count,
         skip_special_tokens=request.skip_special_tokens,
+        grammar=grammar_for(request.response_format, request.structured_outputs),
     )
     try:
         params.validate()
@@ -66,15 +71,48 @@ def sampling_params_for(request: GenerationRequest, choice_index: int, max_token
     return params
 
 
-def chat_messages_for_template(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The messages as plain dicts for a chat template, which knows "system" but not "developer"."""
+def chat_messages_for_template(
+    request: ChatCompletionRequest, call_id: Callable[[str], str] = str
+) -> list[dict[str, Any]]:
+    """The messages as plain dicts for a chat template, which knows "system" but not "developer";
+    `call_id` spells a tool call's id as the template wants it."""
     messages = []
     for message in request.messages:
         as_dict: dict[str, Any] = {
             "role": "system" if message.role == "developer" else message.role,
-            "content": message.text,
+            "content": message.text if message.text is not None else "",  # an assistant's calls alone
         }
         if message.name is not None:
             as_dict["name"] = message.name
+        if message.tool_calls is not None:
+            as_dict["tool_calls"] = [
+                {"id": call_id(call.id), "type": call.type,
+                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in message.tool_calls
+            ]  # fmt: skip
+        if message.tool_call_id is not None:
+            as_dict["tool_call_id"] = call_id(message.tool_call_id)
         messages.append(as_dict)
     return messages
+
+
+def chat_template_input(
+    request: ChatCompletionRequest, template: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and tools a chat template renders: tools go to a template that renders them, and into
+    a system message (Hermes' format) for one that ignores them."""
+    tool_format, renders_tools = format_for_template(template)
+    messages = chat_messages_for_template(request, tool_format.template_call_id)
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] or None
+    if tools is not None and not renders_tools:
+        return fallback_messages(messages, tools), None
+    return messages, tools
+
+
+def _arguments(arguments: str) -> Any:
+    """A call's arguments as templates take them: the object (they write it with tojson), or the text
+    as sent where it is not JSON."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments

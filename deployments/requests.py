@@ -3,7 +3,7 @@
 A field is either
 - honoured (it changes the output as OpenAI documents),
 - accepted and ignored (it has no effect on the output: `user`, `metadata`, `store`, ...),
-- rejected with a 400 naming it unless it carries its no-effect value (`tools`, `logit_bias`, ...), or
+- rejected with a 400 naming it unless it carries its no-effect value (`logit_bias`, ...), or
 - unknown: rejected as OpenAI does ("Unrecognized request argument supplied: X").
 JSON null means "not given", as in OpenAI's API. deployments/request_parsing.py validates a body into a
 model, deployments/request_to_engine.py turns a model into what the engine takes.
@@ -13,7 +13,8 @@ for any field that is not required, the unsupported fields' harmless values, the
 `schema_constraints` what the model validators check across fields.
 
 Extensions (vLLM's names and meanings): top_k, min_p, repetition_penalty, ignore_eos,
-skip_special_tokens, stop_token_ids; for chat also chat_template_kwargs and add_generation_prompt.
+skip_special_tokens, stop_token_ids, structured_outputs; for chat also chat_template_kwargs and
+add_generation_prompt.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from deployments.errors import OpenAIError
+from deployments.tool_calls import schema_problem
 from engine.sampling import MAX_LOGPROBS
 
 MAX_CHOICES = 128  # OpenAI's limit on n (for completions: prompts x n)
@@ -65,7 +67,9 @@ def _nullable(field_schema: dict[str, Any]) -> dict[str, Any]:
 
 def _given(field: str, value_schema: dict[str, Any]) -> dict[str, Any]:
     """JSON Schema for "`field` is in the body and matches value_schema" (null matches no value_schema
-    here that names a type), the `if` of a schema constraint."""
+    here that names a type, nor a nested _given: an object), the `if` of a schema constraint."""
+    if "required" in value_schema:  # JSON Schema's `required` holds for any value that is not an object
+        value_schema = {"type": "object", **value_schema}
     return {"required": [field], "properties": {field: value_schema}}
 
 
@@ -146,20 +150,44 @@ class TextPart(_OpenAIModel):
     text: str
 
 
-class ChatMessage(_OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class ToolCallFunction(_OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
 
-    # Tool calling is not supported, so neither are the message fields that carry it.
-    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "tool_calls": ([],),
-        "function_call": (),
-        "tool_call_id": (),
-        "audio": (),
-    }
+
+class AssistantToolCall(_OpenAIModel):
+    """A call an assistant message made, as a client sends a previous response's message back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+# What ChatCompletionRequest._tool_fields checks of each message (_check_message_fields): content is
+# required but for an assistant's tool calls, and a tool message names the call it answers (null: not given).
+_PRESENT = {"not": {"type": "null"}}
+_MESSAGE_CONSTRAINTS = (
+    {"if": {"properties": {"role": {"enum": ["system", "developer", "user", "tool"]}}},
+     "then": _given("content", _PRESENT)},
+    {"if": {"properties": {"role": {"const": "assistant"}}, "not": _given("tool_calls", {"type": "array"})},
+     "then": _given("content", _PRESENT)},
+    {"if": {"properties": {"role": {"const": "tool"}}}, "then": _given("tool_call_id", {"type": "string"})},
+    {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+     "then": {"properties": {"tool_calls": {"type": "null"}}}},
+)  # fmt: skip
+
+
+class ChatMessage(_OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call whose result it carries
+
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {"function_call": (), "audio": ()}
     # what a previous response's message carries back when a client resends it as is
-    ignored_fields: ClassVar[frozenset[str]] = frozenset({"refusal", "annotations"})
+    ignored_fields: ClassVar[frozenset[str]] = frozenset({"refusal", "annotations", "reasoning_content"})
+    schema_constraints: ClassVar[tuple[dict[str, Any], ...]] = _MESSAGE_CONSTRAINTS
 
     @field_validator("content", mode="before")
     @classmethod
@@ -175,10 +203,90 @@ class ChatMessage(_OpenAIModel):
         return content
 
     @property
-    def text(self) -> str:
-        if isinstance(self.content, str):
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)  # vLLM joins text parts the same way
+
+
+# --- structured output (deployments/structured_output.py turns these into the engine's grammar) ---
+
+
+class JsonSchemaFormat(_OpenAIModel):
+    name: str
+    description: str | None = None
+    # a JSON Schema; "schema" shadows a BaseModel attribute, so the field is named schema_
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool = False  # the grammar is enforced either way
+
+    model_config = {**_OpenAIModel.model_config, "populate_by_name": True}
+
+
+class ResponseFormat(_OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    schema_constraints: ClassVar[tuple[dict[str, Any], ...]] = (
+        {
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
+            "else": {"properties": {"json_schema": {"type": "null"}}},
+        },
+    )
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise OpenAIError.invalid_request(
+                "response_format.json_schema is required with type 'json_schema', and only with it",
+                param="response_format",
+            )
+        return self
+
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputs(_OpenAIModel):
+    """vLLM's `structured_outputs`: exactly one of the constraints."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: Literal[True] | None = None
+
+    model_config = {**_OpenAIModel.model_config, "populate_by_name": True}
+    # vLLM's options of its own grammar back-ends: no effect here
+    ignored_fields: ClassVar[frozenset[str]] = frozenset(
+        {"disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
+    )
+    # _exactly_one: one constraint is given (not null)
+    schema_constraints: ClassVar[tuple[dict[str, Any], ...]] = (
+        {
+            "oneOf": [
+                _given(kind, {"not": {"type": "null"}})
+                for kind in ("json", "regex", "choice", "grammar", "json_object")
+            ]
+        },
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [kind for kind in _KINDS if self._value(kind) is not None]
+        if len(given) != 1:
+            raise OpenAIError.invalid_request(
+                f"structured_outputs takes exactly one of {', '.join(_KINDS)}, got {given or 'none'}",
+                param="structured_outputs",
+            )
+        return self
+
+    def kind(self) -> str:
+        """The one constraint given."""
+        return next(kind for kind in _KINDS if self._value(kind) is not None)
+
+    def _value(self, kind: str) -> Any:
+        return self.json_ if kind == "json" else getattr(self, kind)
 
 
 # What GenerationRequest._stop_sequences checks, in its schema
@@ -213,6 +321,9 @@ class GenerationRequest(_OpenAIModel):
     stop_token_ids: list[int] = Field(
         default_factory=list, json_schema_extra={"items": {"type": "integer", "minimum": 0}}
     )
+    # structured output: OpenAI's response_format, and vLLM's structured_outputs (one of the two)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     # the field a context-length error names
     prompt_field: ClassVar[str]
@@ -221,6 +332,10 @@ class GenerationRequest(_OpenAIModel):
         {
             "if": _given("stream_options", _given("include_usage", {"const": True})),
             "then": _given("stream", {"const": True}),
+        },
+        {  # a constraining response_format, or structured_outputs, not both
+            "if": _given("response_format", _given("type", {"enum": ["json_object", "json_schema"]})),
+            "then": {"properties": {"structured_outputs": {"type": "null"}}},
         },
     )
 
@@ -236,6 +351,15 @@ class GenerationRequest(_OpenAIModel):
 
     @model_validator(mode="after")
     def _usage_needs_stream(self) -> GenerationRequest:
+        if (
+            self.response_format is not None
+            and self.response_format.type != "text"
+            and self.structured_outputs
+        ):
+            raise OpenAIError.invalid_request(
+                "response_format cannot be combined with structured_outputs: give one of them",
+                param="response_format",
+            )
         if self.include_usage and not self.stream:
             raise OpenAIError.invalid_request(
                 "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
@@ -263,12 +387,59 @@ class GenerationRequest(_OpenAIModel):
         raise NotImplementedError
 
 
-# Template variables that come from the request's own fields (tools: unsupported, see above).
+class FunctionDefinition(_OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="a JSON Schema of the arguments object, in the keywords llguidance implements; "
+        "none: no arguments",
+    )  # fmt: skip
+    strict: bool | None = None  # the arguments of a forced call always validate here
+
+
+class Tool(_OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(_OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+# What ChatCompletionRequest._tool_fields checks in its schema: a call can be forced only among tools, and
+# not beside a format for the answer's text. That a named function is among the tools, and that a tool
+# message answers an earlier call, the fields' descriptions say in words (JSON Schema cannot compare values).
+_FORCED_CALL_ALONE = {
+    "if": {
+        "anyOf": [_given("tool_choice", {"const": "required"}), _given("tool_choice", {"type": "object"})]
+    },
+    "then": {
+        "required": ["tools"],
+        "properties": {
+            "tools": {"type": "array", "minItems": 1},
+            "response_format": {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]},
+            "structured_outputs": {"type": "null"},
+        },
+    },
+}
+
+
+# Template variables that come from the request's own fields.
 _RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
 
 
 class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(
+        min_length=1,
+        description="a tool message's tool_call_id is the id of a call of an earlier assistant message",
+    )
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -279,14 +450,16 @@ class ChatCompletionRequest(GenerationRequest):
         json_schema_extra={"propertyNames": {"not": {"enum": sorted(_RESERVED_TEMPLATE_VARIABLES)}}},
     )
     add_generation_prompt: bool = True
+    # tool calling (deployments/tool_calls.py): the functions the model may call, whether it must
+    # (default: auto with tools, none without), and whether it may call several at once
+    tools: list[Tool] = Field(default_factory=list)
+    tool_choice: ToolChoice | None = Field(None, description="a named function is one of the tools")
+    parallel_tool_calls: bool = True
 
     prompt_field: ClassVar[str] = "messages"
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "tools": ([],),
-        "tool_choice": ("none", "auto"),  # with no tools, both mean plain text
         "functions": ([],),
         "function_call": ("none", "auto"),
-        "response_format": ({"type": "text"},),
         "logit_bias": ({},),
         "audio": (),
         "modalities": (["text"],),
@@ -302,7 +475,6 @@ class ChatCompletionRequest(GenerationRequest):
             "metadata",
             "store",
             "service_tier",
-            "parallel_tool_calls",
             "prompt_cache_key",
             "prompt_cache_retention",
             "prompt_cache_options",
@@ -316,6 +488,7 @@ class ChatCompletionRequest(GenerationRequest):
             "if": _given("top_logprobs", {"type": "integer", "minimum": 1}),
             "then": _given("logprobs", {"const": True}),
         },
+        _FORCED_CALL_ALONE,
     )
 
     @model_validator(mode="after")
@@ -329,6 +502,66 @@ class ChatCompletionRequest(GenerationRequest):
             raise OpenAIError.invalid_request("top_logprobs needs logprobs to be true", param="top_logprobs")
         return self
 
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatCompletionRequest:
+        """The 400s of tool calling: tools whose parameters are no JSON Schema, a tool_choice that names
+        no tool, a tool message that answers no earlier call, a forced call beside a response format."""
+        names = [tool.function.name for tool in self.tools]
+        for index, tool in enumerate(self.tools):
+            param = f"tools[{index}].function.parameters"
+            if (problem := schema_problem(tool.function.parameters)) is not None:
+                raise OpenAIError.invalid_request(f"{param} is not a JSON Schema: {problem}", param=param)
+        if self.tool_choice == "required" and not self.tools:
+            raise OpenAIError.invalid_request("tool_choice 'required' needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            known = ", ".join(names) or "none"
+            raise OpenAIError.invalid_request(
+                f"tool_choice.function.name {self.tool_choice.function.name!r} is not among the tools "
+                f"(given: {known})",
+                param="tool_choice.function.name",
+            )
+        called: set[str] = set()
+        for index, message in enumerate(self.messages):
+            _check_message_fields(message, f"messages[{index}]")
+            called.update(call.id for call in message.tool_calls or ())
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise OpenAIError.invalid_request(
+                    f"messages[{index}].tool_call_id {message.tool_call_id!r} matches no call of an earlier "
+                    "assistant message",
+                    param=f"messages[{index}].tool_call_id",
+                )
+        if self.forces_tool_call and (format_field := self._output_format_field()) is not None:
+            raise OpenAIError.invalid_request(
+                f"{format_field} cannot be honoured together with a forced tool call (tool_choice "
+                f"{self.tool_choice if isinstance(self.tool_choice, str) else 'naming a function'}): the "
+                "output is the call; use tool_choice 'auto' or leave out " + format_field,
+                param=format_field,
+            )
+        return self
+
+    def _output_format_field(self) -> str | None:
+        """The field that constrains the answer's text (response_format other than text, or vLLM's
+        structured_outputs), if the request has one."""
+        for name in ("response_format", "structured_outputs"):
+            value = getattr(self, name, None)
+            if value is None:
+                continue
+            kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+            if kind != "text":
+                return name
+        return None
+
+    @property
+    def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
+        """tool_choice, or OpenAI's default: auto with tools, none without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
     @property
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens, OpenAI's current name, where both are given (as vLLM takes them)."""
@@ -337,6 +570,19 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def logprobs_count(self) -> int | None:
         return self.top_logprobs if self.logprobs else None
+
+
+def _check_message_fields(message: ChatMessage, where: str) -> None:
+    """Content (but for an assistant's calls), a tool message's tool_call_id, calls only by an assistant."""
+    if message.content is None and not (message.role == "assistant" and message.tool_calls is not None):
+        param = f"{where}.content"
+        raise OpenAIError.invalid_request(f"Missing required parameter: '{param}'.", param=param)
+    if message.role == "tool" and message.tool_call_id is None:
+        param = f"{where}.tool_call_id"
+        raise OpenAIError.invalid_request(f"Missing required parameter: '{param}'.", param=param)
+    if message.tool_calls is not None and message.role != "assistant":
+        param = f"{where}.tool_calls"
+        raise OpenAIError.invalid_request(f"{param}: only an assistant message makes calls", param=param)
 
 
 # The prompt's schema says what _non_empty_prompts checks: no empty text or list, no negative token id; and

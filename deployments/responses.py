@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from deployments.chat_output import ChatOutputPlan
 from deployments.logprobs import chat_logprobs_content, completion_logprobs
 from deployments.requests import ChatCompletionRequest, CompletionRequest
 from engine.sampling import TokenLogprob
@@ -21,7 +22,7 @@ class ChoiceResult:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" or "length"; None while streaming
+    finish_reason: str | None  # "stop" or "length" (a chat's answer: "tool_calls" too); None while streaming
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
@@ -84,27 +85,27 @@ class _Response:
         return chunk
 
 
+@dataclasses.dataclass(frozen=True)
 class ChatResponse(_Response):
+    # what an answer may hold beyond its text (reasoning, tool calls); None: text only
+    plan: ChatOutputPlan | None = None
+
     body_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
     def body(self, choices: Sequence[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]:
-        return self._body(
-            [
-                {
-                    "index": choice.index,
-                    "message": {"role": "assistant", "content": choice.text},
-                    "logprobs": (
-                        {"content": chat_logprobs_content(self.tokenizer, choice.logprobs)}
-                        if self.wants_logprobs
-                        else None
-                    ),
-                    "finish_reason": choice.finish_reason,
-                }
-                for choice in choices
-            ],
-            usage,
-        )
+        return self._body([self._choice(choice) for choice in choices], usage)
+
+    def _choice(self, choice: ChoiceResult) -> dict[str, Any]:
+        message, finish_reason = {"role": "assistant", "content": choice.text}, choice.finish_reason
+        if self.plan is not None:
+            message, finish_reason = self.plan.message(choice.text, finish_reason)
+        logprobs = None
+        if self.wants_logprobs:
+            logprobs = {"content": chat_logprobs_content(self.tokenizer, choice.logprobs)}
+        return {
+            "index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+        }  # fmt: skip
 
     def chunk(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -21,6 +22,30 @@ from engine.errors import InvalidRequestError
 
 # Names a message's reasoning may come under; templates read `reasoning_content` (gpt-oss: `thinking`).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def load_chat_template(file_or_text: str) -> str:
+    """A user's chat template (the chat_template app arg, --chat-template): a file's text, or the template
+    itself; it renders in the same sandbox as a model's own. InvalidRequestError when it is neither, or does
+    not compile."""
+    path = Path(file_or_text)
+    try:
+        is_file = "\n" not in file_or_text and len(file_or_text) < 4096 and path.is_file()
+    except OSError:  # a name the file system refuses (too long, ...): text
+        is_file = False
+    if is_file:
+        template = path.read_text(encoding="utf-8")
+    elif "{{" in file_or_text or "{%" in file_or_text:
+        template = file_or_text
+    else:
+        raise InvalidRequestError(
+            f"chat template {file_or_text[:200]!r} is neither a file nor a jinja template"
+        )
+    try:
+        _compile(template)
+    except jinja2.TemplateError as error:
+        raise InvalidRequestError(f"chat template does not compile: {error.message or error}") from error
+    return template
 
 
 def render_chat_template(

@@ -16,6 +16,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import TextStream
 from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.grammar import Grammars, SequenceGrammar
 from engine.interfaces import Proposer
 from engine.kv_budget import (
     dequant_buffer_bytes,
@@ -29,7 +30,7 @@ from engine.loader import LoadedModel, load_model
 from engine.model import Decoder
 from engine.ops import ops_for
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, TokenLogprob
+from engine.sampling import GrammarSpec, SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import DEFAULT_DRAFT_COST, Speculator
@@ -50,6 +51,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens reused from the prefix cache
     new_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+
+
+_WARM_UP_GRAMMAR = GrammarSpec("regex", "[a-z]+")
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,6 +90,10 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
+        # structured output (SamplingParams.grammar): compiled off the engine's loop (engine/grammar.py)
+        self.grammars: Grammars | None = None
+        if model.tokenizer is not None and self.eos_token_ids:
+            self.grammars = Grammars(model.tokenizer, self.logit_vocab_size, self.eos_token_ids)
         self.speculator = None
         if proposer is not None:
             self.speculator = Speculator(proposer, config.num_draft, draft_cost)
@@ -161,6 +169,12 @@ class Engine:
         params.validate()
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this engine has none")
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequestError(
+                    "structured output needs the model's tokenizer, and this engine has none"
+                )
+            self.grammars.check(params.grammar)  # waits for its compile (a worker thread's), at most 10 s
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         # the ids that get logits: a penalty counts each prompt token in a row of that width
@@ -195,6 +209,8 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, list(prompt_token_ids), params)
+        if params.grammar is not None:
+            seq.grammar = self.grammars.matcher(params.grammar)  # compiled by check_request
         text = None
         if self.tokenizer is not None and self.config.detokenize:
             text = TextStream(self.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens)
@@ -352,7 +368,8 @@ class Engine:
         else:
             if text is not None:
                 new_text = text.push(token_id)
-            if text is not None and text.stopped:
+            grammar_ends = seq.grammar is not None and self._grammar_ends(seq.grammar, token_id)
+            if (text is not None and text.stopped) or grammar_ends:
                 finish_reason = "stop"
             elif (
                 num_known_tokens - seq.num_prompt_tokens >= params.max_tokens
@@ -373,6 +390,13 @@ class Engine:
             num_cached_tokens=seq.num_cached_prompt_tokens,
             new_logprobs=[logprob] if logprob is not None else [],
         )
+
+    def _grammar_ends(self, grammar: SequenceGrammar, token_id: int) -> bool:
+        """Commit a generated token to the sequence's grammar: whether that ends the sequence. A complete
+        grammar allows only an end-of-sequence token next, which the stop check above then ends on (it
+        reports no text for it); with ignore_eos, the grammar's taking that token ends it here. A token the
+        grammar refuses (never expected: the mask allowed it) ends it too."""
+        return not grammar.consume(token_id) or (token_id in self.eos_token_ids and grammar.is_complete)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -447,6 +471,8 @@ class Engine:
         long_prompt = self.max_num_batched_tokens + 1  # first chunks of the whole budget, and of it less 2
         if long_prompt <= self.max_prompt_tokens:
             batches += [[(long_prompt, greedy)], [(2, greedy), (long_prompt, greedy)]]
+        if self.grammars is not None:  # the mask kernel, and llguidance's tokenizer built before serving
+            batches.append([(1, dataclasses.replace(greedy, grammar=_WARM_UP_GRAMMAR)), (1, greedy)])
         if self.speculator is not None:
             drafting = dataclasses.replace(greedy, max_tokens=2 * config.num_draft + 2)
             sampled_drafting = dataclasses.replace(drafting, temperature=0.8, seed=1)

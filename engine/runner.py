@@ -11,6 +11,12 @@ A step can also be launched ahead (launch): a decode step (a decode-bucket repla
 tokens may be the device-side samples of the previous launch, which the host has not read yet (rows with
 a fed_back_row, engine/step.py), so the host prepares step n+1 while the GPU still runs step n and reads
 tokens back one step later.
+
+Structured output: a row whose sequence has a grammar samples from logits masked with its allowed tokens
+(engine/grammar.py fills the masks on the host while the device runs the forward pass; kernels/token_mask.py
+applies them), at every draft position of a verify step too; logprobs are those of the unmasked logits. A
+step with such rows never replays a decode graph (its sampling is captured inside): its logits come from a
+step graph or an eager forward pass, then the mask, then the sampler.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from engine.block_manager import BlockCopy
+from engine.grammar import fill_masks
 from engine.graphs import GraphCache
 from engine.interfaces import DeviceDrafts, DraftsRead
 from engine.kv_cache import allocate_kv_cache, copy_blocks
@@ -32,6 +39,7 @@ from engine.step_inputs import StepInputs, StepInputsBuilder
 from engine.verify import read_ring, ring_drafts_read, verify_rows
 from kernels.attention import AttentionMetadata
 from kernels.sampling import top_logprobs
+from kernels.token_mask import apply_token_mask_reference, apply_token_mask_triton
 
 
 class ModelRunner:
@@ -99,7 +107,12 @@ class ModelRunner:
         a ring_row come from `ring`, read on the device. Eager, a step bucket, or a decode bucket."""
         outputs = [RowOutput([]) for _ in scheduled]
         inputs = self.inputs.build(scheduled)
-        if self.graphs is not None and inputs.is_decode and self.graphs.fits_decode(len(scheduled)):
+        if (
+            self.graphs is not None
+            and inputs.is_decode
+            and self.graphs.fits_decode(len(scheduled))
+            and not _constrained(scheduled)
+        ):
             launch = self.graphs.launch(inputs)
             launch.read()
             logits = self.graphs.logits[: len(scheduled)]
@@ -107,6 +120,7 @@ class ModelRunner:
             return outputs
         ring_read = read_ring(scheduled, ring, self.device) if ring is not None else None
         logits, hidden = self._forward(inputs, ring_read=ring_read)
+        raw_logits, logits = logits, self._masked(logits, scheduled)
         ring_drafts = iter(ring_drafts_read(scheduled, ring_read)) if ring is not None else iter(())
         plain: list[int] = []  # rows that sample
         verifying: list[tuple[ScheduledRow, int, list[int]]] = []  # (row, its first logits row, drafts)
@@ -136,9 +150,10 @@ class ModelRunner:
                 output.hidden = output.hidden[: num_accepted + 1]
         if plain:
             if verifying:
-                logits = logits[torch.tensor(inputs.sample_rows, dtype=torch.int64, device=logits.device)]
+                rows = torch.tensor(inputs.sample_rows, dtype=torch.int64, device=logits.device)
+                logits, raw_logits = logits[rows], raw_logits[rows]
             token_ids = self._sample_eager(logits, inputs)
-            self._sample_into(outputs, plain, scheduled, logits, token_ids)
+            self._sample_into(outputs, plain, scheduled, raw_logits, token_ids)
         return outputs
 
     def can_launch_ahead(self, scheduled: list[ScheduledRow]) -> bool:
@@ -170,13 +185,18 @@ class ModelRunner:
             "a fed-back token is a decoding sequence's input"
         )
         inputs = self.inputs.build(scheduled)
-        if self.graphs is not None and inputs.is_decode and self.graphs.fits_decode(inputs.num_seqs):
+        if (
+            self.graphs is not None
+            and inputs.is_decode
+            and self.graphs.fits_decode(inputs.num_seqs)
+            and not _constrained(scheduled)
+        ):
             return self.graphs.launch(inputs)
         fed_back = None
         if inputs.source_rows is not None:
             assert previous is not None
             fed_back = previous.device_tokens
-        logits = self._forward(inputs, fed_back)[0]
+        logits = self._masked(self._forward(inputs, fed_back)[0], scheduled)
         if self.graphs is not None:
             return self.graphs.sample(logits, inputs)
         token_ids = self._sample_eager(logits, inputs)
@@ -252,6 +272,28 @@ class ModelRunner:
         rows = torch.tensor(inputs.logit_rows, dtype=torch.int64, device=device)
         return self.decoder.compute_logits(hidden[rows], residual[rows]), captured
 
+    def _masked(self, logits: torch.Tensor, scheduled: list[ScheduledRow]) -> torch.Tensor:
+        """The logits (each sampling row's 1 + num_drafts rows, in order) with every constrained row's
+        disallowed tokens at -inf: a copy, the logits themselves when no row is constrained. The host
+        fills the masks while the device still runs the forward pass."""
+        rows = []
+        first = 0
+        for item in scheduled:
+            if not item.samples:
+                continue
+            if item.seq.grammar is not None:  # host drafts only: the speculator gives it no ring drafts
+                rows.append((item.seq.grammar, first, item.draft_ids or []))
+            first += 1 + item.num_drafts
+        if not rows:
+            return logits
+        bitmask = fill_masks(rows, logits.shape[0], logits.shape[1])
+        masked = logits.clone()
+        if masked.is_cuda:
+            apply_token_mask_triton(masked, bitmask.pin_memory().to(masked.device, non_blocking=True))
+        else:
+            apply_token_mask_reference(masked, bitmask)
+        return masked
+
     def _sample_eager(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """The next token of each sampled row (one logits row each), drawn at its draw position, on the
         host (int64)."""
@@ -285,3 +327,8 @@ class ModelRunner:
         for row, (index, token_id) in enumerate(zip(indices, token_ids.tolist(), strict=True)):
             outputs[index].token_ids = [token_id]
             outputs[index].logprob = logprobs[row]
+
+
+def _constrained(scheduled: list[ScheduledRow]) -> bool:
+    """Whether a row's sequence has a grammar (its logits are masked before sampling)."""
+    return any(item.seq.grammar is not None for item in scheduled)

@@ -5,12 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 # The seeds accepted: any 64-bit integer, signed or not (Philox is keyed by its low 64 bits).
 _SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GrammarSpec:
+    """What a constrained request's output must match (compiled by llguidance, engine/grammar.py).
+
+    json: a JSON Schema as JSON text (`{"type": "object"}` for any JSON object); regex: a regular expression;
+    choice: a JSON list of strings; lark: a Lark grammar as llguidance takes it (it may embed `%json {...}`).
+    Hashable, so it keys the compile cache."""
+
+    kind: Literal["json", "regex", "choice", "lark"]
+    source: str
 
 
 @dataclasses.dataclass
@@ -29,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; N = the sampled token's logprob and the top N (0..20)
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # None = unconstrained
 
     @property
     def is_greedy(self) -> bool:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -26,6 +30,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
     num_cached_prompt_tokens: int = 0  # of the prompt, reused from the prefix cache
     finish_reason: str | None = None
+    grammar: SequenceGrammar | None = (
+        None  # params.grammar's matcher (structured output), at its committed tokens
+    )
 
     def __post_init__(self) -> None:
         if not self.token_ids:

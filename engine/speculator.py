@@ -12,6 +12,10 @@ drafts, and the proposer is tried again after a pause.
 A proposer in another process whose drafts cross in the draft ring (RemoteProposer.launch) is asked
 without waiting: each sequence gets its ring row and k (Drafts.ring_rows), and the verify step reads the
 drafts from the ring on the device.
+
+Structured output: a constrained sequence's host drafts are cut at the first one its grammar does not
+allow (the verify step masks each draft position's logits, engine/runner.py); ring drafts, which the host
+never sees, are not verified for it.
 """
 
 from __future__ import annotations
@@ -198,6 +202,8 @@ class Speculator:
         drafts = Drafts()
         for (seq, k), proposal in zip(wanted.items(), proposals, strict=True):
             proposal = [int(token) for token in proposal[:k]]
+            if seq.grammar is not None:  # up to the first draft its grammar does not allow
+                proposal = proposal[: seq.grammar.valid_drafts(proposal)]
             if proposal:
                 drafts.ids[seq] = proposal
             else:
@@ -209,7 +215,8 @@ class Speculator:
         """The ring rows of the drafts that the proposer will write into the ring."""
         drafts = Drafts(ring=ring)
         for seq, row, count in zip(seqs, ring.rows, ring.num_drafts, strict=True):
-            if row is not None and count > 0:
+            # a constrained sequence steps aside: its drafts never reach the host to be checked
+            if row is not None and count > 0 and seq.grammar is None:
                 drafts.ring_rows[seq] = (row, count)
         return drafts if drafts else Drafts()
 

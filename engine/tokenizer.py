@@ -287,6 +287,10 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
+    def single_token_id(self, text: str) -> int | None:
+        """The id of the token whose text is `text`, where one is (an added token such as <tool_call>)."""
+        return self._token_id(text)
+
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 

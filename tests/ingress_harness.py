@@ -62,7 +62,8 @@ class _Method:
 
 class FakeEngine:
     """The engine deployment's calls, as an EngineClient and the ingress make them. A request gets the
-    tokens of `reply` (one token unless set; at most max_tokens) in one output and ends ("length"), with
+    tokens of `reply` (one token unless set; at most max_tokens) in one output (piecewise: one a token) and
+    ends (finish_reason: "length" unless set), with
     made-up logprobs when it asks for them; `stalled` makes every call wait for ever (an engine replica
     restarting)."""
 
@@ -70,6 +71,9 @@ class FakeEngine:
 
     def __init__(self, token_id: int) -> None:
         self.reply = [token_id]
+        self.finish_reason = "length"  # how each request ends ("stop": the reply ended with a stop token)
+        self.piecewise = False  # True: one output per token of the reply, a few milliseconds apart
+        self._pieces: list[asyncio.Task] = []
         self.stalled = asyncio.Event()
         self.stalled.set()  # set: not stalled
         self.outputs_queue: asyncio.Queue[list[Delta]] = asyncio.Queue()
@@ -117,8 +121,22 @@ class FakeEngine:
             logprobs = None
             if params.logprobs is not None:
                 logprobs = [_logprob(token_id, params.logprobs) for token_id in token_ids]
-            self.outputs_queue.put_nowait([(request_id, token_ids, "length", logprobs, None)])
+            if self.piecewise:
+                delivery = self._deliver_piecewise(request_id, token_ids, logprobs)
+                self._pieces.append(asyncio.create_task(delivery))
+            else:
+                self.outputs_queue.put_nowait([(request_id, token_ids, self.finish_reason, logprobs, None)])
         return refused
+
+    async def _deliver_piecewise(
+        self, request_id: str, token_ids: list[int], logprobs: list[TokenLogprob] | None
+    ) -> None:
+        """A token an output, a few milliseconds apart, as decoding steps deliver them."""
+        for position, token_id in enumerate(token_ids):
+            await asyncio.sleep(0.005)
+            piece = logprobs[position : position + 1] if logprobs else None
+            finish_reason = self.finish_reason if position == len(token_ids) - 1 else None
+            self.outputs_queue.put_nowait([(request_id, [token_id], finish_reason, piece, None)])
 
     async def _abort(self, request_id: str, reason: str = "abort") -> None:
         pass

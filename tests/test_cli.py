@@ -133,6 +133,7 @@ def write_gpt2_folder(folder: Path) -> Path:
         ("cuda without a GPU", "cuda"),
         ("dflash without a checkpoint", "--draft-model"),
         ("more draft layers than the model has", "layers"),
+        ("a chat template that is no file nor template", "neither a file nor"),
     ],
 )
 def test_bad_input_is_one_error_line(
@@ -151,6 +152,7 @@ def test_bad_input_is_one_error_line(
         "prompt longer than the context": [MODEL, "--prompt", "one two three " * 20, "--max-model-len", "16"],
         "cuda without a GPU": [MODEL, *prompt, "--device", "cuda"],
         "dflash without a checkpoint": [MODEL, *prompt, "--proposer", "dflash"],
+        "a chat template that is no file nor template": [MODEL, *prompt, "--chat-template", "chat.jinja"],
         "more draft layers than the model has": [
             MODEL,
             *prompt,

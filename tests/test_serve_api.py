@@ -165,7 +165,7 @@ def _error(response: httpx.Response) -> dict:
     ("case", "status", "code_or_param"),
     [
         ("bad temperature", 400, "temperature"),
-        ("tools", 400, "tools"),
+        ("tools", 400, "tool_choice.function.name"),
         ("logit_bias", 400, "logit_bias"),
         ("unknown field", 400, "frobnicate"),
         ("unknown model", 404, "model_not_found"),
@@ -182,6 +182,7 @@ def test_bad_requests_get_openai_errors(
         body["temperature"] = 5
     elif case == "tools":
         body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        body["tool_choice"] = {"type": "function", "function": {"name": "g"}}  # no such tool
     elif case == "logit_bias":
         body["logit_bias"] = {"42": 10}
     elif case == "unknown field":

@@ -1,0 +1,205 @@
+"""Structured output's grammars (llguidance, chosen in BENCHMARKS.md): compiled off the engine's loop and
+cached, and one matcher per constrained sequence that writes its allowed-token mask and follows its tokens.
+
+llguidance's tokenizer is built once per model, from the engine's own tokenizer (engine/tokenizer.py's
+token_bytes), on a worker thread when the engine starts. A GrammarSpec compiles on a worker thread into a
+template matcher, kept in a bounded LRU cache keyed by the spec; each sequence deep-copies it. A spec that
+does not compile, or takes more than COMPILE_TIMEOUT_S, is a request error (InvalidRequestError, a 400)
+whose message is llguidance's (it names the problem: "Unimplemented keys: [...]", a regex parse error).
+
+Masks: bit j of word i allows token 32 i + j (kernels/token_mask.py applies them). The end-of-sequence
+tokens are allowed only where the grammar accepts; once it is complete (it allows nothing more) they are
+all it allows, so the sequence ends with one (Engine._emit).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import threading
+import time
+from collections.abc import Collection, Sequence
+
+import torch
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance._tokenizer import TokenizerWrapper
+
+from engine.errors import InvalidRequestError
+from engine.sampling import GrammarSpec
+from engine.tokenizer import Tokenizer
+
+COMPILE_TIMEOUT_S = 10.0
+CACHE_SIZE = 256  # compiled specs kept (a JSON schema's template matcher is tens of KB to a few MB)
+COMPILE_THREADS = 2
+# JSON on one line, ", " and ": " between items (what json.dumps writes): whitespace left free, a small model
+# spends its tokens on newlines and indents. A schema's own "x-guidance" options take precedence.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class _TokenizerSource:
+    """What llguidance's TokenizerWrapper reads: every id's bytes (holes and ids past the tokenizer's
+    vocabulary are empty, never allowed), the special ids, and an encoder."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = min(eos_token_ids)
+        self.bos_token_id = tokenizer.bos_token_id
+        known = min(vocab_size, tokenizer.vocab_size)
+        self.tokens = [tokenizer.token_bytes(i) for i in range(known)] + [b""] * (vocab_size - known)
+        self.special_token_ids = [i for i in range(known) if tokenizer.is_special(i)]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """The spec as llguidance's grammar (Lark text or its JSON); raises InvalidRequestError for a spec
+    llguidance cannot even read (JSON that does not parse, a choice that is not a list of strings)."""
+    if spec.kind == "json":
+        try:
+            return LLMatcher.grammar_from_json_schema(spec.source, defaults=_JSON_LAYOUT)
+        except ValueError as error:
+            raise InvalidRequestError(f"invalid JSON schema: {error}") from None
+    if spec.kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.source)
+    if spec.kind == "lark":
+        return LLMatcher.grammar_from_lark(spec.source)
+    if spec.kind == "choice":
+        try:
+            choices = json.loads(spec.source)
+        except ValueError as error:
+            raise InvalidRequestError(f"choice must be a JSON list of strings: {error}") from None
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+            raise InvalidRequestError("choice must be a non-empty list of strings")
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}: json, regex, choice or lark")
+
+
+_WHAT = {"json": "JSON schema", "regex": "regex", "lark": "grammar", "choice": "choice"}
+
+
+class SequenceGrammar:
+    """One constrained sequence's matcher: its mask for the next token, and its committed tokens."""
+
+    def __init__(self, matcher: LLMatcher) -> None:
+        self.matcher = matcher
+
+    def consume(self, token_id: int) -> bool:
+        """Commit a generated token; False when the grammar does not allow it (the matcher is then in
+        error and allows nothing)."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether the grammar allows no more tokens (but an end-of-sequence token)."""
+        return self.matcher.is_stopped()
+
+    def valid_drafts(self, drafts: Sequence[int]) -> int:
+        """How many of the drafts, from the first, the grammar allows after the committed tokens."""
+        return self.matcher.validate_tokens(list(drafts))
+
+
+class Grammars:
+    """One engine's grammar compiler and cache."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        """vocab_size: the width of the logits (masks cover it); eos_token_ids: the ids that end a
+        sequence, allowed where the grammar accepts."""
+        self.vocab_size = vocab_size
+        self._source = (tokenizer, vocab_size, eos_token_ids)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            COMPILE_THREADS, thread_name_prefix="tileinfer-grammar"
+        )
+        self._tokenizer: concurrent.futures.Future[LLTokenizer] | None = None
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[GrammarSpec, concurrent.futures.Future[LLMatcher]] = (
+            collections.OrderedDict()
+        )
+
+    def start(self) -> concurrent.futures.Future[LLTokenizer]:
+        """Build llguidance's tokenizer on a worker thread, once (a few tenths of a second to 1.6 s; the
+        first compile waits for it). Engine.warm_up starts it before the engine serves."""
+        with self._lock:
+            if self._tokenizer is None:
+                tokenizer, vocab_size, eos_token_ids = self._source
+                self._tokenizer = self._pool.submit(
+                    lambda: LLTokenizer(
+                        TokenizerWrapper(_TokenizerSource(tokenizer, vocab_size, eos_token_ids)),
+                        n_vocab=vocab_size,
+                        eos_token=sorted(eos_token_ids),
+                    )  # fmt: skip
+                )
+            return self._tokenizer
+
+    def compile(self, spec: GrammarSpec) -> concurrent.futures.Future[LLMatcher]:
+        """The spec's template matcher, compiling on a worker thread (cached: at most CACHE_SIZE specs, the
+        least recently asked dropped). The future fails with InvalidRequestError."""
+        self.start()
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is not None:
+                self._cache.move_to_end(spec)
+                return future
+            future = self._pool.submit(self._compile, spec, time.monotonic())
+            self._cache[spec] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return future
+
+    def _compile(self, spec: GrammarSpec, asked_at: float) -> LLMatcher:
+        tokenizer = self.start().result()
+        try:
+            matcher = LLMatcher(tokenizer, grammar_text(spec), log_level=0)
+        except InvalidRequestError:
+            raise
+        except Exception as error:  # noqa: BLE001 - e.g. text llguidance cannot take (a lone surrogate)
+            raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {error}") from None
+        if matcher.is_error():
+            raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {matcher.get_error()}")
+        if time.monotonic() - asked_at > COMPILE_TIMEOUT_S:
+            raise InvalidRequestError(
+                f"the {_WHAT[spec.kind]} did not compile within {COMPILE_TIMEOUT_S:g} s"
+            )
+        return matcher
+
+    def check(self, spec: GrammarSpec) -> LLMatcher:
+        """The compiled template matcher; waits for its compile (at most COMPILE_TIMEOUT_S from when it was
+        first asked). Raises InvalidRequestError for a spec that does not compile in time."""
+        future = self.compile(spec)
+        try:
+            return future.result(timeout=COMPILE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise InvalidRequestError(
+                f"the {_WHAT[spec.kind]} did not compile within {COMPILE_TIMEOUT_S:g} s"
+            ) from None
+
+    def matcher(self, spec: GrammarSpec) -> SequenceGrammar:
+        """A fresh matcher for a sequence (check's template, copied)."""
+        return SequenceGrammar(self.check(spec).deep_copy())
+
+
+_executor: LLExecutor | None = None  # the batch mask fill's threads, made on first use
+
+
+def fill_masks(
+    rows: list[tuple[SequenceGrammar, int, list[int]]], num_rows: int, vocab_size: int
+) -> torch.Tensor:
+    """A step's bitmask, int32 [num_rows, ceil(vocab_size / 32)] on the host: all ones (unconstrained) but
+    for each (grammar, first row, drafts): its mask for the next token at the first row, and after each
+    draft at the rows below it (drafts the grammar allows: SequenceGrammar.valid_drafts). One batch call,
+    which releases the GIL."""
+    global _executor
+    if _executor is None:
+        _executor = LLExecutor()
+    bitmask = torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    row_bytes = bitmask.shape[1] * 4
+    if any(drafts for _, _, drafts in rows):
+        matchers = [(grammar.matcher, row, list(drafts)) for grammar, row, drafts in rows]
+        _executor.unsafe_compute_mask_ptr_with_draft_token(matchers, bitmask.data_ptr(), row_bytes, num_rows)
+    else:
+        matchers = [(grammar.matcher, row) for grammar, row, _ in rows]
+        _executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, num_rows)
+    return bitmask

@@ -1,0 +1,178 @@
+"""Structured output in the engine (engine/grammar.py, the runner's mask, the scheduler's run-ahead rule, the
+speculator's draft check), on the real SmolLM2-135M-Instruct and its tokenizer: what a grammar allows is
+all that comes out, the sequence ends when the grammar is complete, a bad grammar is a request error, and
+neither n-gram speculation nor run-ahead changes a constrained output or holds the unconstrained rows back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+import jsonschema
+import pytest
+
+from deployments.proposers import build_engine
+from engine import grammar
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import InvalidRequestError
+from engine.loader import LoadedModel
+from engine.sampling import GrammarSpec, SamplingParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"river": {"type": "string", "maxLength": 8}, "km": {"type": "integer", "maximum": 9999}},
+    "required": ["river", "km"],
+    "additionalProperties": False,
+}
+JSON_SPEC = GrammarSpec("json", json.dumps(SCHEMA))
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_model: LoadedModel) -> LoadedModel:
+    return smollm2_model
+
+
+@pytest.fixture(scope="module")
+def engine(model: LoadedModel) -> Engine:
+    return Engine(model, EngineConfig(max_num_seqs=4))
+
+
+def _prompt(model: LoadedModel, text: str) -> list[int]:
+    return model.tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+def test_each_kind_gives_what_its_grammar_allows(engine: Engine, model: LoadedModel) -> None:
+    """All four kinds in one batch: each output matches its grammar and ends with it."""
+    prompt = _prompt(model, "Name a European river and its length in km, as JSON.")
+    specs = {
+        "json": JSON_SPEC,
+        "regex": GrammarSpec("regex", "[0-9]{3}-[a-z]{2}"),
+        "choice": GrammarSpec("choice", '["yes", "no"]'),
+        "lark": GrammarSpec("lark", 'start: "river: " NAME\nNAME: /[A-Z][a-z]{1,8}/'),
+    }
+    sampling = {  # sampled (top-k; top-p with a penalty), and greedy with logprobs
+        "json": SamplingParams(temperature=0.8, top_k=20, seed=3),
+        "regex": SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.2, seed=4),
+        "choice": SamplingParams(temperature=0.0, logprobs=2),
+        "lark": SamplingParams(temperature=0.0),
+    }
+    texts, finishes, logprobs = {}, {}, []
+    for kind, spec in specs.items():
+        engine.add_request(prompt, dataclasses.replace(sampling[kind], max_tokens=24, grammar=spec), kind)
+        texts[kind] = ""
+    while engine.has_unfinished():
+        for output in engine.step():
+            texts[output.request_id] += output.new_text
+            finishes[output.request_id] = output.finish_reason
+            if output.request_id == "choice":
+                logprobs += output.new_logprobs
+    jsonschema.validate(json.loads(texts["json"]), SCHEMA)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", texts["regex"]), texts["regex"]
+    assert texts["choice"] in ("yes", "no")
+    assert re.fullmatch("river: [A-Z][a-z]{1,8}", texts["lark"]), texts["lark"]
+    assert set(finishes.values()) == {"stop"}  # each ended when its grammar was complete
+    # logprobs are the raw logits': the chosen tokens' are finite, and the top ones not only the allowed
+    assert logprobs and all(math.isfinite(entry.logprob) and len(entry.top) == 2 for entry in logprobs)
+
+
+@pytest.mark.parametrize(
+    ("spec", "named"),
+    [
+        (GrammarSpec("json", '{"type": "string", "not": {"const": "a"}}'), "Unimplemented keys"),
+        (GrammarSpec("json", '{"type": "strin"}'), "strin"),
+        (GrammarSpec("json", '{"type": '), "invalid JSON schema"),
+        (GrammarSpec("regex", "[0-9"), "unclosed character class"),
+        (GrammarSpec("choice", "[]"), "choice"),
+        (GrammarSpec("lark", "start: missing_rule"), "missing_rule"),
+    ],
+)
+def test_a_grammar_that_does_not_compile_is_a_request_error(engine: Engine, spec: GrammarSpec,
+                                                            named: str) -> None:  # fmt: skip
+    with pytest.raises(InvalidRequestError, match=named):
+        engine.add_request([1, 2, 3], SamplingParams(grammar=spec))
+    assert not engine.has_unfinished()
+
+
+def test_constrained_output_equals_itself_with_ngram_speculation(engine: Engine, model: LoadedModel) -> None:
+    """Greedy and sampled: drafts are cut at the first one the grammar refuses and each draft position is
+    masked, so speculation changes nothing (beside an unconstrained request in the same steps)."""
+    prompt = _prompt(model, 'Repeat exactly: {"river": "Rhine", "km": 1233}')
+    requests = [
+        SamplingParams(max_tokens=14, temperature=0.0, grammar=JSON_SPEC),
+        SamplingParams(max_tokens=14, temperature=0.7, seed=11, grammar=JSON_SPEC),
+        SamplingParams(max_tokens=4, temperature=0.0),
+    ]
+
+    def run(engine: Engine) -> list[list[int]]:
+        ids = [engine.add_request(prompt, params) for params in requests]
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens[output.request_id] += output.new_token_ids
+        return [tokens[request_id] for request_id in ids]
+
+    plain = run(engine)
+    speculative = build_engine(model, EngineConfig(max_num_seqs=4, proposer="ngram", num_draft=4))
+    assert run(speculative) == plain
+    assert speculative.speculator.stats.drafts_accepted > 0  # the drafts were verified, not skipped
+
+
+def test_run_ahead_keeps_unconstrained_rows_running_ahead(model: LoadedModel) -> None:
+    """A constrained sequence in flight sits the step out; the unconstrained one beside it still launches
+    ahead every step, and both outputs equal step-by-step decoding."""
+    prompt = _prompt(model, "Count from 1 to 30.")
+    requests = {
+        "free": SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        "json": SamplingParams(max_tokens=5, temperature=0.0, grammar=JSON_SPEC),
+    }
+
+    def run(run_ahead: bool) -> tuple[dict[str, list[int]], list[set[str]]]:
+        engine = Engine(model, EngineConfig(max_num_seqs=4, run_ahead=run_ahead))
+        for request_id, params in requests.items():
+            engine.add_request(prompt, params, request_id)
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
+        launched: list[set[str]] = []  # the sequences of each step left in flight
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens[output.request_id] += output.new_token_ids
+            if engine.in_flight is not None:
+                launched.append({seq.request_id for seq in engine.in_flight.seqs})
+        return tokens, launched
+
+    plain, _ = run(run_ahead=False)
+    ahead, launched = run(run_ahead=True)
+    assert ahead == plain
+    # the free request is in every launch until it ends; the constrained one, which waits for its token,
+    # in every other one
+    free_steps = [step for step in launched if "free" in step]
+    assert len(free_steps) >= len(plain["free"]) - 2
+    with_json = [step for step in free_steps if "json" in step]
+    assert 0 < len(with_json) <= len(free_steps) // 2 + 1
+
+
+def test_compiles_are_cached_by_spec_in_a_bounded_cache(
+    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grammar, "CACHE_SIZE", 2)
+    grammars = grammar.Grammars(model.tokenizer, model.logit_vocab_size, model.tokenizer.eos_token_ids)
+    specs = [GrammarSpec("regex", pattern) for pattern in ("[a-c]+", "[d-f]+", "[g-i]+")]
+    first = grammars.compile(specs[0])
+    assert grammars.compile(GrammarSpec("regex", "[a-c]+")) is first  # an equal spec: the same compile
+    grammars.compile(specs[1])
+    grammars.compile(specs[2])  # the least recently asked (specs[0]) is dropped
+    assert grammars.compile(specs[0]) is not first
+    assert grammars.check(specs[0]).is_error() is False
+
+
+def test_a_compile_over_its_time_limit_is_a_request_error(
+    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The limit (10 s) shrunk to nothing: a real compile then overruns it."""
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.0)
+    grammars = grammar.Grammars(model.tokenizer, model.logit_vocab_size, model.tokenizer.eos_token_ids)
+    with pytest.raises(InvalidRequestError, match="did not compile within 0 s"):
+        grammars.check(JSON_SPEC)
