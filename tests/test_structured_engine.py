@@ -10,16 +10,18 @@ import dataclasses
 import json
 import math
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from deployments.proposers import build_engine
 from engine import grammar
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, load_model
 from engine.sampling import GrammarSpec, SamplingParams
 
 SCHEMA = {
@@ -176,3 +178,37 @@ def test_a_compile_over_its_time_limit_is_a_request_error(
     grammars = grammar.Grammars(model.tokenizer, model.logit_vocab_size, model.tokenizer.eos_token_ids)
     with pytest.raises(InvalidRequestError, match="did not compile within 0 s"):
         grammars.check(JSON_SPEC)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("proposer", [None, "ngram"])
+def test_cuda_constrained_beside_free_rows_equals_the_cpu(smollm2_gguf: Path, proposer: str | None) -> None:
+    """On a GPU (float32, graphs and run-ahead on): constrained rows (the mask kernel after a step bucket or
+    an eager pass) beside free ones (decode buckets, run ahead) give the CPU's tokens, n-gram or not."""
+    settings = dict(dtype="float32", kv_cache_tokens=4096, max_model_len=2048, max_num_seqs=8,
+                    max_num_batched_tokens=256, proposer=proposer)  # fmt: skip
+
+    def build(device: str) -> Engine:
+        loaded = load_model(str(smollm2_gguf), torch.float32, device)
+        return build_engine(loaded, EngineConfig(device=device, **settings))
+
+    cuda, cpu = build("cuda"), build("cpu")
+    prompt = cpu.tokenizer.encode_chat([{"role": "user", "content": 'Say: {"river": "Rhine", "km": 1233}'}])
+    requests = [
+        SamplingParams(max_tokens=20, temperature=0.0, grammar=JSON_SPEC),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, grammar=GrammarSpec("regex", "[0-9]{2,6}")),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    ]
+
+    def run(engine: Engine) -> list[list[int]]:
+        ids = [engine.add_request(prompt, params) for params in requests]
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens[output.request_id] += output.new_token_ids
+        return [tokens[request_id] for request_id in ids]
+
+    got = run(cuda)
+    assert got == run(cpu)
+    jsonschema.validate(json.loads(cuda.tokenizer.decode(got[0])), SCHEMA)
