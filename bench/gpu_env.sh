@@ -1,7 +1,8 @@
 # The GPU machine's set-up, sourced from the repo root by each command there (bench/README.md):
 #   . bench/gpu_env.sh && python3 bench/bench_engine.py --out "$OUT"
 # It sets the environment and puts in place what the call carried (each optional, all ignored by git):
-#   .whl/*.whl             bash ../shared/device/wheels.sh: Ray Serve, pydantic, gguf; into /tmp/site
+#   .whl/*.whl             bash ../shared/device/wheels.sh: Ray Serve, pydantic, gguf; plus llguidance's wheel
+#                          (bench/README.md); into /tmp/site
 #   .assets/$GGUF.part*    bash ../shared/device/stage.sh on the default model's GGUF: one part a call, back
 #                          to back on the warm machine, the .sha256 with the last; joined into the cache
 #   .assets/qwen3-tokenizer/   tests/assets.py's Qwen3 tokenizer, gzipped (the bench shapes' models use it)
