@@ -275,30 +275,20 @@ class GraphCache:
 
     def _decode_step(self, bucket: _Bucket) -> None:
         views, size = bucket.device, bucket.num_tokens
-        metadata = AttentionMetadata(
-            slot_mapping=views["slot_mapping"],
-            query_start_loc=views["query_start_loc"],
-            seq_lens=views["seq_lens"],
-            block_tables=views["block_tables"],
-            is_decode=True,
-            decode_num_splits=self.decode_splits[size],
+        metadata = _metadata(
+            views, is_decode=True, decode_num_splits=self.decode_splits[size],
             decode_workspace=self.decode_workspace,
-        )
+        )  # fmt: skip
         hidden, residual = self.decoder(self._input_ids(views), views["positions"], self.kv_cache, metadata)
         self.decoder.compute_logits(hidden, residual, out=self.logits[:size])
         self._sample_step(bucket, self.logits[:size], size)
 
     def _step(self, bucket: _Bucket) -> None:
         views, size = bucket.device, bucket.num_tokens
-        metadata = AttentionMetadata(
-            slot_mapping=views["slot_mapping"],
-            query_start_loc=views["query_start_loc"],
-            seq_lens=views["seq_lens"],
-            block_tables=views["block_tables"],
-            max_query_len=size,
-            prefill_num_splits=self.step_splits[size],
+        metadata = _metadata(
+            views, max_query_len=size, prefill_num_splits=self.step_splits[size],
             prefill_workspace=self.step_workspace,
-        )
+        )  # fmt: skip
         capture = dict.fromkeys(self.capture_layers) if self.capture_layers else None
         ids = self._input_ids(views)
         hidden, residual = self.decoder(ids, views["positions"], self.kv_cache, metadata, capture)
@@ -485,3 +475,11 @@ class GraphCache:
                 self.prompt_mask[row, output] = True
                 self.prompt_mask[row, torch.tensor(seq.prompt_token_ids, device=device)] = True
         self._penalized_rows = penalized
+
+
+def _metadata(views: dict[str, torch.Tensor], **step_kind: object) -> AttentionMetadata:
+    """A bucket's attention metadata over its device views; step_kind: the decode or prefill fields."""
+    return AttentionMetadata(
+        slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"],
+        seq_lens=views["seq_lens"], block_tables=views["block_tables"], **step_kind,
+    )  # fmt: skip

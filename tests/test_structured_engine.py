@@ -47,6 +47,16 @@ def _prompt(model: LoadedModel, text: str) -> list[int]:
     return model.tokenizer.encode_chat([{"role": "user", "content": text}])
 
 
+def _run(engine: Engine, prompt: list[int], requests: list[SamplingParams]) -> list[list[int]]:
+    """Each request's tokens, all added at once and stepped to the end."""
+    ids = [engine.add_request(prompt, params) for params in requests]
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    return [tokens[request_id] for request_id in ids]
+
+
 def test_each_kind_gives_what_its_grammar_allows(engine: Engine, model: LoadedModel) -> None:
     """All four kinds in one batch: each output matches its grammar and ends with it."""
     prompt = _prompt(model, "Name a European river and its length in km, as JSON.")
@@ -109,17 +119,9 @@ def test_constrained_output_equals_itself_with_ngram_speculation(engine: Engine,
         SamplingParams(max_tokens=4, temperature=0.0),
     ]
 
-    def run(engine: Engine) -> list[list[int]]:
-        ids = [engine.add_request(prompt, params) for params in requests]
-        tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
-        while engine.has_unfinished():
-            for output in engine.step():
-                tokens[output.request_id] += output.new_token_ids
-        return [tokens[request_id] for request_id in ids]
-
-    plain = run(engine)
+    plain = _run(engine, prompt, requests)
     speculative = build_engine(model, EngineConfig(max_num_seqs=4, proposer="ngram", num_draft=4))
-    assert run(speculative) == plain
+    assert _run(speculative, prompt, requests) == plain
     assert speculative.speculator.stats.drafts_accepted > 0  # the drafts were verified, not skipped
 
 
@@ -201,14 +203,6 @@ def test_cuda_constrained_beside_free_rows_equals_the_cpu(smollm2_gguf: Path, pr
         SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
     ]
 
-    def run(engine: Engine) -> list[list[int]]:
-        ids = [engine.add_request(prompt, params) for params in requests]
-        tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
-        while engine.has_unfinished():
-            for output in engine.step():
-                tokens[output.request_id] += output.new_token_ids
-        return [tokens[request_id] for request_id in ids]
-
-    got = run(cuda)
-    assert got == run(cpu)
+    got = _run(cuda, prompt, requests)
+    assert got == _run(cpu, prompt, requests)
     jsonschema.validate(json.loads(cuda.tokenizer.decode(got[0])), SCHEMA)
