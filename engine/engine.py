@@ -259,6 +259,7 @@ class Engine:
         if not drafts and self.run_ahead and self.runner.can_launch_ahead(scheduled):
             launched = self.runner.launch(scheduled, self.in_flight)
             outputs += self._apply_in_flight()
+            self.runner.mask_samples(launched)  # the grammars have taken the tokens just read
             self._commit(scheduled)
             self.in_flight = launched
         else:

@@ -22,6 +22,14 @@ alternate steps: a launch's inputs must stay intact until its copy has run, whic
 has prepared the next launch (run-ahead). A row whose source row is >= 0 takes that row of the previous
 launch's samples (token_ids, still on the device) as its input id.
 
+Structured output (engine/grammar.py). A constrained row's mask follows its previous token, which the host
+may not have read when the step launches (run-ahead), so a step samples every row unmasked and the
+constrained rows are then sampled again from their masked logits by a masked-sampling replay
+(sample_masked): a bucket of C rows gathers their logits, applies the bitmask (kernels/token_mask.py) and
+samples into their rows of token_ids, before the next launch reads them. Its inputs (rows, bitmask,
+sampling fields) have their own static buffer and two staging buffers, so a launch's inputs are never
+overwritten. A step without constrained rows is unchanged, and unconstrained rows keep running ahead.
+
 On the CPU the same cache runs for tests: capture records the step and replay calls it, on the same
 buffers, with the torch reference ops and sampler. The GPU-only lines are capture_graph, the pinned
 staging and the read-back events.
@@ -44,11 +52,15 @@ from engine.step_inputs import SAMPLING_FLOAT_FIELDS, StepInputs
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
 from kernels.prefill_attention import allocate_prefill_workspace, prefill_num_splits
 from kernels.sampling import SamplingTensors, SamplingWorkspace
+from kernels.token_mask import apply_token_mask_reference, apply_token_mask_triton, bitmask_words
 
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # No step bucket below 16: with buckets of 1-8 tokens (linear layers as GEMVs) an n-gram verify step on
 # SmolLM2-135M took 2.82 ms on the H200, against 1.95 ms from the 16-token bucket (BENCHMARKS.md).
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# The most constrained rows one masked-sampling replay takes (more take several): its gathered logits are
+# [rows, vocab] float32 scratch, 39 MB at 64 rows of a 152k vocabulary.
+MAX_MASKED_ROWS = 64
 
 # the float fields' values for a padding row: greedy, no filtering, no penalties
 _NEUTRAL_FLOATS = numpy.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0], dtype=numpy.float32)
@@ -94,6 +106,7 @@ class _Bucket:
     num_slots: int  # sequence slots (padding ones included)
     num_logit_rows: int  # 0 in a decode bucket, which computes every row's logits
     num_samples: int  # rows it can sample
+    masked: bool = False  # a masked-sampling bucket: num_samples constrained rows, nothing else
     offsets: dict[str, int] = dataclasses.field(default_factory=dict)  # each field's first byte
     nbytes: int = 0
     device: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -150,7 +163,11 @@ class GraphCache:
         # sampling rows only (an eagerly computed step's logits): no tokens, no sequences
         self.sample_bucket = _Bucket(False, 0, 0, 0, max_num_seqs)
         buckets = [*self.decode_buckets.values(), *self.step_buckets.values(), self.sample_bucket]
-        for bucket in buckets:
+        self.vocab_words = bitmask_words(decoder.logit_vocab_size)
+        max_masked = min(MAX_MASKED_ROWS, max_num_seqs)
+        sizes = sorted({size for size in DECODE_BATCH_SIZES if size < max_masked} | {max_masked})
+        self.masked_buckets = {size: _Bucket(False, 0, 0, 0, size, masked=True) for size in sizes}
+        for bucket in [*buckets, *self.masked_buckets.values()]:
             self._lay_out(bucket)
         nbytes = max(bucket.nbytes for bucket in buckets)
         self.inputs = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -158,6 +175,14 @@ class GraphCache:
         for bucket in buckets:
             bucket.host = [self._views(bucket, staging.numpy()) for staging in self.staging]
             bucket.device = self._views(bucket, self.inputs)
+        # the masked-sampling buckets' own static buffer and staging (sample_masked)
+        nbytes = max(bucket.nbytes for bucket in self.masked_buckets.values())
+        self.masked_inputs = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.masked_staging = [self._host(torch.zeros(nbytes, dtype=torch.uint8)) for _ in range(2)]
+        self.masked_parity = 0
+        for bucket in self.masked_buckets.values():
+            bucket.host = [self._views(bucket, staging.numpy()) for staging in self.masked_staging]
+            bucket.device = self._views(bucket, self.masked_inputs)
         # per staging buffer and block-table row: the table list last written there, and how many blocks
         self.written_tables: list[list[tuple[list[int] | None, int]]] = [
             [(None, 0)] * max(bucket.num_slots for bucket in buckets) for _ in range(2)
@@ -170,13 +195,19 @@ class GraphCache:
         vocab = decoder.logit_vocab_size
         num_logit_rows = max(max_logit_rows, self.max_decode_seqs)
         self.logits = torch.zeros(num_logit_rows, vocab, dtype=torch.float32, device=device)
-        self.token_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)  # the samples
+        # the samples; the row past them takes a masked-sampling bucket's padding rows
+        self.token_ids = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
         self.host_token_ids = [self._host(torch.zeros(max_num_seqs, dtype=torch.int64)) for _ in range(2)]
         self.ready = [torch.cuda.Event() for _ in range(2)] if self.on_gpu else None
         self.output_counts = torch.zeros(max_num_seqs, vocab, dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros(max_num_seqs, vocab, dtype=torch.bool, device=device)
         self._penalized_rows: set[int] = set()
         self.sampling_workspace = SamplingWorkspace.allocate(max_num_seqs, vocab, device)
+        self.masked_logits = torch.zeros(max_masked, vocab, dtype=torch.float32, device=device)
+        self.masked_token_ids = torch.zeros(max_masked, dtype=torch.int64, device=device)
+        # constrained rows never use penalties here (the runner samples those eagerly): no counts, stride 0
+        self.no_counts = torch.zeros(1, vocab, dtype=torch.int32, device=device).expand(max_masked, vocab)
+        self.no_prompt_mask = torch.zeros(1, vocab, dtype=torch.bool, device=device).expand(max_masked, vocab)
         self.captured = torch.zeros(
             self.max_step_tokens if capture_layers else 0, len(capture_layers) * spec.hidden_size,
             dtype=decoder.model.embed_tokens.weight.dtype, device=device,  # the residual stream's
@@ -210,6 +241,9 @@ class GraphCache:
             self._transfer(bucket, empty)  # every row a padding one while capturing
             step = self._decode_step if bucket.decode else self._step
             bucket.replay = self._capture(lambda step=step, bucket=bucket: step(bucket))
+        for bucket in sorted(self.masked_buckets.values(), key=lambda bucket: -bucket.num_samples):
+            self._stage_masked(bucket, [], torch.empty(0, self.vocab_words, dtype=torch.int32), empty)
+            bucket.replay = self._capture(lambda bucket=bucket: self._masked_sample_step(bucket))
         self._staged = None
 
     # --- the layout ----------------------------------------------------------------------------------
@@ -217,6 +251,17 @@ class GraphCache:
     def _fields(self, bucket: _Bucket) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """A bucket's input fields, in buffer order (the block tables first)."""
         tokens, slots, samples = bucket.num_tokens, bucket.num_slots, bucket.num_samples
+        sampling = [
+            ("seeds", torch.int64, (samples,)),
+            ("draw_positions", torch.int64, (samples,)),
+            ("top_k", torch.int32, (samples,)),
+            ("sampling_floats", torch.float32, (len(SAMPLING_FLOAT_FIELDS), samples)),
+        ]
+        if bucket.masked:  # rows: each one's row of token_ids and of the step's logits (-1: padding)
+            return [
+                ("rows", torch.int64, (samples,)),
+                ("bitmask", torch.int32, (samples, self.vocab_words)),
+            ] + (sampling)
         return [
             ("block_tables", torch.int32, (slots, self.max_blocks_per_seq)),
             ("input_ids", torch.int64, (tokens,)),
@@ -226,11 +271,7 @@ class GraphCache:
             ("query_start_loc", torch.int32, (slots + 1,)),
             ("seq_lens", torch.int32, (slots,)),
             ("logit_rows", torch.int64, (bucket.num_logit_rows,)),
-            # per sampled row (issue #31's token bitmask, int32 [samples, ceil(vocab / 32)], goes here)
-            ("seeds", torch.int64, (samples,)),
-            ("draw_positions", torch.int64, (samples,)),
-            ("top_k", torch.int32, (samples,)),
-            ("sampling_floats", torch.float32, (len(SAMPLING_FLOAT_FIELDS), samples)),
+            *sampling,  # per sampled row
         ]
 
     def _lay_out(self, bucket: _Bucket) -> None:
@@ -296,6 +337,26 @@ class GraphCache:
             torch.cat([capture[index] for index in self.capture_layers], dim=-1, out=self.captured[:size])
         rows = views["logit_rows"]
         self.decoder.compute_logits(hidden[rows], residual[rows], out=self.logits[: len(rows)])
+
+    def _masked_sample_step(self, bucket: _Bucket) -> None:
+        """Sample the bucket's rows of the last step's logits, masked, into their rows of token_ids."""
+        views, size = bucket.device, bucket.num_samples
+        rows = views["rows"]
+        logits = self.masked_logits[:size]
+        torch.index_select(self.logits, 0, rows.clamp(min=0), out=logits)
+        if self.on_gpu:
+            apply_token_mask_triton(logits, views["bitmask"])
+        else:
+            apply_token_mask_reference(logits, views["bitmask"])
+        floats = views["sampling_floats"]
+        tensors = SamplingTensors(
+            **dict(zip(SAMPLING_FLOAT_FIELDS, floats, strict=True)),
+            top_k=views["top_k"], seeds=views["seeds"], positions=views["draw_positions"],
+            output_counts=self.no_counts[:size], prompt_mask=self.no_prompt_mask[:size],
+        )  # fmt: skip
+        self.sampler.sample_into(logits, tensors, self.masked_token_ids[:size], self.sampling_workspace)
+        padding = len(self.token_ids) - 1
+        self.token_ids.index_copy_(0, torch.where(rows >= 0, rows, padding), self.masked_token_ids[:size])
 
     def _sample_step(self, bucket: _Bucket, logits: torch.Tensor, num_rows: int) -> None:
         """Sample the bucket's first num_rows rows into token_ids."""
@@ -373,19 +434,29 @@ class GraphCache:
         self._write_block_tables(
             host["block_tables"], inputs.block_tables if bucket.num_slots else [], bucket.num_slots
         )
-        num_samples = len(inputs.sample_seqs)
-        if bucket.num_samples and num_samples <= bucket.num_samples:
-            host["seeds"][:num_samples] = inputs.seeds
-            host["draw_positions"][:num_samples] = inputs.draw_positions
-            host["top_k"][:num_samples] = inputs.top_k
-            if num_samples:
-                host["sampling_floats"][:, :num_samples] = numpy.array(
-                    inputs.sampling_floats, dtype=numpy.float32
-                ).T
-            host["seeds"][num_samples:] = 0
-            host["draw_positions"][num_samples:] = 0
-            host["top_k"][num_samples:] = 0
-            host["sampling_floats"][:, num_samples:] = _NEUTRAL_FLOATS[:, None]
+        if bucket.num_samples and len(inputs.sample_seqs) <= bucket.num_samples:
+            _stage_sampling(
+                host, inputs.seeds, inputs.draw_positions, inputs.top_k, inputs.sampling_floats
+            )  # fmt: skip
+
+    def _stage_masked(
+        self, bucket: _Bucket, rows: list[int], bitmask: torch.Tensor, inputs: StepInputs
+    ) -> None:
+        """Write a masked-sampling replay's inputs (the constrained rows of the launch whose inputs these
+        are, and their masks) into its next staging buffer and copy them to the device."""
+        host = bucket.host[self.masked_parity]
+        num_rows = len(rows)
+        host["rows"][:num_rows] = rows
+        host["rows"][num_rows:] = -1
+        host["bitmask"][:num_rows] = bitmask.numpy()
+        host["bitmask"][num_rows:] = -1  # padding rows allow every token
+        _stage_sampling(
+            host, [inputs.seeds[row] for row in rows], [inputs.draw_positions[row] for row in rows],
+            [inputs.top_k[row] for row in rows], [inputs.sampling_floats[row] for row in rows],
+        )  # fmt: skip
+        staging = self.masked_staging[self.masked_parity]
+        self.masked_inputs[: bucket.nbytes].copy_(staging[: bucket.nbytes], non_blocking=True)
+        self.masked_parity ^= 1
 
     def _write_block_tables(
         self, tables: numpy.ndarray, block_tables: list[list[int]], num_slots: int
@@ -449,6 +520,22 @@ class GraphCache:
         self._sample_step(bucket, logits, num_rows)
         return self._read_back(inputs.sample_seqs)
 
+    def sample_masked(
+        self, logits: torch.Tensor, inputs: StepInputs, rows: list[int], bitmask: torch.Tensor
+    ) -> None:
+        """Sample again the rows (of the launch just made from `inputs`, whose logits are `logits`, one row
+        each) from their logits masked with bitmask (one row each, host int32), into their rows of
+        token_ids, and queue the launch's read-back anew: its PendingStep then reads these tokens."""
+        if logits.data_ptr() != self.logits.data_ptr():  # an eager step's logits
+            self.logits[: logits.shape[0]].copy_(logits)
+        largest = max(self.masked_buckets)
+        for start in range(0, len(rows), largest):
+            chunk = rows[start : start + largest]
+            bucket = next(b for size, b in self.masked_buckets.items() if size >= len(chunk))
+            self._stage_masked(bucket, chunk, bitmask[start : start + largest], inputs)
+            bucket.replay()
+        self._read_back(inputs.sample_seqs)
+
     def _read_back(self, seqs: list[Sequence]) -> PendingStep:
         """Queue the copy of the sampled tokens to the host and return the step that waits for it."""
         parity = self._step_parity
@@ -475,6 +562,26 @@ class GraphCache:
                 self.prompt_mask[row, output] = True
                 self.prompt_mask[row, torch.tensor(seq.prompt_token_ids, device=device)] = True
         self._penalized_rows = penalized
+
+
+def _stage_sampling(
+    host: dict[str, numpy.ndarray],
+    seeds: list[int],
+    draw_positions: list[int],
+    top_k: list[int],
+    sampling_floats: list[tuple[float, ...]],
+) -> None:
+    """A bucket's sampling fields: the given rows', then neutral padding rows (greedy, no filtering)."""
+    num_samples = len(seeds)
+    host["seeds"][:num_samples] = seeds
+    host["draw_positions"][:num_samples] = draw_positions
+    host["top_k"][:num_samples] = top_k
+    if num_samples:
+        host["sampling_floats"][:, :num_samples] = numpy.array(sampling_floats, dtype=numpy.float32).T
+    host["seeds"][num_samples:] = 0
+    host["draw_positions"][num_samples:] = 0
+    host["top_k"][num_samples:] = 0
+    host["sampling_floats"][:, num_samples:] = _NEUTRAL_FLOATS[:, None]
 
 
 def _metadata(views: dict[str, torch.Tensor], **step_kind: object) -> AttentionMetadata:

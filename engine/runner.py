@@ -13,10 +13,14 @@ a fed_back_row, engine/step.py), so the host prepares step n+1 while the GPU sti
 tokens back one step later.
 
 Structured output: a row whose sequence has a grammar samples from logits masked with its allowed tokens
-(engine/grammar.py fills the masks on the host while the device runs the forward pass; kernels/token_mask.py
-applies them), at every draft position of a verify step too; logprobs are those of the unmasked logits. A
-step with such rows never replays a decode graph (its sampling is captured inside): its logits come from a
-step graph or an eager forward pass, then the mask, then the sampler.
+(engine/grammar.py fills the masks on the host; kernels/token_mask.py applies them); logprobs are those of
+the unmasked logits. Its mask follows its previous token, which a step launched ahead takes on the device
+before the host has read it; so a decode or launched step samples every row as usual, and once the host
+knows the constrained rows' grammar state (after reading the previous step), mask_samples samples those
+rows again from their masked logits (GraphCache.sample_masked, a replay), before the next launch reads
+their tokens. Constrained rows thus decode every step beside the others, in the same graphs. A verify
+step masks every draft position before verifying (the drafts are on the host), and a constrained row
+with penalties samples eagerly from masked logits.
 """
 
 from __future__ import annotations
@@ -111,9 +115,10 @@ class ModelRunner:
             self.graphs is not None
             and inputs.is_decode
             and self.graphs.fits_decode(len(scheduled))
-            and not _constrained(scheduled)
+            and not _penalized_and_constrained(scheduled)
         ):
-            launch = self.graphs.launch(inputs)
+            launch = self._launched(self.graphs.launch(inputs), inputs)
+            self.mask_samples(launch)
             launch.read()
             logits = self.graphs.logits[: len(scheduled)]
             self._sample_into(outputs, list(range(len(scheduled))), scheduled, logits, launch.host_tokens)
@@ -185,22 +190,49 @@ class ModelRunner:
             "a fed-back token is a decoding sequence's input"
         )
         inputs = self.inputs.build(scheduled)
-        if (
-            self.graphs is not None
-            and inputs.is_decode
-            and self.graphs.fits_decode(inputs.num_seqs)
-            and not _constrained(scheduled)
-        ):
-            return self.graphs.launch(inputs)
+        if self.graphs is not None and inputs.is_decode and self.graphs.fits_decode(inputs.num_seqs):
+            return self._launched(self.graphs.launch(inputs), inputs)
         fed_back = None
         if inputs.source_rows is not None:
             assert previous is not None
             fed_back = previous.device_tokens
-        logits = self._masked(self._forward(inputs, fed_back)[0], scheduled)
+        logits = self._forward(inputs, fed_back)[0]
         if self.graphs is not None:
-            return self.graphs.sample(logits, inputs)
+            return self._launched(self.graphs.sample(logits, inputs), inputs, logits)
         token_ids = self._sample_eager(logits, inputs)
-        return PendingStep(inputs.sample_seqs, token_ids, token_ids, ready=None)  # CPU: filled already
+        # CPU: filled already
+        return PendingStep(inputs.sample_seqs, token_ids, token_ids, ready=None, inputs=inputs, logits=logits)
+
+    @torch.inference_mode()
+    def mask_samples(self, launched: PendingStep) -> None:
+        """Sample the launched step's constrained rows again, from their logits masked by their grammars,
+        which must have taken every token before these (the host has read the previous step): until then
+        they hold unmasked samples. Rows of sequences that finished meanwhile keep theirs (dropped)."""
+        rows = [
+            row for row, seq in enumerate(launched.seqs) if seq.grammar is not None and not seq.is_finished
+        ]
+        if not rows:
+            return
+        grammars = [(launched.seqs[row].grammar, index, []) for index, row in enumerate(rows)]
+        bitmask = fill_masks(grammars, len(rows), self.logit_vocab_size)
+        inputs, logits = launched.inputs, launched.logits
+        if self.graphs is not None:
+            self.graphs.sample_masked(logits, inputs, rows, bitmask)
+            return
+        masked = logits[rows].clone()
+        apply_token_mask_reference(masked, bitmask)
+        seqs = [launched.seqs[row] for row in rows]
+        token_ids = self.sampler.sample(masked, seqs, [inputs.draw_positions[row] for row in rows])
+        launched.host_tokens[rows] = token_ids.to(launched.host_tokens.device)
+
+    def _launched(
+        self, launched: PendingStep, inputs: StepInputs, logits: torch.Tensor | None = None
+    ) -> PendingStep:
+        """The launch, with what mask_samples needs: its inputs and logits (a decode replay's: the graph
+        cache's)."""
+        launched.inputs = inputs
+        launched.logits = logits if logits is not None else self.graphs.logits[: inputs.num_seqs]
+        return launched
 
     @torch.inference_mode()
     def forward_eager(
@@ -329,6 +361,7 @@ class ModelRunner:
             outputs[index].logprob = logprobs[row]
 
 
-def _constrained(scheduled: list[ScheduledRow]) -> bool:
-    """Whether a row's sequence has a grammar (its logits are masked before sampling)."""
-    return any(item.seq.grammar is not None for item in scheduled)
+def _penalized_and_constrained(scheduled: list[ScheduledRow]) -> bool:
+    """Whether a row's sequence has a grammar and penalties (its masked logits are sampled eagerly: the
+    graph cache's masked sampling reads no token counts)."""
+    return any(item.seq.grammar is not None and item.seq.params.has_penalties for item in scheduled)

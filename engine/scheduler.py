@@ -109,8 +109,7 @@ class Scheduler:
         """in_flight: running sequences whose next token a launched step sampled and the host has not read
         yet, and its row of that step's samples. Such a token counts toward the sequence's length: the
         sequence computes it (fed back on the device), or sits this step out when it ends the sequence by
-        length (it finishes once the host reads it), or is constrained by a grammar (its mask follows the
-        token). drafts: the speculator's, for decoding sequences: a
+        length (it finishes once the host reads it). drafts: the speculator's, for decoding sequences: a
         row computes its last token and its drafts (the speculator asked for no more than the cache and the
         budget hold)."""
         in_flight = in_flight or {}
@@ -124,8 +123,7 @@ class Scheduler:
             if seq not in self.running or _is_prefilling(seq):
                 continue  # preempted below to make room for an earlier sequence, or a prompt
             num_pending = int(seq in in_flight)
-            # a constrained sequence's mask needs its pending token on the host: it waits for it
-            if num_pending and (seq.grammar is not None or self._ends_by_length(seq, num_pending)):
+            if num_pending and self._ends_by_length(seq, num_pending):
                 sitting_out = True
                 continue
             num_drafts = drafts.count(seq)

@@ -20,6 +20,7 @@ from engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from engine.interfaces import DeviceDrafts
+    from engine.step_inputs import StepInputs
 
 
 @dataclasses.dataclass(slots=True)
@@ -103,6 +104,9 @@ class PendingStep:
     device_tokens: torch.Tensor  # what the next step's fed_back_row indexes
     host_tokens: torch.Tensor  # [num_seqs] int64 (pinned on a GPU)
     ready: torch.cuda.Event | None  # None: host_tokens is filled already (CPU)
+    # what ModelRunner.mask_samples needs: the step's StepInputs and its logits (one row per sample)
+    inputs: StepInputs | None = None
+    logits: torch.Tensor | None = None
 
     def sample_rows(self) -> dict[Sequence, int]:
         """Each sequence's row of the samples: its fed_back_row in the next step."""

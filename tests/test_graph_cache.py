@@ -7,15 +7,18 @@ SmolLM2-135M-Instruct. (The CUDA graphs themselves: tests/test_graphs_cuda.py.)"
 from __future__ import annotations
 
 import collections
+import json
 
+import jsonschema
 import pytest
 
 from deployments.proposers import build_engine
+from engine import graphs
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import LoadedModel
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sampling import GrammarSpec, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,7 @@ def model(smollm2_model: LoadedModel) -> LoadedModel:
 
 def _with_graph_cache(engine: Engine) -> collections.Counter:
     """Rebuild the engine's runner with a graph cache on the CPU; returns the count of replays by kind
-    ("decode", "step"), which grows as the engine steps."""
+    ("decode", "step", "masked"), which grows as the engine steps."""
     config, runner = engine.config, engine.runner
     max_logit_rows = config.max_num_seqs * (1 + config.num_draft if engine.speculator is not None else 1)
     engine.runner = ModelRunner(
@@ -36,7 +39,12 @@ def _with_graph_cache(engine: Engine) -> collections.Counter:
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.decode_buckets and graphs.step_buckets
     replays: collections.Counter = collections.Counter()
-    for kind, buckets in (("decode", graphs.decode_buckets), ("step", graphs.step_buckets)):
+    kinds = (
+        ("decode", graphs.decode_buckets),
+        ("step", graphs.step_buckets),
+        ("masked", graphs.masked_buckets),
+    )
+    for kind, buckets in kinds:
         for bucket in buckets.values():
             replay = bucket.replay
 
@@ -106,3 +114,49 @@ def test_verify_steps_from_the_graph_cache_equal_eager_ones(model: LoadedModel) 
     eager = build_engine(model, EngineConfig(**config, proposer="ngram", num_draft=3))
     assert _run(graphed, requests) == _run(eager, requests)
     assert graphed.speculator.stats.drafts_proposed > 0 and replays["step"] > 3, replays
+
+
+@pytest.mark.parametrize("run_ahead", [False, True], ids=["step-by-step", "run-ahead"])
+def test_constrained_rows_sample_from_masked_replays(
+    model: LoadedModel, run_ahead: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three constrained rows (greedy JSON, sampled JSON, a regex) beside a free one: decode replays sample
+    every row, then masked-sampling replays of at most two rows (two of them here: padding rows) sample
+    the constrained ones again. Outputs equal the eager engine's, and the JSON validates."""
+    monkeypatch.setattr(graphs, "MAX_MASKED_ROWS", 2)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    as_json = GrammarSpec("json", json.dumps(schema))
+    prompt = model.tokenizer.encode_chat([{"role": "user", "content": "Give a name and a number as JSON."}])
+    requests = {
+        0: [
+            ("json", prompt, SamplingParams(max_tokens=24, temperature=0.0, grammar=as_json)),
+            ("sampled", prompt, SamplingParams(max_tokens=24, temperature=0.8, seed=7, grammar=as_json)),
+            (
+                "digits",
+                prompt,
+                SamplingParams(max_tokens=6, temperature=0.0, grammar=GrammarSpec("regex", "[0-9]{3,5}")),
+            ),
+            ("free", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+        ]
+    }
+
+    def engine() -> Engine:
+        config = EngineConfig(
+            run_ahead=run_ahead, max_num_batched_tokens=48, max_num_seqs=4, max_model_len=512
+        )
+        return Engine(model, config)
+
+    graphed = engine()
+    replays = _with_graph_cache(graphed)
+    got = _run(graphed, requests)
+    assert got == _run(engine(), requests)
+    assert replays["decode"] > 5 and replays["masked"] >= 2 * 5, replays
+    for request_id in ("json", "sampled"):
+        jsonschema.validate(
+            json.loads(model.tokenizer.decode(got[request_id], skip_special_tokens=True)), schema
+        )

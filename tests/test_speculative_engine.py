@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from deployments.proposers import build_engine
+from engine import speculator as speculator_module
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.interfaces import DraftRequest, Proposer
@@ -111,8 +112,10 @@ class _BrokenProposer(Proposer):
 
 
 def test_a_failing_proposer_only_costs_speed(
-    model: LoadedModel, prompts: list[list[int]], plain: list[list[int]]
+    model: LoadedModel, prompts: list[list[int]], plain: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the pause outlasts the answer however slow the machine (at 5 s, a loaded one retried within it)
+    monkeypatch.setattr(speculator_module, "RETRY_AFTER_S", 3600.0)
     proposer = _BrokenProposer()
     engine = Engine(model, EngineConfig(), proposer=proposer)
     assert engine.generate(prompts[0], GREEDY)[0] == plain[0]

@@ -1,4 +1,4 @@
-"""Structured output in the engine (engine/grammar.py, the runner's mask, the scheduler's run-ahead rule, the
+"""Structured output in the engine (engine/grammar.py, the runner's mask, run-ahead with masked samples, the
 speculator's draft check), on the real SmolLM2-135M-Instruct and its tokenizer: what a grammar allows is
 all that comes out, the sequence ends when the grammar is complete, a bad grammar is a request error, and
 neither n-gram speculation nor run-ahead changes a constrained output or holds the unconstrained rows back.
@@ -125,13 +125,13 @@ def test_constrained_output_equals_itself_with_ngram_speculation(engine: Engine,
     assert speculative.speculator.stats.drafts_accepted > 0  # the drafts were verified, not skipped
 
 
-def test_run_ahead_keeps_unconstrained_rows_running_ahead(model: LoadedModel) -> None:
-    """A constrained sequence in flight sits the step out; the unconstrained one beside it still launches
-    ahead every step, and both outputs equal step-by-step decoding."""
+def test_constrained_rows_run_ahead_beside_free_ones(model: LoadedModel) -> None:
+    """With run-ahead, a constrained sequence launches every step beside the free one (its sample is masked
+    once the host has read its previous token), and both outputs equal step-by-step decoding."""
     prompt = _prompt(model, "Count from 1 to 30.")
     requests = {
-        "free": SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-        "json": SamplingParams(max_tokens=5, temperature=0.0, grammar=JSON_SPEC),
+        "free": SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        "json": SamplingParams(max_tokens=10, temperature=0.7, seed=5, grammar=JSON_SPEC),
     }
 
     def run(run_ahead: bool) -> tuple[dict[str, list[int]], list[set[str]]]:
@@ -150,12 +150,9 @@ def test_run_ahead_keeps_unconstrained_rows_running_ahead(model: LoadedModel) ->
     plain, _ = run(run_ahead=False)
     ahead, launched = run(run_ahead=True)
     assert ahead == plain
-    # the free request is in every launch until it ends; the constrained one, which waits for its token,
-    # in every other one
-    free_steps = [step for step in launched if "free" in step]
-    assert len(free_steps) >= len(plain["free"]) - 2
-    with_json = [step for step in free_steps if "json" in step]
-    assert 0 < len(with_json) <= len(free_steps) // 2 + 1
+    # every token after the first (a prompt step's) comes from a launch ahead, the constrained ones too
+    for request_id in requests:
+        assert sum(request_id in step for step in launched) >= len(plain[request_id]) - 1
 
 
 def test_compiles_are_cached_by_spec_in_a_bounded_cache(
@@ -185,8 +182,9 @@ def test_a_compile_over_its_time_limit_is_a_request_error(
 @pytest.mark.gpu
 @pytest.mark.parametrize("proposer", [None, "ngram"])
 def test_cuda_constrained_beside_free_rows_equals_the_cpu(smollm2_gguf: Path, proposer: str | None) -> None:
-    """On a GPU (float32, graphs and run-ahead on): constrained rows (the mask kernel after a step bucket or
-    an eager pass) beside free ones (decode buckets, run ahead) give the CPU's tokens, n-gram or not."""
+    """On a GPU (float32, graphs and run-ahead on): constrained rows beside free ones, all in decode
+    buckets run ahead (the constrained ones sampled again by masked-sampling replays), or in verify steps
+    with n-gram drafts (masked at each draft position), give the CPU's tokens."""
     settings = dict(dtype="float32", kv_cache_tokens=4096, max_model_len=2048, max_num_seqs=8,
                     max_num_batched_tokens=256, proposer=proposer)  # fmt: skip
 
