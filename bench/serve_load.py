@@ -75,7 +75,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -241,20 +241,27 @@ def _record(start: float, first: float | None, last: float | None, tokens: int, 
 # --- HTTP -----------------------------------------------------------------------------------------
 
 
-def _completion_body(model: str, prompt: list[int], output_tokens: int) -> dict[str, Any]:
+def _completion_body(
+    model: str, prompt: list[int], output_tokens: int, ignore_eos: bool = True
+) -> dict[str, Any]:
     return {
-        "model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True},
+        "model": model, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0,
+        "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
 
 
+# A request's body from (model, prompt, output tokens, the client's id): http_records' body_for
+BodyFor = Callable[[str, list[int], int, int], dict[str, Any]]
+
+
 async def _stream_one(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One streamed completion's record; with logprobs in the body also its tokens as the logprobs spell
-    them (token_spellings)."""
+    """One streamed completion's record, with its text and finish_reason; with logprobs in the body also
+    its tokens as the logprobs spell them (token_spellings)."""
     start = time.perf_counter()
     first = last = None
-    tokens, error = 0, None
+    tokens, error, finish_reason = 0, None, None
     spellings: list[str] = []
+    pieces: list[str] = []
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -272,65 +279,100 @@ async def _stream_one(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
                     first = first if first is not None else last
                     for choice in event["choices"]:
                         spellings += (choice.get("logprobs") or {}).get("tokens", [])
+                        pieces.append(choice.get("text") or "")
+                        finish_reason = choice.get("finish_reason") or finish_reason
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
     except Exception as failure:  # noqa: BLE001 - a broken connection counts as an error
         error = f"{type(failure).__name__}: {failure}"
     if error is None and tokens == 0:
         error = "no usage chunk"
-    return {**_record(start, first, last, tokens, error), "token_spellings": spellings}
+    record = _record(start, first, last, tokens, error)
+    return {**record, "token_spellings": spellings, "text": "".join(pieces), "finish_reason": finish_reason}
 
 
 async def http_records(
-    base_url: str, model: str, prompts: list[list[int]], concurrency: int, output_tokens: int
+    base_url: str,
+    model: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    output_tokens: int,
+    body_for: BodyFor | None = None,
+    client_ids: Sequence[int] | None = None,
 ) -> tuple[list[dict[str, Any]], float, float]:
-    """Per-request records, and when the level began and ended (time.monotonic: one clock for every
-    process of the machine)."""
+    """Per-request records (each names its client), and when the level began and ended (time.monotonic:
+    one clock for every process of the machine). body_for: each request's body (default _completion_body's);
+    client_ids: the `concurrency` clients' ids that body_for gets (default 0 to concurrency - 1)."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     pending = iter(prompts)
     records: list[dict[str, Any]] = []
+    client_ids = range(concurrency) if client_ids is None else client_ids
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
+    async def client_loop(client: httpx.AsyncClient, client_id: int) -> None:
         for prompt in pending:  # a shared iterator: each client takes the next prompt when it is free
-            records.append(await _stream_one(client, url, _completion_body(model, prompt, output_tokens)))
+            if body_for is None:
+                body = _completion_body(model, prompt, output_tokens)
+            else:
+                body = body_for(model, prompt, output_tokens, client_id)
+            records.append({**await _stream_one(client, url, body), "client": client_id})
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=60), limits=limits) as client:
         start = time.monotonic()
-        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        await asyncio.gather(*(client_loop(client, client_id) for client_id in client_ids))
         end = time.monotonic()
     return records, start, end
 
 
-def _client_process(job: tuple[str, str, list[list[int]], int, int]) -> tuple[list[dict], float, float]:
+def _client_process(
+    job: tuple[str, str, list[list[int]], int, int, BodyFor | None, range],
+) -> tuple[list[dict], float, float]:
     return asyncio.run(http_records(*job))
+
+
+def http_level_records(
+    base_url: str,
+    model: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    output_tokens: int,
+    processes: int,
+    body_for: BodyFor | None = None,
+) -> tuple[list[dict[str, Any]], float]:
+    """The records of one level's clients (ids 0 to concurrency - 1, spread over `processes` client
+    processes, each its own event loop, so that parsing every server-sent event does not bound what is
+    measured), and the level's wall time."""
+    processes = max(1, min(processes, concurrency))
+    if processes == 1:
+        records, start, end = asyncio.run(
+            http_records(base_url, model, prompts, concurrency, output_tokens, body_for)
+        )
+        return records, end - start
+    import concurrent.futures
+    import multiprocessing
+
+    jobs = []
+    for index in range(processes):
+        client_ids = range(index, concurrency, processes)
+        jobs.append(
+            (base_url, model, prompts[index::processes], len(client_ids), output_tokens, body_for, client_ids)
+        )
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        parts = list(pool.map(_client_process, jobs))
+    records = [record for part in parts for record in part[0]]
+    return records, max(part[2] for part in parts) - min(part[1] for part in parts)
 
 
 def http_level(
     base_url: str, model: str, prompts: list[list[int]], concurrency: int, output_tokens: int, processes: int
 ) -> dict[str, Any]:
-    """The clients of one level, spread over `processes` client processes (each its own event loop), so
-    that parsing every server-sent event does not bound what is measured."""
-    processes = max(1, min(processes, concurrency))
+    """One level's summary (http_level_records), with the engines' own TTFT over it."""
     before = engine_ttft_totals(base_url)
-    if processes == 1:
-        records, start, end = asyncio.run(http_records(base_url, model, prompts, concurrency, output_tokens))
-        return with_engine_ttft(summarize(records, end - start), before, engine_ttft_totals(base_url))
-    import concurrent.futures
-    import multiprocessing
-
-    jobs = [
-        (base_url, model, prompts[index::processes], len(range(index, concurrency, processes)), output_tokens)
-        for index in range(processes)
-    ]
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
-        parts = list(pool.map(_client_process, jobs))
-    records = [record for part in parts for record in part[0]]
-    summary = summarize(records, max(part[2] for part in parts) - min(part[1] for part in parts))
-    return with_engine_ttft(summary, before, engine_ttft_totals(base_url))
+    records, wall_s = http_level_records(base_url, model, prompts, concurrency, output_tokens, processes)
+    return with_engine_ttft(summarize(records, wall_s), before, engine_ttft_totals(base_url))
 
 
 def served_model(base_url: str) -> str:
@@ -1141,18 +1183,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return payload
 
 
-def _model_vocab(model: str) -> int | None:
-    """The model's vocabulary size, from its config.json or GGUF, without loading weights."""
+def model_spec(model: str) -> Any:
+    """The model's ModelSpec, from its config.json or GGUF, without loading weights."""
     from engine.loader import resolve_model_source
 
     source = resolve_model_source(model)
     if source.is_dir():
         from engine.spec import ModelSpec
 
-        return ModelSpec.from_config_file(source / "config.json").vocab_size
+        return ModelSpec.from_config_file(source / "config.json")
     from engine.gguf_loader import read_gguf, spec_from_gguf
 
-    return spec_from_gguf(read_gguf(source)).vocab_size
+    return spec_from_gguf(read_gguf(source))
+
+
+def _model_vocab(model: str) -> int | None:
+    """The model's vocabulary size, without loading weights."""
+    return model_spec(model).vocab_size
 
 
 if __name__ == "__main__":
