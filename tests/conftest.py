@@ -7,6 +7,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One intra-op thread for torch, here and in the processes the tests start. The CPU tests run small
+    # steps of a 135M model, ops too small to gain from a second thread; and on a shared two-core machine
+    # each op then waits at OpenMP's barrier for a descheduled thread (a 1x576 by 576x1536 linear beside
+    # other load: 12 ms with two threads, 0.4 ms with one).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

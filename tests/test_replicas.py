@@ -52,6 +52,9 @@ def base_url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> It
     os.environ.update(env)  # the nodes inherit this process's environment
     # a Ray directory of its own: /tmp/ray/session_latest stays the session-wide cluster's (tests/serving.py)
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    # Cluster() writes the head's address to /tmp/ray/ray_current_cluster without making /tmp/ray: on a
+    # machine where no Ray has run yet (this module runs before the session's served app) it failed there
+    os.makedirs("/tmp/ray", exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "resources": {"head_node": 1}, "node_ip_address": "127.0.0.1",
