@@ -127,11 +127,12 @@ def engine_batch(engine: Engine, spec: ModelSpec, batch: int, settings: Settings
         request_ids = [engine.add_request(prompt, params) for prompt in prompts]
         all_decoding_at = None
         while engine.has_unfinished():
-            # all sequences admitted, each with only its newest token left to compute: a pure decode step
+            # all sequences admitted and past their prompts: a pure decode step (with run-ahead a sequence's
+            # newest token may still be in flight, not yet among its tokens)
             all_decoding = (
                 not scheduler.waiting
                 and len(scheduler.running) == batch
-                and all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in scheduler.running)
+                and all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in scheduler.running)
             )
             if all_decoding and all_decoding_at is None:
                 all_decoding_at = time.perf_counter() - started

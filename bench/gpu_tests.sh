@@ -5,6 +5,7 @@
 #   bash bench/gpu_tests.sh                                  # the whole suite
 #   bash bench/gpu_tests.sh tests/test_kernels_linear.py ... # the GPU tests of these files
 #   SHARDS=8 LIMIT=300 bash bench/gpu_tests.sh ...           # shards (12), each one's limit in s (520)
+#   TEST_TIMEOUT=120 bash bench/gpu_tests.sh                 # one test's limit in s (200)
 # Carry what bench/gpu_env.sh sets up: gguf's wheel (.whl/gguf-*.whl) and the default model's GGUF, which
 # the engine's GPU tests load (.assets/$GGUF.part*, one a call). Compiling is most of the time: a cold
 # Triton cache may not get through the whole suite in one call; the next call, carrying the
@@ -14,6 +15,9 @@
 set -u
 . "$(dirname "$0")/gpu_env.sh"
 shards=${SHARDS:-12} limit=${LIMIT:-520}
+# a test stuck in Python past this fails alone (pytest-timeout, in the GPU image), not its whole shard
+per_test=()
+python3 -c "import pytest_timeout" 2> /dev/null && per_test=(--timeout "${TEST_TIMEOUT:-200}")
 [ $# -gt 0 ] || set -- tests/test_*.py
 marked=$(grep -l "pytest.mark.gpu" "$@")
 on_cuda=$(grep -l '^DEVICE = "cuda" if torch.cuda.is_available()' "$@")
@@ -26,7 +30,7 @@ split -n "r/$shards" -d /tmp/gpu_ids /tmp/gpu_shard.
 pids=()
 for ids in /tmp/gpu_shard.??; do  # one node id a line: ids may hold spaces
     [ -s "$ids" ] || continue
-    xargs -r -d '\n' -a "$ids" timeout "$limit" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider \
+    xargs -r -d '\n' -a "$ids" timeout "$limit" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider "${per_test[@]}" \
         > "$ids.log" 2>&1 &
     pids+=($!)
 done
