@@ -21,7 +21,12 @@ python3 -c "import pytest_timeout" 2> /dev/null && per_test=(--timeout "${TEST_T
 [ $# -gt 0 ] || set -- tests/test_*.py
 marked=$(grep -l "pytest.mark.gpu" "$@")
 on_cuda=$(grep -l '^DEVICE = "cuda" if torch.cuda.is_available()' "$@")
-collect() { python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2> /dev/null | grep "::"; }
+# a file that does not import (a wheel not carried) is named, not dropped
+collect() {
+    python3 -m pytest -q --collect-only -p no:cacheprovider "$@" > /tmp/gpu_collect.log 2>&1
+    grep -h -E "^ERROR " /tmp/gpu_collect.log | sed 's/^/collection: /' >&2
+    grep "::" /tmp/gpu_collect.log
+}
 { [ -z "$marked" ] || collect -m gpu $marked; [ -z "$on_cuda" ] || collect $on_cuda; } | sort -u \
     > /tmp/gpu_ids
 echo "== $(wc -l < /tmp/gpu_ids) tests in $shards shards (limit ${limit}s each)"
