@@ -52,7 +52,7 @@ from engine.step_inputs import SAMPLING_FLOAT_FIELDS, StepInputs
 from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
 from kernels.prefill_attention import allocate_prefill_workspace, prefill_num_splits
 from kernels.sampling import SamplingTensors, SamplingWorkspace
-from kernels.token_mask import apply_token_mask_reference, apply_token_mask_triton, bitmask_words
+from kernels.token_mask import apply_token_mask, bitmask_words
 
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # No step bucket below 16: with buckets of 1-8 tokens (linear layers as GEMVs) an n-gram verify step on
@@ -261,7 +261,8 @@ class GraphCache:
             return [
                 ("rows", torch.int64, (samples,)),
                 ("bitmask", torch.int32, (samples, self.vocab_words)),
-            ] + (sampling)
+                *sampling,
+            ]
         return [
             ("block_tables", torch.int32, (slots, self.max_blocks_per_seq)),
             ("input_ids", torch.int64, (tokens,)),
@@ -344,32 +345,15 @@ class GraphCache:
         rows = views["rows"]
         logits = self.masked_logits[:size]
         torch.index_select(self.logits, 0, rows.clamp(min=0), out=logits)
-        if self.on_gpu:
-            apply_token_mask_triton(logits, views["bitmask"])
-        else:
-            apply_token_mask_reference(logits, views["bitmask"])
-        floats = views["sampling_floats"]
-        tensors = SamplingTensors(
-            **dict(zip(SAMPLING_FLOAT_FIELDS, floats, strict=True)),
-            top_k=views["top_k"], seeds=views["seeds"], positions=views["draw_positions"],
-            output_counts=self.no_counts[:size], prompt_mask=self.no_prompt_mask[:size],
-        )  # fmt: skip
+        apply_token_mask(logits, views["bitmask"])
+        tensors = _sampling_tensors(views, size, self.no_counts, self.no_prompt_mask)
         self.sampler.sample_into(logits, tensors, self.masked_token_ids[:size], self.sampling_workspace)
         padding = len(self.token_ids) - 1
         self.token_ids.index_copy_(0, torch.where(rows >= 0, rows, padding), self.masked_token_ids[:size])
 
     def _sample_step(self, bucket: _Bucket, logits: torch.Tensor, num_rows: int) -> None:
         """Sample the bucket's first num_rows rows into token_ids."""
-        views = bucket.device
-        floats = views["sampling_floats"][:, :num_rows]
-        tensors = SamplingTensors(
-            **dict(zip(SAMPLING_FLOAT_FIELDS, floats, strict=True)),
-            top_k=views["top_k"][:num_rows],
-            seeds=views["seeds"][:num_rows],
-            positions=views["draw_positions"][:num_rows],
-            output_counts=self.output_counts[:num_rows],
-            prompt_mask=self.prompt_mask[:num_rows],
-        )
+        tensors = _sampling_tensors(bucket.device, num_rows, self.output_counts, self.prompt_mask)
         self.sampler.sample_into(logits, tensors, self.token_ids[:num_rows], self.sampling_workspace)
 
     # --- a step's inputs -----------------------------------------------------------------------------
@@ -562,6 +546,21 @@ class GraphCache:
                 self.prompt_mask[row, output] = True
                 self.prompt_mask[row, torch.tensor(seq.prompt_token_ids, device=device)] = True
         self._penalized_rows = penalized
+
+
+def _sampling_tensors(
+    views: dict[str, torch.Tensor], num_rows: int, output_counts: torch.Tensor, prompt_mask: torch.Tensor
+) -> SamplingTensors:
+    """The sampler's tensors over a bucket's first num_rows sampling fields, with these token counts."""
+    floats = views["sampling_floats"][:, :num_rows]
+    return SamplingTensors(
+        **dict(zip(SAMPLING_FLOAT_FIELDS, floats, strict=True)),
+        top_k=views["top_k"][:num_rows],
+        seeds=views["seeds"][:num_rows],
+        positions=views["draw_positions"][:num_rows],
+        output_counts=output_counts[:num_rows],
+        prompt_mask=prompt_mask[:num_rows],
+    )
 
 
 def _stage_sampling(

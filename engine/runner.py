@@ -43,7 +43,7 @@ from engine.step_inputs import StepInputs, StepInputsBuilder
 from engine.verify import read_ring, ring_drafts_read, verify_rows
 from kernels.attention import AttentionMetadata
 from kernels.sampling import top_logprobs
-from kernels.token_mask import apply_token_mask_reference, apply_token_mask_triton
+from kernels.token_mask import apply_token_mask
 
 
 class ModelRunner:
@@ -220,7 +220,7 @@ class ModelRunner:
             self.graphs.sample_masked(logits, inputs, rows, bitmask)
             return
         masked = logits[rows].clone()
-        apply_token_mask_reference(masked, bitmask)
+        apply_token_mask(masked, bitmask)
         seqs = [launched.seqs[row] for row in rows]
         token_ids = self.sampler.sample(masked, seqs, [inputs.draw_positions[row] for row in rows])
         launched.host_tokens[rows] = token_ids.to(launched.host_tokens.device)
@@ -321,9 +321,8 @@ class ModelRunner:
         bitmask = fill_masks(rows, logits.shape[0], logits.shape[1])
         masked = logits.clone()
         if masked.is_cuda:
-            apply_token_mask_triton(masked, bitmask.pin_memory().to(masked.device, non_blocking=True))
-        else:
-            apply_token_mask_reference(masked, bitmask)
+            bitmask = bitmask.pin_memory().to(masked.device, non_blocking=True)
+        apply_token_mask(masked, bitmask)
         return masked
 
     def _sample_eager(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:

@@ -59,3 +59,11 @@ def apply_token_mask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> None
     _apply_token_mask_kernel[grid](
         logits, bitmask, vocab_size, logits.stride(0), bitmask.shape[1], BLOCK=_BLOCK
     )  # fmt: skip
+
+
+def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """The Triton kernel on a GPU's logits (bitmask on the same device), the reference on the CPU."""
+    if logits.is_cuda:
+        apply_token_mask_triton(logits, bitmask)
+    else:
+        apply_token_mask_reference(logits, bitmask)

@@ -71,6 +71,23 @@ def _run(
     return tokens
 
 
+def _graphed_and_eager(
+    model: LoadedModel, run_ahead: bool, requests: dict[int, list[tuple[str, list[int], SamplingParams]]]
+) -> tuple[collections.Counter, dict[str, list[int]], dict[str, list[int]]]:
+    """The requests run by an engine with a CPU graph cache (48-token steps, 4 sequences) and by the same
+    engine eager: the graphed one's replays by kind, then each one's tokens."""
+
+    def engine() -> Engine:
+        config = EngineConfig(
+            run_ahead=run_ahead, max_num_batched_tokens=48, max_num_seqs=4, max_model_len=512
+        )
+        return Engine(model, config)
+
+    graphed = engine()
+    replays = _with_graph_cache(graphed)
+    return replays, _run(graphed, requests), _run(engine(), requests)
+
+
 @pytest.mark.parametrize("run_ahead", [False, True], ids=["step-by-step", "run-ahead"])
 def test_graph_cache_steps_equal_eager_steps(model: LoadedModel, run_ahead: bool) -> None:
     """Prompts chunked by a 48-token budget beside decoding sequences (step buckets of 16-48 tokens, then
@@ -87,15 +104,8 @@ def test_graph_cache_steps_equal_eager_steps(model: LoadedModel, run_ahead: bool
         7: [("penalized", story, SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=1.0))],
     }
 
-    def engine() -> Engine:
-        config = EngineConfig(
-            run_ahead=run_ahead, max_num_batched_tokens=48, max_num_seqs=4, max_model_len=512
-        )
-        return Engine(model, config)
-
-    graphed = engine()
-    replays = _with_graph_cache(graphed)
-    assert _run(graphed, requests) == _run(engine(), requests)
+    replays, graphed_tokens, eager_tokens = _graphed_and_eager(model, run_ahead, requests)
+    assert graphed_tokens == eager_tokens
     assert replays["decode"] > 5 and replays["step"] > 3, replays
 
 
@@ -145,16 +155,8 @@ def test_constrained_rows_sample_from_masked_replays(
         ]
     }
 
-    def engine() -> Engine:
-        config = EngineConfig(
-            run_ahead=run_ahead, max_num_batched_tokens=48, max_num_seqs=4, max_model_len=512
-        )
-        return Engine(model, config)
-
-    graphed = engine()
-    replays = _with_graph_cache(graphed)
-    got = _run(graphed, requests)
-    assert got == _run(engine(), requests)
+    replays, got, eager_tokens = _graphed_and_eager(model, run_ahead, requests)
+    assert got == eager_tokens
     assert replays["decode"] > 5 and replays["masked"] >= 2 * 5, replays
     for request_id in ("json", "sampled"):
         jsonschema.validate(
