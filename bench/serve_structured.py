@@ -288,7 +288,9 @@ def compile_in_process(model: str, probes: int) -> dict[str, Any]:
     vocabulary as Engine builds it, llguidance's tokenizer set-up (once per model, before the engine
     serves), then per probe SCHEMA under a new title compiled cold, the same again (the cache's), and a
     fresh matcher's first mask. Milliseconds."""
-    from engine.grammar import Grammars, fill_masks
+    import torch
+
+    from engine.grammar import Grammars, MaskFiller
     from engine.loader import load_tokenizer
     from engine.sampling import GrammarSpec
 
@@ -301,8 +303,11 @@ def compile_in_process(model: str, probes: int) -> dict[str, Any]:
         action(*args)
         return 1e3 * (time.perf_counter() - start)
 
+    masks_filler = MaskFiller()
+    bitmask = torch.empty(1, (vocab + 31) // 32, dtype=torch.int32)
+
     def first_mask(grammar: GrammarSpec) -> None:
-        fill_masks([(grammars.matcher(grammar), 0, [])], 1, vocab)
+        masks_filler.fill([(grammars.matcher(grammar), 0, [])], bitmask)
 
     setup_ms = timed_ms(lambda: grammars.start().result())
     cold, cached, masks = [], [], []

@@ -258,8 +258,7 @@ class Engine:
         is_decode = is_decode_step(scheduled)
         if not drafts and self.run_ahead and self.runner.can_launch_ahead(scheduled):
             launched = self.runner.launch(scheduled, self.in_flight)
-            outputs += self._apply_in_flight()
-            self.runner.mask_samples(launched)  # the grammars have taken the tokens just read
+            outputs += self._apply_in_flight(launched)
             self._commit(scheduled)
             self.in_flight = launched
         else:
@@ -334,18 +333,27 @@ class Engine:
         )
         return new_blocks <= manager.num_free_blocks
 
-    def _apply_in_flight(self) -> list[RequestOutput]:
+    def _apply_in_flight(self, launched: PendingStep | None = None) -> list[RequestOutput]:
         """Read the in-flight step's tokens, append them to their sequences and emit them; rows of
-        sequences that finished or were aborted meanwhile are dropped."""
+        sequences that finished or were aborted meanwhile are dropped. launched: the step launched after
+        it, whose constrained rows' masks are begun (ModelRunner.start_masks) as soon as their grammars have
+        taken these tokens, so that they are filled while the host emits and schedules."""
         pending, self.in_flight = self.in_flight, None
-        if pending is None:
-            return []
-        outputs = []
-        for seq, token_id in zip(pending.seqs, pending.read(), strict=True):
-            if not seq.is_finished:
-                seq.token_ids.append(token_id)
-                outputs.append(self._emit(seq, None))
-        return outputs
+        read = []
+        if pending is not None:
+            read = [
+                (seq, token)
+                for seq, token in zip(pending.seqs, pending.read(), strict=True)
+                if not seq.is_finished
+            ]
+        grammar_ends: dict[Sequence, bool] = {}
+        for seq, token_id in read:
+            seq.token_ids.append(token_id)
+            if seq.grammar is not None and not self._stops_on(seq, token_id):
+                grammar_ends[seq] = self._grammar_ends(seq.grammar, token_id)
+        if launched is not None:
+            self.runner.start_masks(launched, ending={seq for seq, ends in grammar_ends.items() if ends})
+        return [self._emit(seq, None, grammar_ends=grammar_ends.get(seq)) for seq, _ in read]
 
     def _commit(self, scheduled: list[ScheduledRow]) -> None:
         for item in scheduled:
@@ -354,22 +362,28 @@ class Engine:
                 self.block_manager.commit_computed(item.seq)
 
     def _emit(
-        self, seq: Sequence, logprob: TokenLogprob | None, num_known_tokens: int | None = None
+        self,
+        seq: Sequence,
+        logprob: TokenLogprob | None,
+        num_known_tokens: int | None = None,
+        grammar_ends: bool | None = None,
     ) -> RequestOutput:
         """Stop-check (and detokenize, when the engine does) the sequence's newest known token (the last
-        of its first num_known_tokens; by default all of them) and say what it adds."""
+        of its first num_known_tokens; by default all of them) and say what it adds. grammar_ends: what
+        _grammar_ends said for the token, when its grammar has taken it already."""
         text = self.requests[seq.request_id].text
         params = seq.params
         num_known_tokens = num_known_tokens or seq.num_tokens
         token_id = seq.token_ids[num_known_tokens - 1]
         finish_reason = None
         new_text = ""
-        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
+        if self._stops_on(seq, token_id):
             finish_reason = "stop"  # a stop token adds no text
         else:
             if text is not None:
                 new_text = text.push(token_id)
-            grammar_ends = seq.grammar is not None and self._grammar_ends(seq.grammar, token_id)
+            if grammar_ends is None:
+                grammar_ends = seq.grammar is not None and self._grammar_ends(seq.grammar, token_id)
             if (text is not None and text.stopped) or grammar_ends:
                 finish_reason = "stop"
             elif (
@@ -391,6 +405,11 @@ class Engine:
             num_cached_tokens=seq.num_cached_prompt_tokens,
             new_logprobs=[logprob] if logprob is not None else [],
         )
+
+    def _stops_on(self, seq: Sequence, token_id: int) -> bool:
+        """Whether the token is one that stops the sequence (it adds no text and no grammar takes it)."""
+        params = seq.params
+        return token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
 
     def _grammar_ends(self, grammar: SequenceGrammar, token_id: int) -> bool:
         """Commit a generated token to the sequence's grammar: whether that ends the sequence. A complete

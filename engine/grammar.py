@@ -1,11 +1,20 @@
 """Structured output's grammars (llguidance, chosen in BENCHMARKS.md): compiled off the engine's loop and
 cached, and one matcher per constrained sequence that writes its allowed-token mask and follows its tokens.
 
-llguidance's tokenizer is built once per model, from the engine's own tokenizer (engine/tokenizer.py's
-token_bytes), on a worker thread when the engine starts. A GrammarSpec compiles on a worker thread into a
-template matcher, kept in a bounded LRU cache keyed by the spec; each sequence deep-copies it. A spec that
-does not compile, or takes more than COMPILE_TIMEOUT_S, is a request error (InvalidRequestError, a 400)
-whose message is llguidance's (it names the problem: "Unimplemented keys: [...]", a regex parse error).
+llguidance's tokenizer is built once per model, on a worker thread when the engine starts: natively from
+the tokenizer's JSON (Rust's tokenizers, which a mask fill calls without the GIL), where it spells every
+token as the engine's tokenizer does (engine/tokenizer.py's token_bytes); else through a Python wrapper
+around the engine's tokenizer, whose calls back into Python serialize a fill's threads on the GIL.
+Natively, llguidance takes every added token as a special one (matched only as a token, never as text):
+the grammars name markers such as <tool_call> by token or by characters (deployments/tool_calls.py).
+
+A GrammarSpec compiles on a worker thread into a template matcher, kept in a bounded LRU cache keyed by the
+spec, and then, on another thread, into MASK_SHARDS - 1 more; each sequence deep-copies one of those
+compiled so far, in turn. Copies of one template share its lexer,
+which a mask computation holds locked (llguidance's Parser.compute_bias): the shards are what lets one
+batch fill compute several rows at once. A spec that does not compile, or takes more than
+COMPILE_TIMEOUT_S, is a request error (InvalidRequestError, a 400) whose message is llguidance's (it names
+the problem: "Unimplemented keys: [...]", a regex parse error).
 
 Masks: bit j of word i allows token 32 i + j (kernels/token_mask.py applies them). The end-of-sequence
 tokens are allowed only where the grammar accepts; once it is complete (it allows nothing more) they are
@@ -16,7 +25,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import json
+import os
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -32,6 +43,8 @@ from engine.tokenizer import Tokenizer
 COMPILE_TIMEOUT_S = 10.0
 CACHE_SIZE = 256  # compiled specs kept (a JSON schema's template matcher is tens of KB to a few MB)
 COMPILE_THREADS = 2
+# templates per spec, and the batch mask fill's threads (the host's other cores serve the engine's loop)
+MASK_SHARDS = max(1, min(8, (os.cpu_count() or 1) - 2))
 # JSON on one line, ", " and ": " between items (what json.dumps writes): whitespace left free, a small model
 # spends its tokens on newlines and indents. A schema's own "x-guidance" options take precedence.
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -53,6 +66,25 @@ class _TokenizerSource:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+def llguidance_tokenizer(
+    tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Collection[int]
+) -> LLTokenizer:
+    """llguidance's tokenizer for the model: the native one where it agrees with the engine's tokenizer on
+    every token that is not special to it, else the wrapped one (the module's docstring)."""
+    source = _TokenizerSource(tokenizer, vocab_size, eos_token_ids)
+    eos_token = sorted(eos_token_ids)
+    try:
+        native = LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos_token)
+    except Exception:  # noqa: BLE001 - a tokenizer JSON llguidance cannot read
+        native = None
+    if native is not None and all(
+        native.is_special_token(token_id) or native.decode_bytes([token_id]) == spelled
+        for token_id, spelled in enumerate(source.tokens)
+    ):
+        return native
+    return LLTokenizer(TokenizerWrapper(source), n_vocab=vocab_size, eos_token=eos_token)
 
 
 def grammar_text(spec: GrammarSpec) -> str:
@@ -113,30 +145,27 @@ class Grammars:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             COMPILE_THREADS, thread_name_prefix="tileinfer-grammar"
         )
+        # the shards' templates, after the first: never ahead of a request's compile
+        self._shard_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tileinfer-shards")
         self._tokenizer: concurrent.futures.Future[LLTokenizer] | None = None
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[GrammarSpec, concurrent.futures.Future[LLMatcher]] = (
+        self._cache: collections.OrderedDict[GrammarSpec, concurrent.futures.Future[list[LLMatcher]]] = (
             collections.OrderedDict()
         )
+        self._turns = itertools.count()  # which shard's template the next sequence copies
 
     def start(self) -> concurrent.futures.Future[LLTokenizer]:
         """Build llguidance's tokenizer on a worker thread, once (a few tenths of a second to 1.6 s; the
         first compile waits for it). Engine.warm_up starts it before the engine serves."""
         with self._lock:
             if self._tokenizer is None:
-                tokenizer, vocab_size, eos_token_ids = self._source
-                self._tokenizer = self._pool.submit(
-                    lambda: LLTokenizer(
-                        TokenizerWrapper(_TokenizerSource(tokenizer, vocab_size, eos_token_ids)),
-                        n_vocab=vocab_size,
-                        eos_token=sorted(eos_token_ids),
-                    )  # fmt: skip
-                )
+                self._tokenizer = self._pool.submit(llguidance_tokenizer, *self._source)
             return self._tokenizer
 
-    def compile(self, spec: GrammarSpec) -> concurrent.futures.Future[LLMatcher]:
-        """The spec's template matcher, compiling on a worker thread (cached: at most CACHE_SIZE specs, the
-        least recently asked dropped). The future fails with InvalidRequestError."""
+    def compile(self, spec: GrammarSpec) -> concurrent.futures.Future[list[LLMatcher]]:
+        """The spec's template matchers, compiling on a worker thread (cached: at most CACHE_SIZE specs, the
+        least recently asked dropped): the first, to which the other shards' are appended as they compile.
+        The future fails with InvalidRequestError."""
         self.start()
         with self._lock:
             future = self._cache.get(spec)
@@ -149,10 +178,11 @@ class Grammars:
                 self._cache.popitem(last=False)
             return future
 
-    def _compile(self, spec: GrammarSpec, asked_at: float) -> LLMatcher:
+    def _compile(self, spec: GrammarSpec, asked_at: float) -> list[LLMatcher]:
         tokenizer = self.start().result()
         try:
-            matcher = LLMatcher(tokenizer, grammar_text(spec), log_level=0)
+            text = grammar_text(spec)
+            matcher = LLMatcher(tokenizer, text, log_level=0)
         except InvalidRequestError:
             raise
         except Exception as error:  # noqa: BLE001 - e.g. text llguidance cannot take (a lone surrogate)
@@ -163,11 +193,13 @@ class Grammars:
             raise InvalidRequestError(
                 f"the {_WHAT[spec.kind]} did not compile within {COMPILE_TIMEOUT_S:g} s"
             )
-        return matcher
+        templates = [matcher]
+        self._shard_pool.submit(_compile_shards, templates, tokenizer, text)
+        return templates
 
-    def check(self, spec: GrammarSpec) -> LLMatcher:
-        """The compiled template matcher; waits for its compile (at most COMPILE_TIMEOUT_S from when it was
-        first asked). Raises InvalidRequestError for a spec that does not compile in time."""
+    def check(self, spec: GrammarSpec) -> list[LLMatcher]:
+        """The compiled template matchers (compile's); waits for the first (at most COMPILE_TIMEOUT_S from
+        when it was first asked). Raises InvalidRequestError for a spec that does not compile in time."""
         future = self.compile(spec)
         try:
             return future.result(timeout=COMPILE_TIMEOUT_S)
@@ -177,29 +209,62 @@ class Grammars:
             ) from None
 
     def matcher(self, spec: GrammarSpec) -> SequenceGrammar:
-        """A fresh matcher for a sequence (check's template, copied)."""
-        return SequenceGrammar(self.check(spec).deep_copy())
+        """A fresh matcher for a sequence: one of check's templates, in turn, copied."""
+        templates = self.check(spec)
+        return SequenceGrammar(templates[next(self._turns) % len(templates)].deep_copy())
 
 
-_executor: LLExecutor | None = None  # the batch mask fill's threads, made on first use
+def _compile_shards(templates: list[LLMatcher], tokenizer: LLTokenizer, text: str) -> None:
+    while len(templates) < MASK_SHARDS:
+        templates.append(LLMatcher(tokenizer, text, log_level=0))
 
 
-def fill_masks(
-    rows: list[tuple[SequenceGrammar, int, list[int]]], num_rows: int, vocab_size: int
-) -> torch.Tensor:
-    """A step's bitmask, int32 [num_rows, ceil(vocab_size / 32)] on the host: all ones (unconstrained) but
-    for each (grammar, first row, drafts): its mask for the next token at the first row, and after each
-    draft at the rows below it (drafts the grammar allows: SequenceGrammar.valid_drafts). One batch call,
-    which releases the GIL."""
-    global _executor
-    if _executor is None:
-        _executor = LLExecutor()
-    bitmask = torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    row_bytes = bitmask.shape[1] * 4
-    if any(drafts for _, _, drafts in rows):
-        matchers = [(grammar.matcher, row, list(drafts)) for grammar, row, drafts in rows]
-        _executor.unsafe_compute_mask_ptr_with_draft_token(matchers, bitmask.data_ptr(), row_bytes, num_rows)
-    else:
-        matchers = [(grammar.matcher, row) for grammar, row, _ in rows]
-        _executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, num_rows)
-    return bitmask
+class MaskFill:
+    """A batch mask fill running on MaskFiller's worker thread."""
+
+    def __init__(self, future: concurrent.futures.Future[None]) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+class MaskFiller:
+    """Writes constrained rows' allowed-token bitmasks with llguidance's batch call, which spreads the rows
+    over its threads and releases the GIL: now (fill), or on a worker thread while the engine's own thread
+    goes on (start). Host int32 bitmasks [rows, ceil(vocab / 32)], C-contiguous."""
+
+    def __init__(self) -> None:
+        self._executor = LLExecutor(MASK_SHARDS)
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tileinfer-masks")
+
+    def fill(self, rows: list[tuple[SequenceGrammar, int, list[int]]], bitmask: torch.Tensor) -> None:
+        """For each (grammar, first row, drafts): its mask for the next token at the first row, and after
+        each draft at the rows below it (drafts the grammar allows: SequenceGrammar.valid_drafts). Other
+        rows are left as they are."""
+        row_bytes = bitmask.shape[1] * 4
+        if any(drafts for _, _, drafts in rows):
+            matchers = [(grammar.matcher, row, list(drafts)) for grammar, row, drafts in rows]
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                matchers, bitmask.data_ptr(), row_bytes, bitmask.shape[0]
+            )
+        else:
+            matchers = [(grammar.matcher, row) for grammar, row, _ in rows]
+            self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+
+    def start(self, grammars: list[SequenceGrammar], bitmask: torch.Tensor) -> MaskFill:
+        """Begin writing each grammar's next-token mask into its row of bitmask (row i: grammars[i]) on the
+        worker thread. Returns once that thread has let go of the GIL: a thread waiting for it would
+        otherwise wait until this one blocks, up to Python's switch interval (5 ms)."""
+        assert bitmask.shape[0] >= len(grammars)
+        matchers = [(grammar.matcher, row) for row, grammar in enumerate(grammars)]
+        call = (matchers, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        started = threading.Event()
+
+        def run() -> None:
+            started.set()
+            self._executor.unsafe_compute_mask_ptr(*call)
+
+        future = self._worker.submit(run)
+        started.wait()
+        return MaskFill(future)

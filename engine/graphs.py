@@ -26,9 +26,11 @@ Structured output (engine/grammar.py). A constrained row's mask follows its prev
 may not have read when the step launches (run-ahead), so a step samples every row unmasked and the
 constrained rows are then sampled again from their masked logits by a masked-sampling replay
 (sample_masked): a bucket of C rows gathers their logits, applies the bitmask (kernels/token_mask.py) and
-samples into their rows of token_ids, before the next launch reads them. Its inputs (rows, bitmask,
-sampling fields) have their own static buffer and two staging buffers, so a launch's inputs are never
-overwritten. A step without constrained rows is unchanged, and unconstrained rows keep running ahead.
+samples into their rows of token_ids, before the next launch reads them. The host writes the masks
+straight into a pinned staging buffer (masked_bitmasks), one row per constrained row of the step; each
+replay's other inputs (rows, sampling fields) have a staging buffer of their own, so none is overwritten
+before its copy has run. A step without constrained rows is unchanged, and unconstrained rows keep running
+ahead.
 
 On the CPU the same cache runs for tests: capture records the step and replay calls it, on the same
 buffers, with the torch reference ops and sampler. The GPU-only lines are capture_graph, the pinned
@@ -176,13 +178,19 @@ class GraphCache:
             bucket.host = [self._views(bucket, staging.numpy()) for staging in self.staging]
             bucket.device = self._views(bucket, self.inputs)
         # the masked-sampling buckets' own static buffer and staging (sample_masked)
+        # (the replays of one step: one staging buffer each; the bitmasks: one row per constrained row)
         nbytes = max(bucket.nbytes for bucket in self.masked_buckets.values())
         self.masked_inputs = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.masked_staging = [self._host(torch.zeros(nbytes, dtype=torch.uint8)) for _ in range(2)]
-        self.masked_parity = 0
+        self.masked_staging = [
+            self._host(torch.zeros(nbytes, dtype=torch.uint8)) for _ in range(-(-max_num_seqs // max_masked))
+        ]
         for bucket in self.masked_buckets.values():
             bucket.host = [self._views(bucket, staging.numpy()) for staging in self.masked_staging]
             bucket.device = self._views(bucket, self.masked_inputs)
+        self.masked_bitmask = torch.full((max_masked, self.vocab_words), -1, dtype=torch.int32, device=device)
+        self.masked_bitmask_staging = self._host(
+            torch.full((max_num_seqs, self.vocab_words), -1, dtype=torch.int32)
+        )
         # per staging buffer and block-table row: the table list last written there, and how many blocks
         self.written_tables: list[list[tuple[list[int] | None, int]]] = [
             [(None, 0)] * max(bucket.num_slots for bucket in buckets) for _ in range(2)
@@ -242,7 +250,7 @@ class GraphCache:
             step = self._decode_step if bucket.decode else self._step
             bucket.replay = self._capture(lambda step=step, bucket=bucket: step(bucket))
         for bucket in sorted(self.masked_buckets.values(), key=lambda bucket: -bucket.num_samples):
-            self._stage_masked(bucket, [], torch.empty(0, self.vocab_words, dtype=torch.int32), empty)
+            self._stage_masked(bucket, 0, [], 0, empty)
             bucket.replay = self._capture(lambda bucket=bucket: self._masked_sample_step(bucket))
         self._staged = None
 
@@ -258,11 +266,7 @@ class GraphCache:
             ("sampling_floats", torch.float32, (len(SAMPLING_FLOAT_FIELDS), samples)),
         ]
         if bucket.masked:  # rows: each one's row of token_ids and of the step's logits (-1: padding)
-            return [
-                ("rows", torch.int64, (samples,)),
-                ("bitmask", torch.int32, (samples, self.vocab_words)),
-                *sampling,
-            ]
+            return [("rows", torch.int64, (samples,)), *sampling]
         return [
             ("block_tables", torch.int32, (slots, self.max_blocks_per_seq)),
             ("input_ids", torch.int64, (tokens,)),
@@ -345,7 +349,7 @@ class GraphCache:
         rows = views["rows"]
         logits = self.masked_logits[:size]
         torch.index_select(self.logits, 0, rows.clamp(min=0), out=logits)
-        apply_token_mask(logits, views["bitmask"])
+        apply_token_mask(logits, self.masked_bitmask[:size])
         tensors = _sampling_tensors(views, size, self.no_counts, self.no_prompt_mask)
         self.sampler.sample_into(logits, tensors, self.masked_token_ids[:size], self.sampling_workspace)
         padding = len(self.token_ids) - 1
@@ -424,23 +428,26 @@ class GraphCache:
             )  # fmt: skip
 
     def _stage_masked(
-        self, bucket: _Bucket, rows: list[int], bitmask: torch.Tensor, inputs: StepInputs
+        self, bucket: _Bucket, replay: int, rows: list[int], first_mask: int, inputs: StepInputs
     ) -> None:
-        """Write a masked-sampling replay's inputs (the constrained rows of the launch whose inputs these
-        are, and their masks) into its next staging buffer and copy them to the device."""
-        host = bucket.host[self.masked_parity]
+        """Copy a masked-sampling replay's inputs to the device: the constrained rows (of the launch whose
+        inputs these are), through the step's replay-th staging buffer, and their masks, rows first_mask
+        on of the bitmask staging. Padding rows keep an earlier replay's masks (their samples go to the
+        padding row of token_ids)."""
+        host = bucket.host[replay]
         num_rows = len(rows)
         host["rows"][:num_rows] = rows
         host["rows"][num_rows:] = -1
-        host["bitmask"][:num_rows] = bitmask.numpy()
-        host["bitmask"][num_rows:] = -1  # padding rows allow every token
         _stage_sampling(
             host, [inputs.seeds[row] for row in rows], [inputs.draw_positions[row] for row in rows],
             [inputs.top_k[row] for row in rows], [inputs.sampling_floats[row] for row in rows],
         )  # fmt: skip
-        staging = self.masked_staging[self.masked_parity]
-        self.masked_inputs[: bucket.nbytes].copy_(staging[: bucket.nbytes], non_blocking=True)
-        self.masked_parity ^= 1
+        self.masked_inputs[: bucket.nbytes].copy_(
+            self.masked_staging[replay][: bucket.nbytes], non_blocking=True
+        )
+        self.masked_bitmask[:num_rows].copy_(
+            self.masked_bitmask_staging[first_mask : first_mask + num_rows], non_blocking=True
+        )
 
     def _write_block_tables(
         self, tables: numpy.ndarray, block_tables: list[list[int]], num_slots: int
@@ -504,21 +511,28 @@ class GraphCache:
         self._sample_step(bucket, logits, num_rows)
         return self._read_back(inputs.sample_seqs)
 
-    def sample_masked(
-        self, logits: torch.Tensor, inputs: StepInputs, rows: list[int], bitmask: torch.Tensor
-    ) -> None:
-        """Sample again the rows (of the launch just made from `inputs`, whose logits are `logits`, one row
-        each) from their logits masked with bitmask (one row each, host int32), into their rows of
-        token_ids, and queue the launch's read-back anew: its PendingStep then reads these tokens."""
+    def masked_bitmasks(self, num_rows: int) -> torch.Tensor:
+        """Where the masks of sample_masked's num_rows constrained rows are written on the host (int32
+        [num_rows, vocab words], pinned), before it is called: free once the previous step has been read."""
+        return self.masked_bitmask_staging[:num_rows]
+
+    def sample_masked(self, launched: PendingStep, rows: list[int]) -> None:
+        """Sample again the rows of the launch just made (launched, whose logits are launched.logits, one
+        row each) from their logits masked with their masks (masked_bitmasks, in the same order), into their
+        rows of token_ids, and queue its read-back anew, into its own host buffer and event."""
+        logits, inputs = launched.logits, launched.inputs
         if logits.data_ptr() != self.logits.data_ptr():  # an eager step's logits
             self.logits[: logits.shape[0]].copy_(logits)
         largest = max(self.masked_buckets)
-        for start in range(0, len(rows), largest):
+        for replay, start in enumerate(range(0, len(rows), largest)):
             chunk = rows[start : start + largest]
             bucket = next(b for size, b in self.masked_buckets.items() if size >= len(chunk))
-            self._stage_masked(bucket, chunk, bitmask[start : start + largest], inputs)
+            self._stage_masked(bucket, replay, chunk, start, inputs)
             bucket.replay()
-        self._read_back(inputs.sample_seqs)
+        num_rows = len(inputs.sample_seqs)
+        launched.host_tokens.copy_(self.token_ids[:num_rows], non_blocking=True)
+        if launched.ready is not None:
+            launched.ready.record()
 
     def _read_back(self, seqs: list[Sequence]) -> PendingStep:
         """Queue the copy of the sampled tokens to the host and return the step that waits for it."""

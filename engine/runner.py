@@ -16,21 +16,24 @@ Structured output: a row whose sequence has a grammar samples from logits masked
 (engine/grammar.py fills the masks on the host; kernels/token_mask.py applies them); logprobs are those of
 the unmasked logits. Its mask follows its previous token, which a step launched ahead takes on the device
 before the host has read it; so a decode or launched step samples every row as usual, and once the host
-knows the constrained rows' grammar state (after reading the previous step), mask_samples samples those
-rows again from their masked logits (GraphCache.sample_masked, a replay), before the next launch reads
-their tokens. Constrained rows thus decode every step beside the others, in the same graphs. A verify
+knows the constrained rows' grammar state (after reading the previous step), start_masks has their masks
+filled on a worker thread while the host goes on, and the samples are replaced from the masked logits
+(GraphCache.sample_masked, a replay) before anything reads them: the next launch, or reading this one
+(PendingStep.finish_masks). Constrained rows thus decode every step beside the others, in the same graphs,
+and the mask fill overlaps the host's other work. A verify
 step masks every draft position before verifying (the drafts are on the host), and a constrained row
 with penalties samples eagerly from masked logits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Collection
 
 import torch
 
 from engine.block_manager import BlockCopy
-from engine.grammar import fill_masks
+from engine.grammar import MaskFill, MaskFiller
 from engine.graphs import GraphCache
 from engine.interfaces import DeviceDrafts, DraftsRead
 from engine.kv_cache import allocate_kv_cache, copy_blocks
@@ -43,7 +46,7 @@ from engine.step_inputs import StepInputs, StepInputsBuilder
 from engine.verify import read_ring, ring_drafts_read, verify_rows
 from kernels.attention import AttentionMetadata
 from kernels.sampling import top_logprobs
-from kernels.token_mask import apply_token_mask
+from kernels.token_mask import apply_token_mask, bitmask_words
 
 
 class ModelRunner:
@@ -95,6 +98,11 @@ class ModelRunner:
                 max_num_batched_tokens if step_graphs else None, max_logit_rows or max_num_seqs,
                 self.max_blocks_per_seq, block_size, capture_layers, decode=not capture_layers,
             )  # fmt: skip
+
+    @functools.cached_property
+    def masks(self) -> MaskFiller:
+        """The constrained rows' mask filler (its threads made when a grammar first needs them)."""
+        return MaskFiller()
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         copy_blocks(self.kv_cache, copies)
@@ -190,6 +198,8 @@ class ModelRunner:
             "a fed-back token is a decoding sequence's input"
         )
         inputs = self.inputs.build(scheduled)
+        if previous is not None:
+            previous.finish_masks()  # its rows' masked samples before this launch reads or replaces them
         if self.graphs is not None and inputs.is_decode and self.graphs.fits_decode(inputs.num_seqs):
             return self._launched(self.graphs.launch(inputs), inputs)
         fed_back = None
@@ -204,25 +214,43 @@ class ModelRunner:
         return PendingStep(inputs.sample_seqs, token_ids, token_ids, ready=None, inputs=inputs, logits=logits)
 
     @torch.inference_mode()
-    def mask_samples(self, launched: PendingStep) -> None:
-        """Sample the launched step's constrained rows again, from their logits masked by their grammars,
-        which must have taken every token before these (the host has read the previous step): until then
-        they hold unmasked samples. Rows of sequences that finished meanwhile keep theirs (dropped)."""
+    def start_masks(self, launched: PendingStep, ending: Collection[Sequence] = ()) -> None:
+        """Begin sampling the launched step's constrained rows again from their masked logits: their
+        grammars, which must have taken every token before these (the host has read the previous step),
+        fill the masks on a worker thread, and launched.finish_masks samples once they are written (until
+        then the rows hold unmasked samples). Rows of sequences that finished meanwhile, or are `ending`
+        (their grammar ended on the token just read), keep theirs: they are dropped."""
         rows = [
-            row for row, seq in enumerate(launched.seqs) if seq.grammar is not None and not seq.is_finished
+            row
+            for row, seq in enumerate(launched.seqs)
+            if seq.grammar is not None and not seq.is_finished and seq not in ending
         ]
         if not rows:
             return
-        grammars = [(launched.seqs[row].grammar, index, []) for index, row in enumerate(rows)]
-        bitmask = fill_masks(grammars, len(rows), self.logit_vocab_size)
-        inputs, logits = launched.inputs, launched.logits
         if self.graphs is not None:
-            self.graphs.sample_masked(logits, inputs, rows, bitmask)
+            bitmask = self.graphs.masked_bitmasks(len(rows))
+        else:
+            bitmask = torch.empty(len(rows), bitmask_words(self.logit_vocab_size), dtype=torch.int32)
+        fill = self.masks.start([launched.seqs[row].grammar for row in rows], bitmask)
+        launched.masking = lambda: self._sample_masked(launched, rows, fill, bitmask)
+
+    def mask_samples(self, launched: PendingStep) -> None:
+        """start_masks, then wait for the masked samples."""
+        self.start_masks(launched)
+        launched.finish_masks()
+
+    @torch.inference_mode()
+    def _sample_masked(
+        self, launched: PendingStep, rows: list[int], fill: MaskFill, bitmask: torch.Tensor
+    ) -> None:
+        fill.wait()
+        if self.graphs is not None:
+            self.graphs.sample_masked(launched, rows)
             return
-        masked = logits[rows].clone()
+        masked = launched.logits[rows].clone()
         apply_token_mask(masked, bitmask)
         seqs = [launched.seqs[row] for row in rows]
-        token_ids = self.sampler.sample(masked, seqs, [inputs.draw_positions[row] for row in rows])
+        token_ids = self.sampler.sample(masked, seqs, [launched.inputs.draw_positions[row] for row in rows])
         launched.host_tokens[rows] = token_ids.to(launched.host_tokens.device)
 
     def _launched(
@@ -318,7 +346,8 @@ class ModelRunner:
             first += 1 + item.num_drafts
         if not rows:
             return logits
-        bitmask = fill_masks(rows, logits.shape[0], logits.shape[1])
+        bitmask = torch.full((logits.shape[0], bitmask_words(logits.shape[1])), -1, dtype=torch.int32)
+        self.masks.fill(rows, bitmask)
         masked = logits.clone()
         if masked.is_cuda:
             bitmask = bitmask.pin_memory().to(masked.device, non_blocking=True)

@@ -11,6 +11,7 @@ holding it in the sequence, and the step reads it on the device.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,15 +105,25 @@ class PendingStep:
     device_tokens: torch.Tensor  # what the next step's fed_back_row indexes
     host_tokens: torch.Tensor  # [num_seqs] int64 (pinned on a GPU)
     ready: torch.cuda.Event | None  # None: host_tokens is filled already (CPU)
-    # what ModelRunner.mask_samples needs: the step's StepInputs and its logits (one row per sample)
+    # what ModelRunner.start_masks needs: the step's StepInputs and its logits (one row per sample)
     inputs: StepInputs | None = None
     logits: torch.Tensor | None = None
+    # set by start_masks: samples the constrained rows again once their masks are written
+    masking: Callable[[], None] | None = None
 
     def sample_rows(self) -> dict[Sequence, int]:
         """Each sequence's row of the samples: its fed_back_row in the next step."""
         return {seq: row for row, seq in enumerate(self.seqs)}
 
+    def finish_masks(self) -> None:
+        """Replace the constrained rows' samples by masked ones (ModelRunner.start_masks), once: before
+        anything reads the samples."""
+        if self.masking is not None:
+            masking, self.masking = self.masking, None
+            masking()
+
     def read(self) -> list[int]:
+        self.finish_masks()
         if self.ready is not None:
             self.ready.synchronize()
         return self.host_tokens.tolist()

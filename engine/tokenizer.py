@@ -284,6 +284,10 @@ class Tokenizer:
             return token.replace(_SPM_SPACE, " ").encode()
         return self._backend.decode([token_id], skip_special_tokens=False).encode()
 
+    def to_json(self) -> str:
+        """The tokenizer as Hugging Face's tokenizer.json text."""
+        return self._backend.to_str()
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 

@@ -10,19 +10,26 @@ import dataclasses
 import json
 import math
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
+from assets import llama3_tokenizer_dir, qwen3_tokenizer_dir
+from llguidance import LLMatcher, LLTokenizer
+from llguidance._tokenizer import TokenizerWrapper
 
 from deployments.proposers import build_engine
-from engine import grammar
+from engine import grammar, graphs
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel, load_model
 from engine.sampling import GrammarSpec, SamplingParams
+from engine.tokenizer import Tokenizer
+from kernels.token_mask import apply_token_mask
 
 SCHEMA = {
     "type": "object",
@@ -158,15 +165,31 @@ def test_constrained_rows_run_ahead_beside_free_ones(model: LoadedModel) -> None
 def test_compiles_are_cached_by_spec_in_a_bounded_cache(
     model: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each spec compiles into MASK_SHARDS templates, which sequences copy in turn; a copy of each fills
+    the same masks in one batch fill."""
     monkeypatch.setattr(grammar, "CACHE_SIZE", 2)
+    monkeypatch.setattr(grammar, "MASK_SHARDS", 3)
     grammars = grammar.Grammars(model.tokenizer, model.logit_vocab_size, model.tokenizer.eos_token_ids)
     specs = [GrammarSpec("regex", pattern) for pattern in ("[a-c]+", "[d-f]+", "[g-i]+")]
+    templates = grammars.check(specs[0])  # the first; the others compile on another thread
+    deadline = time.monotonic() + 10
+    while len(templates) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(templates) == 3 and len({id(template) for template in templates}) == 3
+    copies = [grammars.matcher(specs[0]) for _ in range(3)]
+    for copy in copies:
+        assert copy.consume(model.tokenizer.encode("ab", add_special_tokens=False)[0])
+    bitmask = torch.zeros(3, (model.logit_vocab_size + 31) // 32, dtype=torch.int32)
+    grammar.MaskFiller().fill([(copy, row, []) for row, copy in enumerate(copies)], bitmask)
+    assert (
+        bool(bitmask[0].any()) and torch.equal(bitmask[0], bitmask[1]) and torch.equal(bitmask[0], bitmask[2])
+    )
     first = grammars.compile(specs[0])
     assert grammars.compile(GrammarSpec("regex", "[a-c]+")) is first  # an equal spec: the same compile
     grammars.compile(specs[1])
     grammars.compile(specs[2])  # the least recently asked (specs[0]) is dropped
     assert grammars.compile(specs[0]) is not first
-    assert grammars.check(specs[0]).is_error() is False
+    assert not any(template.is_error() for template in grammars.check(specs[0]))
 
 
 def test_a_compile_over_its_time_limit_is_a_request_error(
@@ -179,12 +202,67 @@ def test_a_compile_over_its_time_limit_is_a_request_error(
         grammars.check(JSON_SPEC)
 
 
+@pytest.mark.parametrize(
+    "tokenizer_dir", [None, qwen3_tokenizer_dir, llama3_tokenizer_dir], ids=["smollm2", "qwen3", "llama3"]
+)
+def test_masks_fill_natively_as_the_wrapped_tokenizer_would(
+    model: LoadedModel, tokenizer_dir: Callable[[], Path] | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llguidance's tokenizer is its native one (grammar.llguidance_tokenizer) for SmolLM2, Qwen3 and
+    Llama 3: a batch fill then never calls back into Python (a wrapped tokenizer does, holding the GIL),
+    and gives the wrapped tokenizer's masks but on the added tokens, which it takes as special."""
+    tokenizer = model.tokenizer
+    if tokenizer_dir is not None:
+        tokenizer = Tokenizer.from_folder(tokenizer_dir())
+    vocab_size = -(-tokenizer.vocab_size // 64) * 64  # a model's padded vocabulary
+    calls = []
+    encode = grammar._TokenizerSource.__call__
+    monkeypatch.setattr(
+        grammar._TokenizerSource, "__call__", lambda self, text: calls.append(text) or encode(self, text)
+    )
+    eos = tokenizer.eos_token_ids
+    native = grammar.llguidance_tokenizer(tokenizer, vocab_size, eos)
+    wrapped = LLTokenizer(
+        TokenizerWrapper(grammar._TokenizerSource(tokenizer, vocab_size, eos)),
+        n_vocab=vocab_size,
+        eos_token=sorted(eos),
+    )
+    special = torch.tensor([native.is_special_token(i) for i in range(vocab_size)])
+    text = grammar.grammar_text(
+        GrammarSpec("json", json.dumps({"type": "array", "items": SCHEMA, "maxItems": 2}))
+    )
+    filler = grammar.MaskFiller()
+    masks: dict[str, list[torch.Tensor]] = {}
+    num_calls: dict[str, int] = {}
+    for name, llguidance_tokenizer in (("native", native), ("wrapped", wrapped)):
+        matcher = grammar.SequenceGrammar(LLMatcher(llguidance_tokenizer, text, log_level=0))
+        calls.clear()
+        masks[name] = []
+        for token_id in tokenizer.encode(
+            '[{"river": "Rhine", "km": 1233}, {"river": "Po", "km": 652}]', add_special_tokens=False
+        ):
+            bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+            filler.fill([(matcher, 0, [])], bitmask)
+            logits = torch.zeros(1, vocab_size)
+            apply_token_mask(logits, bitmask)
+            masks[name].append(logits[0] == 0)
+            assert matcher.consume(token_id)
+        num_calls[name] = len(calls)
+    assert num_calls["native"] == 0 and num_calls["wrapped"] > 0, num_calls
+    for native_mask, wrapped_mask in zip(masks["native"], masks["wrapped"], strict=True):
+        assert torch.equal(native_mask[~special], wrapped_mask[~special])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("proposer", [None, "ngram"])
-def test_cuda_constrained_beside_free_rows_equals_the_cpu(smollm2_gguf: Path, proposer: str | None) -> None:
+def test_cuda_constrained_beside_free_rows_equals_the_cpu(
+    smollm2_gguf: Path, proposer: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a GPU (float32, graphs and run-ahead on): constrained rows beside free ones, all in decode
-    buckets run ahead (the constrained ones sampled again by masked-sampling replays), or in verify steps
-    with n-gram drafts (masked at each draft position), give the CPU's tokens."""
+    buckets run ahead (the constrained ones sampled again by masked-sampling replays of one row: three
+    replays a step, each staged while the ones before may not have run yet), or in verify steps with
+    n-gram drafts (masked at each draft position), give the CPU's tokens."""
+    monkeypatch.setattr(graphs, "MAX_MASKED_ROWS", 1)
     settings = dict(dtype="float32", kv_cache_tokens=4096, max_model_len=2048, max_num_seqs=8,
                     max_num_batched_tokens=256, proposer=proposer)  # fmt: skip
 
@@ -199,6 +277,7 @@ def test_cuda_constrained_beside_free_rows_equals_the_cpu(smollm2_gguf: Path, pr
         SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=20, temperature=0.0, grammar=GrammarSpec("regex", "[0-9]{2,6}")),
         SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, grammar=GrammarSpec("regex", "[a-z ]{4,40}")),
     ]
 
     got = _run(cuda, prompt, requests)
