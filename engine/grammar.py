@@ -9,8 +9,9 @@ Natively, llguidance takes every added token as a special one (matched only as a
 the grammars name markers such as <tool_call> by token or by characters (deployments/tool_calls.py).
 
 A GrammarSpec compiles on a worker thread into a template matcher, kept in a bounded LRU cache keyed by the
-spec, and then, on another thread, into MASK_SHARDS - 1 more; each sequence deep-copies one of those
-compiled so far, in turn. Copies of one template share its lexer,
+spec, and then, on another thread, into MASK_SHARDS - 1 more; each sequence deep-copies the one of those
+compiled so far with the fewest live copies (the first when few are live: a template's lexer caches the
+states its copies reach, so one in use is warm). Copies of one template share its lexer,
 which a mask computation holds locked (llguidance's Parser.compute_bias): the shards are what lets one
 batch fill compute several rows at once. A spec that does not compile, or takes more than
 COMPILE_TIMEOUT_S, is a request error (InvalidRequestError, a 400) whose message is llguidance's (it names
@@ -25,11 +26,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import itertools
 import json
 import os
 import threading
 import time
+import weakref
 from collections.abc import Collection, Sequence
 
 import torch
@@ -148,11 +149,11 @@ class Grammars:
         # the shards' templates, after the first: never ahead of a request's compile
         self._shard_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tileinfer-shards")
         self._tokenizer: concurrent.futures.Future[LLTokenizer] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # also taken by the copies' finalizers
         self._cache: collections.OrderedDict[GrammarSpec, concurrent.futures.Future[list[LLMatcher]]] = (
             collections.OrderedDict()
         )
-        self._turns = itertools.count()  # which shard's template the next sequence copies
+        self._live: collections.Counter[int] = collections.Counter()  # live copies by template id
 
     def start(self) -> concurrent.futures.Future[LLTokenizer]:
         """Build llguidance's tokenizer on a worker thread, once (a few tenths of a second to 1.6 s; the
@@ -209,9 +210,20 @@ class Grammars:
             ) from None
 
     def matcher(self, spec: GrammarSpec) -> SequenceGrammar:
-        """A fresh matcher for a sequence: one of check's templates, in turn, copied."""
-        templates = self.check(spec)
-        return SequenceGrammar(templates[next(self._turns) % len(templates)].deep_copy())
+        """A fresh matcher for a sequence: a copy of the check's template with the fewest live copies."""
+        templates = list(self.check(spec))
+        with self._lock:
+            template = min(templates, key=lambda template: self._live[id(template)])
+            self._live[id(template)] += 1
+        grammar = SequenceGrammar(template.deep_copy())
+        weakref.finalize(grammar, self._released, id(template))
+        return grammar
+
+    def _released(self, template_id: int) -> None:
+        with self._lock:
+            self._live[template_id] -= 1
+            if self._live[template_id] <= 0:
+                del self._live[template_id]
 
 
 def _compile_shards(templates: list[LLMatcher], tokenizer: LLTokenizer, text: str) -> None:

@@ -165,8 +165,8 @@ def test_constrained_rows_run_ahead_beside_free_ones(model: LoadedModel) -> None
 def test_compiles_are_cached_by_spec_in_a_bounded_cache(
     model: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each spec compiles into MASK_SHARDS templates, which sequences copy in turn; a copy of each fills
-    the same masks in one batch fill."""
+    """Each spec compiles into MASK_SHARDS templates; a sequence copies the one with the fewest live copies,
+    and a copy of each fills the same masks in one batch fill."""
     monkeypatch.setattr(grammar, "CACHE_SIZE", 2)
     monkeypatch.setattr(grammar, "MASK_SHARDS", 3)
     grammars = grammar.Grammars(model.tokenizer, model.logit_vocab_size, model.tokenizer.eos_token_ids)
@@ -176,7 +176,8 @@ def test_compiles_are_cached_by_spec_in_a_bounded_cache(
     while len(templates) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(templates) == 3 and len({id(template) for template in templates}) == 3
-    copies = [grammars.matcher(specs[0]) for _ in range(3)]
+    copies = [grammars.matcher(specs[0]) for _ in range(3)]  # live together: one copy of each template
+    assert sorted(grammars._live[id(template)] for template in templates) == [1, 1, 1]
     for copy in copies:
         assert copy.consume(model.tokenizer.encode("ab", add_special_tokens=False)[0])
     bitmask = torch.zeros(3, (model.logit_vocab_size + 31) // 32, dtype=torch.int32)
@@ -184,6 +185,11 @@ def test_compiles_are_cached_by_spec_in_a_bounded_cache(
     assert (
         bool(bitmask[0].any()) and torch.equal(bitmask[0], bitmask[1]) and torch.equal(bitmask[0], bitmask[2])
     )
+    del copies, copy  # (the loop variable holds the last one)
+    for _ in range(2):  # one at a time (as at one client): the first template, whose lexer is warm
+        one = grammars.matcher(specs[0])
+        assert grammars._live == {id(templates[0]): 1}
+        del one
     first = grammars.compile(specs[0])
     assert grammars.compile(GrammarSpec("regex", "[a-c]+")) is first  # an equal spec: the same compile
     grammars.compile(specs[1])
