@@ -20,9 +20,9 @@ knows the constrained rows' grammar state (after reading the previous step), sta
 filled on a worker thread while the host goes on, and the samples are replaced from the masked logits
 (GraphCache.sample_masked, a replay) before anything reads them: the next launch, or reading this one
 (PendingStep.finish_masks). Constrained rows thus decode every step beside the others, in the same graphs,
-and the mask fill overlaps the host's other work. A verify
-step masks every draft position before verifying (the drafts are on the host), and a constrained row
-with penalties samples eagerly from masked logits.
+and the mask fill overlaps the host's other work. A verify step masks every draft position before
+verifying (the drafts are on the host), and a constrained row with penalties samples eagerly from masked
+logits.
 """
 
 from __future__ import annotations
