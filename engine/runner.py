@@ -321,6 +321,7 @@ class ModelRunner:
             sources = torch.tensor(inputs.source_rows, dtype=torch.int64, device=device)
             ids = torch.where(sources >= 0, fed_back.to(device)[sources.clamp(min=0)], ids)
         position_ids = torch.tensor(inputs.positions, dtype=torch.int64, device=device)
+        rows = torch.tensor(inputs.logit_rows, dtype=torch.int64, device=device)
         if gather_drafts is not None:  # last: a copy queued behind the ring's wait would block the host
             gather_drafts(ids)
         hidden, residual = self.decoder(ids, position_ids, self.kv_cache, metadata, capture)
@@ -329,7 +330,6 @@ class ModelRunner:
             captured = torch.cat([capture[index] for index in self.capture_layers], dim=-1)
         if not inputs.logit_rows:  # a prompt chunk that completes no sequence
             return torch.empty(0, self.logit_vocab_size, dtype=torch.float32, device=device), captured
-        rows = torch.tensor(inputs.logit_rows, dtype=torch.int64, device=device)
         return self.decoder.compute_logits(hidden[rows], residual[rows]), captured
 
     def _masked(self, logits: torch.Tensor, scheduled: list[ScheduledRow]) -> torch.Tensor:

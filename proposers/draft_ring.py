@@ -14,13 +14,18 @@ engine's host waits for the flag before it gathers.
 The host reads back the drafts the step used (and their lengths) with its results. Verification only
 needs to know which drafts it checked, so whatever the ring held is exact: a proposer that never sets
 the flag is waited for until a deadline, then the engine sets the flag itself and verifies what is
-there (RingRead.finish): a host store, which needs no CUDA call (a second stream of the engine's own
-could be queued behind the waiting one).
+there: a host store, which needs no CUDA call (a second stream of the engine's own could be queued
+behind the waiting one). A watchdog thread makes that store at the deadline, so that it does not depend
+on the engine's thread, which a CUDA call queued behind the wait may block (a kernel's first launch loads
+it, and loading may synchronize the context).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -30,6 +35,46 @@ import torch
 from proposers.stream_signal import wait_at_least, write_after
 
 POLL_SLEEP_S = 20e-6  # the engine's host, between looks at the flag or the step's event
+
+
+class _Watchdog:
+    """One daemon thread that calls each armed function at its deadline, unless it was disarmed first. It
+    wakes for the earliest deadline armed, not for each arming: a waking thread takes the GIL from the
+    engine's."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._armed: list[tuple[float, int, Callable[[], None]]] = []  # a heap by deadline
+        self._numbers = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, deadline: float, call: Callable[[], None]) -> int:
+        """Call `call` at time.monotonic() `deadline` (on the watchdog's thread); returns its number."""
+        with self._condition:
+            number = next(self._numbers)
+            heapq.heappush(self._armed, (deadline, number, call))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tileinfer-ring-deadline", daemon=True)
+                self._thread.start()
+            elif self._armed[0][1] == number:  # earlier than the one the thread sleeps for
+                self._condition.notify()
+            return number
+
+    def disarm(self, number: int) -> None:
+        with self._condition:
+            self._armed = [entry for entry in self._armed if entry[1] != number]
+            heapq.heapify(self._armed)
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._armed or self._armed[0][0] > time.monotonic():
+                    self._condition.wait(self._armed[0][0] - time.monotonic() if self._armed else None)
+                _, _, call = heapq.heappop(self._armed)
+            call()
+
+
+_WATCHDOG = _Watchdog()
 
 
 class DraftRing:
@@ -144,6 +189,7 @@ class RingRead:
         self._slots = host[1].to(ring.storage.device, non_blocking=True)
         self._rows = host[2].to(ring.storage.device, non_blocking=True)
         self._taken: torch.cuda.Event | None = None
+        self._deadline_call: int | None = None  # the watchdog's, on a GPU ring
         self._ids: torch.Tensor | None = None
         self._lengths: torch.Tensor | None = None
         self.timed_out = False
@@ -153,6 +199,7 @@ class RingRead:
         ring, launch = self.launch.ring, self.launch
         self._ids = ids
         if ring.on_gpu:
+            self._deadline_call = _WATCHDOG.arm(launch.deadline, self._give_up)
             wait_at_least(ring.flag_address, launch.step, torch.cuda.current_stream(ids.device))
         else:
             started = time.monotonic()
@@ -171,6 +218,13 @@ class RingRead:
             self._taken = torch.cuda.Event()
             self._taken.record()
 
+    def _give_up(self) -> None:
+        """At the deadline (on the watchdog's thread, or in finish): release the ring unless the proposer
+        has answered. A host store, no CUDA call."""
+        if not self.launch.ring.signalled(self.launch.step):
+            self.timed_out = True
+            self.launch.ring.release(self.launch.step)
+
     def finish(self) -> tuple[list[int], dict[int, int]]:
         """The ids the step used at token_rows, and each ring row's number of drafts; waits (on a GPU
         ring) for the gather until the deadline, then releases the ring (timed_out: give up on the
@@ -179,11 +233,11 @@ class RingRead:
             started = time.monotonic()
             while not self._taken.query():
                 if time.monotonic() > self.launch.deadline:
-                    self.timed_out = True
-                    self.launch.ring.release(self.launch.step)
+                    self._give_up()
                     self._taken.synchronize()
                     break
                 time.sleep(POLL_SLEEP_S)
+            _WATCHDOG.disarm(self._deadline_call)
             self.launch.waited_s = time.monotonic() - started
         if self.timed_out:
             self.launch.timed_out = True

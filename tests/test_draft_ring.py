@@ -7,6 +7,7 @@ proposer wrote, and a stalled one costs only speed."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing
 import threading
 import time
@@ -20,6 +21,7 @@ from engine.engine import Engine
 from engine.interfaces import DraftRequest
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams
+from proposers import draft_ring
 from proposers.channel import ChannelCapacity, ChannelClient, ChannelRequest, ChannelServer
 from proposers.draft_ring import RingDrafts, RingRead
 from proposers.ngram import NgramProposer
@@ -119,10 +121,20 @@ def test_a_ring_step_never_answered_is_released_at_the_deadline(placement: str) 
         launch = RingDrafts(client.ring, number, [0], [3], 0.3, lambda: given_up.append(True))
         read = RingRead(launch, [1, 2, 3], [(0, 0), (0, 1), (0, 2)], device)
         ids = torch.zeros(4, dtype=torch.int64, device=device)
-        started = time.monotonic()
-        read.gather_into(ids)
-        used, lengths = read.finish()
-        assert time.monotonic() - started < 30  # the deadline, not a hang
+        # Fail fast, never hang: a backstop releases the flag well after the deadline (a read that needed it
+        # is not timed_out), and a stuck host prints every thread's stack
+        backstop = threading.Timer(10.0, client.ring.release, (number,))
+        backstop.daemon = True
+        backstop.start()
+        faulthandler.dump_traceback_later(20)
+        try:
+            started = time.monotonic()
+            read.gather_into(ids)
+            used, lengths = read.finish()
+        finally:
+            backstop.cancel()
+            faulthandler.cancel_dump_traceback_later()
+        assert time.monotonic() - started < 5  # the deadline, not the backstop or a hang
         assert read.timed_out and launch.timed_out and given_up == [True]
         assert lengths == {0: 0} and len(used) == 3  # no drafts count; the stream went on
         if device.type == "cuda":
@@ -222,3 +234,21 @@ def test_a_stalled_ring_proposer_costs_only_speed(model: LoadedModel) -> None:
         remote.close()
         for server in servers:
             server.stop()
+
+
+def test_the_deadline_watchdog_calls_what_is_still_armed_at_its_deadline() -> None:
+    """A GPU ring's release at the deadline runs on the watchdog's thread (the engine's may be blocked):
+    armed calls run at their deadlines, in order, and a disarmed one never does."""
+    watchdog = draft_ring._Watchdog()
+    calls: list[tuple[str, float]] = []
+    start = time.monotonic()
+    watchdog.arm(start + 0.2, lambda: calls.append(("late", time.monotonic() - start)))
+    dropped = watchdog.arm(start + 0.1, lambda: calls.append(("dropped", time.monotonic() - start)))
+    watchdog.arm(start + 0.05, lambda: calls.append(("early", time.monotonic() - start)))
+    watchdog.disarm(dropped)
+    deadline = time.monotonic() + 10
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert [name for name, _ in calls] == ["early", "late"], calls
+    assert calls[0][1] >= 0.05 and calls[1][1] >= 0.2
