@@ -55,7 +55,8 @@ def calibrate_key_smoothing(
     max_context), at CALIBRATION_OFFSETS starting positions; max_positions bounds the positions."""
     spec = decoder.spec
     device, block_size = kv_cache.device, kv_cache.shape[3]
-    token_ids = token_ids[:max_context]
+    # a context of whole blocks may be longer than the model's positions
+    token_ids = token_ids[: min(max_context, decoder.max_positions)]
     num_tokens = len(token_ids)
     num_blocks = -(-num_tokens // block_size)
     shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)

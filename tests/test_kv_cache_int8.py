@@ -268,3 +268,11 @@ def test_speculative_verification_on_an_int8_cache_gives_plain_decoding(model: L
     speculative = _int8_engine(model, proposer="ngram", num_draft=3)
     assert speculative.generate(prompt, params)[0] == _int8_engine(model).generate(prompt, params)[0]
     assert speculative.speculator is not None and speculative.speculator.stats.drafts_accepted > 0
+
+
+def test_an_int8_cache_calibrates_within_a_short_context(model: LoadedModel) -> None:
+    """A max_model_len under the calibration passage and not a whole number of blocks (136: 9 blocks
+    hold 144 positions) calibrates within the model's 136 positions, and the engine decodes."""
+    engine = _int8_engine(model, max_model_len=136)
+    token_ids, _, _ = engine.generate(list(range(1, 9)), SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(token_ids) == 4
