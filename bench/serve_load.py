@@ -264,25 +264,26 @@ async def _stream_one(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
     pieces: list[str] = []
     try:
         async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
+            if response.status_code != 200:  # the record has its error, no text and no finish_reason
                 text = (await response.aread()).decode(errors="replace")
-                return _record(start, None, None, 0, f"HTTP {response.status_code}: {text[:200]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: ") :])
-                if "error" in event:
-                    error = f"in-band: {event['error'].get('message')}"
-                    continue
-                if event.get("choices"):
-                    last = time.perf_counter()
-                    first = first if first is not None else last
-                    for choice in event["choices"]:
-                        spellings += (choice.get("logprobs") or {}).get("tokens", [])
-                        pieces.append(choice.get("text") or "")
-                        finish_reason = choice.get("finish_reason") or finish_reason
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
+                error = f"HTTP {response.status_code}: {text[:200]}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[len("data: ") :])
+                    if "error" in event:
+                        error = f"in-band: {event['error'].get('message')}"
+                        continue
+                    if event.get("choices"):
+                        last = time.perf_counter()
+                        first = first if first is not None else last
+                        for choice in event["choices"]:
+                            spellings += (choice.get("logprobs") or {}).get("tokens", [])
+                            pieces.append(choice.get("text") or "")
+                            finish_reason = choice.get("finish_reason") or finish_reason
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
     except Exception as failure:  # noqa: BLE001 - a broken connection counts as an error
         error = f"{type(failure).__name__}: {failure}"
     if error is None and tokens == 0:

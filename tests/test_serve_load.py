@@ -163,3 +163,20 @@ def test_prefix_hits_between_two_reads_of_metrics() -> None:
     )
     assert plain["hit_share"] == 0.5 and list(plain["per_engine"]) == [""]
     assert serve_load.prefix_hits("", "")["hit_share"] is None
+
+
+def test_a_refused_request_is_a_record_with_its_error() -> None:
+    """A 4xx answer (here from a stand-in transport) is a record with the error and every field a
+    successful one has, as serve_structured's validity count reads them."""
+    import asyncio
+
+    import httpx
+
+    async def one() -> dict:
+        refuse = httpx.MockTransport(lambda request: httpx.Response(400, json={"error": {"message": "no"}}))
+        async with httpx.AsyncClient(transport=refuse) as client:
+            return await serve_load._stream_one(client, "http://test/v1/completions", {})
+
+    record = asyncio.run(one())
+    assert record["error"].startswith("HTTP 400") and record["tokens"] == 0
+    assert record["text"] == "" and record["finish_reason"] is None and record["token_spellings"] == []
