@@ -9,13 +9,14 @@ Natively, llguidance takes every added token as a special one (matched only as a
 the grammars name markers such as <tool_call> by token or by characters (deployments/tool_calls.py).
 
 A GrammarSpec compiles on a worker thread into a template matcher, kept in a bounded LRU cache keyed by the
-spec, and then, on another thread, into MASK_SHARDS - 1 more; each sequence deep-copies the one of those
-compiled so far with the fewest live copies (the first when few are live: a template's lexer caches the
-states its copies reach, so one in use is warm). Copies of one template share its lexer,
-which a mask computation holds locked (llguidance's Parser.compute_bias): the shards are what lets one
-batch fill compute several rows at once. A spec that does not compile, or takes more than
-COMPILE_TIMEOUT_S, is a request error (InvalidRequestError, a 400) whose message is llguidance's (it names
-the problem: "Unimplemented keys: [...]", a regex parse error).
+spec; each sequence deep-copies the spec's template with the fewest live copies. Copies of one template
+share its lexer, which a mask computation holds locked (llguidance's Parser.compute_bias), so one batch
+fill computes rows of different templates at once only. When the chosen template has live copies already,
+another template of the spec compiles on a thread of its own, up to MASK_SHARDS: a spec used by one
+request at a time keeps one (warm: a template's lexer caches the states its copies reach), and one under
+load gets more. A spec that does not compile, or takes more than COMPILE_TIMEOUT_S, is a request error
+(InvalidRequestError, a 400) whose message is llguidance's (it names the problem: "Unimplemented keys:
+[...]", a regex parse error).
 
 Masks: bit j of word i allows token 32 i + j (kernels/token_mask.py applies them). The end-of-sequence
 tokens are allowed only where the grammar accepts; once it is complete (it allows nothing more) they are
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import json
 import os
 import threading
@@ -146,11 +148,11 @@ class Grammars:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             COMPILE_THREADS, thread_name_prefix="tileinfer-grammar"
         )
-        # the shards' templates, after the first: never ahead of a request's compile
+        # the specs' further templates: never ahead of a request's compile
         self._shard_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tileinfer-shards")
         self._tokenizer: concurrent.futures.Future[LLTokenizer] | None = None
         self._lock = threading.RLock()  # also taken by the copies' finalizers
-        self._cache: collections.OrderedDict[GrammarSpec, concurrent.futures.Future[list[LLMatcher]]] = (
+        self._cache: collections.OrderedDict[GrammarSpec, concurrent.futures.Future[_Templates]] = (
             collections.OrderedDict()
         )
         self._live: collections.Counter[int] = collections.Counter()  # live copies by template id
@@ -163,10 +165,9 @@ class Grammars:
                 self._tokenizer = self._pool.submit(llguidance_tokenizer, *self._source)
             return self._tokenizer
 
-    def compile(self, spec: GrammarSpec) -> concurrent.futures.Future[list[LLMatcher]]:
-        """The spec's template matchers, compiling on a worker thread (cached: at most CACHE_SIZE specs, the
-        least recently asked dropped): the first, to which the other shards' are appended as they compile.
-        The future fails with InvalidRequestError."""
+    def compile(self, spec: GrammarSpec) -> concurrent.futures.Future[_Templates]:
+        """The spec's templates, compiling the first on a worker thread (cached: at most CACHE_SIZE specs,
+        the least recently asked dropped). The future fails with InvalidRequestError."""
         self.start()
         with self._lock:
             future = self._cache.get(spec)
@@ -179,7 +180,7 @@ class Grammars:
                 self._cache.popitem(last=False)
             return future
 
-    def _compile(self, spec: GrammarSpec, asked_at: float) -> list[LLMatcher]:
+    def _compile(self, spec: GrammarSpec, asked_at: float) -> _Templates:
         tokenizer = self.start().result()
         try:
             text = grammar_text(spec)
@@ -194,13 +195,14 @@ class Grammars:
             raise InvalidRequestError(
                 f"the {_WHAT[spec.kind]} did not compile within {COMPILE_TIMEOUT_S:g} s"
             )
-        templates = [matcher]
-        self._shard_pool.submit(_compile_shards, templates, tokenizer, text)
-        return templates
+        return _Templates([matcher], text)
 
     def check(self, spec: GrammarSpec) -> list[LLMatcher]:
-        """The compiled template matchers (compile's); waits for the first (at most COMPILE_TIMEOUT_S from
-        when it was first asked). Raises InvalidRequestError for a spec that does not compile in time."""
+        """The spec's compiled templates; waits for the first (at most COMPILE_TIMEOUT_S from when it was
+        first asked). Raises InvalidRequestError for a spec that does not compile in time."""
+        return self._templates(spec).matchers
+
+    def _templates(self, spec: GrammarSpec) -> _Templates:
         future = self.compile(spec)
         try:
             return future.result(timeout=COMPILE_TIMEOUT_S)
@@ -210,10 +212,14 @@ class Grammars:
             ) from None
 
     def matcher(self, spec: GrammarSpec) -> SequenceGrammar:
-        """A fresh matcher for a sequence: a copy of the check's template with the fewest live copies."""
-        templates = list(self.check(spec))
+        """A fresh matcher for a sequence: a copy of the spec's template with the fewest live copies; when
+        it has some already, the spec gets another template (up to MASK_SHARDS) for the next ones."""
+        templates = self._templates(spec)
         with self._lock:
-            template = min(templates, key=lambda template: self._live[id(template)])
+            template = min(templates.matchers, key=lambda template: self._live[id(template)])
+            if self._live[id(template)] and len(templates.matchers) < MASK_SHARDS and not templates.growing:
+                templates.growing = True
+                self._shard_pool.submit(self._add_template, templates)
             self._live[id(template)] += 1
         grammar = SequenceGrammar(template.deep_copy())
         weakref.finalize(grammar, self._released, id(template))
@@ -225,10 +231,21 @@ class Grammars:
             if self._live[template_id] <= 0:
                 del self._live[template_id]
 
+    def _add_template(self, templates: _Templates) -> None:
+        template = LLMatcher(self.start().result(), templates.text, log_level=0)
+        with self._lock:
+            templates.matchers.append(template)
+            templates.growing = False
 
-def _compile_shards(templates: list[LLMatcher], tokenizer: LLTokenizer, text: str) -> None:
-    while len(templates) < MASK_SHARDS:
-        templates.append(LLMatcher(tokenizer, text, log_level=0))
+
+@dataclasses.dataclass
+class _Templates:
+    """A spec's compiled template matchers (its grammar text compiled once each) and whether one more is
+    compiling."""
+
+    matchers: list[LLMatcher]
+    text: str
+    growing: bool = False
 
 
 class MaskFill:
