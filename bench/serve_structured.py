@@ -39,11 +39,17 @@ In one served app, in this order:
 Levels are closed loops of max(R C, --min-requests) requests (R = --requests-per-client); a mixed run
 R x --mixed-clients. --budget-s: phases not begun within it (from the start) are skipped and listed.
 Results as JSON in --out (serve_structured.json, written after each phase), tables printed last.
+
+--engine-direct: no app; the same phases but the schema probes through an Engine built in this process
+with the serve config's engine settings (as serve_load's engine-direct), its requests added with
+Engine.add_request (a constrained one with the schema as its grammar) and stepped in the same closed loop;
+TTFT from add_request to the step that returned the first token. What the engine costs, without HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -216,16 +222,15 @@ class Load:
         return False
 
     def phase(
-        self, name: str, clients: int, constrained: int, requests: int, schema: dict[str, Any] = SCHEMA
+        self, name: str, clients: int, constrained: int, requests: int, schema: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """`requests` requests from `clients` closed-loop clients, the first `constrained` of them with the
-        schema: per kind its summary (the constrained outputs validated against SCHEMA), and all together."""
+        schema (default SCHEMA): per kind its summary (the constrained outputs validated against SCHEMA),
+        and all together."""
+        schema = SCHEMA if schema is None else schema
         seed = f"{self.args.seed}:{name}"
         prompts = serve_load.make_prompts(requests, self.args.prompt_tokens, self.vocab, seed)
-        body_for = functools.partial(request_body, schema=schema, constrained=constrained)
-        records, wall_s = serve_load.http_level_records(
-            self.base_url, self.model, prompts, clients, self.max_tokens, self.args.client_processes, body_for
-        )
+        records, wall_s = self.records(prompts, clients, constrained, schema)
         result = {"clients": clients, "constrained_clients": constrained}
         result["all"] = serve_load.summarize(records, wall_s)
         for kind, validator in (("unconstrained", None), ("constrained", self.validator)):
@@ -243,15 +248,28 @@ class Load:
                 serve_load._log(f"{name}, {kind}: {serve_load._brief(row)}{valid}")
         return result
 
+    def records(
+        self, prompts: list[list[int]], clients: int, constrained: int, schema: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], float]:
+        """The prompts' records from `clients` closed-loop clients over HTTP, and the wall time."""
+        body_for = functools.partial(request_body, schema=schema, constrained=constrained)
+        return serve_load.http_level_records(
+            self.base_url, self.model, prompts, clients, self.max_tokens, self.args.client_processes, body_for
+        )
+
     def requests(self, clients: int) -> int:
         return max(self.args.requests_per_client * clients, self.args.min_requests)
 
     def run(self, base_url: str) -> None:
         self.base_url, self.model = base_url, serve_load.served_model(base_url)
+        self.phases(schema_probes=True)
+
+    def phases(self, schema_probes: bool) -> None:
         args = self.args
         mixed_clients, constrained = args.mixed_clients, max(1, args.mixed_clients // 4)
         self.phase("warm-up", mixed_clients, constrained, mixed_clients)
-        self.schema_probes()
+        if schema_probes:
+            self.schema_probes()
         for run in range(args.mixed_runs):
             label = f"run {run + 1}/{args.mixed_runs}"
             for name, share in ((f"mixed {label}: all unconstrained", 0), (f"mixed {label}", constrained)):
@@ -281,6 +299,71 @@ class Load:
             "difference_ms": first - second if first is not None and second is not None else None,
         }  # fmt: skip
         self.save()
+
+
+class EngineLoad(Load):
+    """The phases against an Engine in this process (--engine-direct): no schema probes."""
+
+    def run_engine(self, engine: Any) -> None:
+        self.engine = engine
+        self.phases(schema_probes=False)
+
+    def records(
+        self, prompts: list[list[int]], clients: int, constrained: int, schema: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], float]:
+        """The prompts' records from `clients` closed-loop clients of the engine (a client sends its next
+        prompt when its request ends; those below `constrained` ask for the schema), and the wall time."""
+        from engine.sampling import GrammarSpec, SamplingParams
+
+        free = SamplingParams(max_tokens=self.max_tokens, temperature=0.0)
+        bound = dataclasses.replace(free, grammar=GrammarSpec("json", json.dumps(schema)))
+        pending = iter(prompts)
+        state: dict[str, dict[str, Any]] = {}
+        records: list[dict[str, Any]] = []
+
+        def send(client: int) -> None:
+            prompt = next(pending, None)
+            if prompt is not None:
+                request_id = self.engine.add_request(prompt, bound if client < constrained else free)
+                state[request_id] = {"client": client, "start": time.perf_counter(), "first": None,
+                                     "last": None, "tokens": 0, "text": []}  # fmt: skip
+
+        start = time.perf_counter()
+        for client in range(clients):
+            send(client)
+        while state:
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                entry = state[output.request_id]
+                if output.new_token_ids:
+                    entry["first"] = entry["first"] if entry["first"] is not None else now
+                    entry["last"] = now
+                    entry["tokens"] += len(output.new_token_ids)
+                    entry["text"].append(output.new_text)
+                if output.finished:
+                    del state[output.request_id]
+                    record = serve_load._record(
+                        entry["start"], entry["first"], entry["last"], entry["tokens"], None
+                    )
+                    records.append({**record, "client": entry["client"], "text": "".join(entry["text"]),
+                                    "finish_reason": output.finish_reason})  # fmt: skip
+                    send(entry["client"])
+        return records, time.perf_counter() - start
+
+
+def build_engine(app_args: Any, device: str) -> Any:
+    """The engine as serve_load's engine-direct builds it (the serve config's settings), warmed up."""
+    from engine.engine import Engine
+    from engine.loader import load_model
+
+    dtype = app_args.dtype if app_args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    config = app_args.engine_config(device, dtype)
+    engine = Engine(
+        load_model(app_args.model, dtype=config.torch_dtype(), device=config.torch_device()), config
+    )
+    engine.warm_up()
+    return engine
 
 
 def compile_in_process(model: str, probes: int) -> dict[str, Any]:
@@ -393,8 +476,11 @@ def _header(cells: list[str]) -> str:
 
 def print_tables(results: dict[str, Any]) -> None:
     ms, schema, args = serve_load._ms, results["schema"], results["args"]
-    serve = serve_load.describe_serve(results["serve"])
-    print(f"served: {results['model']}; {serve}; ready in {results.get('ready_s', 0):.1f} s")
+    if results["serve"] is None:
+        print(f"engine-direct: {results['model']} (an Engine in the bench's process, no HTTP)")
+    else:
+        serve = serve_load.describe_serve(results["serve"])
+        print(f"served: {results['model']}; {serve}; ready in {results.get('ready_s', 0):.1f} s")
     print(
         f"schema: {schema['fields']} fields, longest output {schema['longest_output_chars']} characters, "
         f"max_tokens {schema['max_tokens']}; prompts {args['prompt_tokens']} tokens"
@@ -473,6 +559,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=None, help="skip phases not begun by then")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ray-port", type=int, default=6390)
+    parser.add_argument("--engine-direct", action="store_true", help="an Engine in process, no app")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args(argv)
     if args.mixed_clients < 2 or args.mixed_runs < 1 or args.schema_probes < 1:
@@ -502,7 +589,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = "cuda" if serve_load._num_gpus(app_args.device) else "cpu"
     results: dict[str, Any] = {
         "args": vars(args), "model": app_args.model_name, "app_args": app_args.model_dump(),
-        "serve": serve_load.serve_setup(app_args.for_device(device, os.cpu_count() or 1), env),
+        "serve": None
+        if args.engine_direct
+        else serve_load.serve_setup(app_args.for_device(device, os.cpu_count() or 1), env),
         "vocab": vocab,
         "schema": {"fields": count_fields(SCHEMA), "longest_output_chars": longest, "max_tokens": max_tokens,
                    "schema": SCHEMA},
@@ -518,9 +607,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     results["compile"]["in_process"] = compile_in_process(app_args.model, args.schema_probes)
     save()
-    load = Load(args, vocab, max_tokens, started, results, save)
-    config_path, log = out / "serve_structured_config.yaml", out / "serve_structured_serve.log"
-    _, results["ready_s"] = serve_load.serve_and_load(config, config_path, log, load_args, env, load.run)
+    if args.engine_direct:
+        EngineLoad(args, vocab, max_tokens, started, results, save).run_engine(build_engine(app_args, device))
+    else:
+        load = Load(args, vocab, max_tokens, started, results, save)
+        config_path, log = out / "serve_structured_config.yaml", out / "serve_structured_serve.log"
+        _, results["ready_s"] = serve_load.serve_and_load(config, config_path, log, load_args, env, load.run)
     save()
     print_tables(results)
     return results
