@@ -563,6 +563,45 @@ def run_shared_prefix(
 # --- engine-direct --------------------------------------------------------------------------------
 
 
+def engine_records(
+    engine: Any, prompts: list[list[int]], concurrency: int, params_for: Callable[[int], Any]
+) -> tuple[list[dict[str, Any]], float]:
+    """The prompts through the engine by `concurrency` closed-loop clients (a client adds its next prompt
+    when its request ends, with params_for(client)): each request's record (_record's, with its client,
+    text and finish_reason) and the wall time."""
+    pending = iter(prompts)
+    state: dict[str, dict[str, Any]] = {}
+    records: list[dict[str, Any]] = []
+
+    def add_next(client: int) -> None:
+        prompt = next(pending, None)
+        if prompt is not None:
+            state[engine.add_request(prompt, params_for(client))] = {
+                "client": client, "start": time.perf_counter(), "first": None, "last": None, "tokens": 0,
+                "text": [],
+            }  # fmt: skip
+
+    start = time.perf_counter()
+    for client in range(concurrency):
+        add_next(client)
+    while state:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            entry = state[output.request_id]
+            entry["first"] = entry["first"] if entry["first"] is not None else now
+            entry["last"] = now
+            entry["tokens"] += len(output.new_token_ids)
+            entry["text"].append(output.new_text)
+            if output.finished:
+                del state[output.request_id]
+                record = _record(entry["start"], entry["first"], entry["last"], entry["tokens"], None)
+                records.append({**record, "client": entry["client"], "text": "".join(entry["text"]),
+                                "finish_reason": output.finish_reason})  # fmt: skip
+                add_next(entry["client"])
+    return records, time.perf_counter() - start
+
+
 def engine_level(
     engine: Any,
     prompts: list[list[int]],
@@ -572,48 +611,30 @@ def engine_level(
     from engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
-    pending = iter(prompts)
-    state: dict[str, list] = {}  # request_id -> [start, first, last, tokens]
-    records: list[dict[str, Any]] = []
-
-    def add_next() -> None:
-        prompt = next(pending, None)
-        if prompt is not None:
-            state[engine.add_request(prompt, params)] = [time.perf_counter(), None, None, 0]
-
-    start = time.perf_counter()
-    for _ in range(concurrency):
-        add_next()
-    while state:
-        outputs = engine.step()
-        now = time.perf_counter()
-        for output in outputs:
-            entry = state[output.request_id]
-            entry[1] = entry[1] if entry[1] is not None else now
-            entry[2] = now
-            entry[3] += len(output.new_token_ids)
-            if output.finished:
-                del state[output.request_id]
-                records.append(_record(entry[0], entry[1], entry[2], entry[3], None))
-                add_next()
-    return summarize(records, time.perf_counter() - start)
+    return summarize(*engine_records(engine, prompts, concurrency, lambda client: params))
 
 
-def run_engine_direct(app_args: Any, args: argparse.Namespace, vocab: tuple[int, int]) -> dict[int, dict]:
+def build_engine(app_args: Any, device: str) -> Any:
+    """An Engine in this process with the app's engine settings on `device` ("auto": a GPU where there is
+    one), warmed up as the engine deployment does before it serves."""
     import torch
 
     from engine.engine import Engine
     from engine.loader import load_model
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = app_args.dtype if app_args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     config = app_args.engine_config(device, dtype)
     engine = Engine(
         load_model(app_args.model, dtype=config.torch_dtype(), device=config.torch_device()), config
     )
-    warm_up = getattr(engine, "warm_up", None)
-    if warm_up is not None:  # as the engine deployment does before it serves
-        warm_up()
+    engine.warm_up()
+    return engine
+
+
+def run_engine_direct(app_args: Any, args: argparse.Namespace, vocab: tuple[int, int]) -> dict[int, dict]:
+    engine = build_engine(app_args, args.device)
     engine_level(
         engine, make_prompts(2, args.prompt_tokens, vocab, seed=args.seed + 1), 1, args.output_tokens
     )

@@ -317,53 +317,9 @@ class EngineLoad(Load):
 
         free = SamplingParams(max_tokens=self.max_tokens, temperature=0.0)
         bound = dataclasses.replace(free, grammar=GrammarSpec("json", json.dumps(schema)))
-        pending = iter(prompts)
-        state: dict[str, dict[str, Any]] = {}
-        records: list[dict[str, Any]] = []
-
-        def send(client: int) -> None:
-            prompt = next(pending, None)
-            if prompt is not None:
-                request_id = self.engine.add_request(prompt, bound if client < constrained else free)
-                state[request_id] = {"client": client, "start": time.perf_counter(), "first": None,
-                                     "last": None, "tokens": 0, "text": []}  # fmt: skip
-
-        start = time.perf_counter()
-        for client in range(clients):
-            send(client)
-        while state:
-            outputs = self.engine.step()
-            now = time.perf_counter()
-            for output in outputs:
-                entry = state[output.request_id]
-                if output.new_token_ids:
-                    entry["first"] = entry["first"] if entry["first"] is not None else now
-                    entry["last"] = now
-                    entry["tokens"] += len(output.new_token_ids)
-                    entry["text"].append(output.new_text)
-                if output.finished:
-                    del state[output.request_id]
-                    record = serve_load._record(
-                        entry["start"], entry["first"], entry["last"], entry["tokens"], None
-                    )
-                    records.append({**record, "client": entry["client"], "text": "".join(entry["text"]),
-                                    "finish_reason": output.finish_reason})  # fmt: skip
-                    send(entry["client"])
-        return records, time.perf_counter() - start
-
-
-def build_engine(app_args: Any, device: str) -> Any:
-    """The engine as serve_load's engine-direct builds it (the serve config's settings), warmed up."""
-    from engine.engine import Engine
-    from engine.loader import load_model
-
-    dtype = app_args.dtype if app_args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    config = app_args.engine_config(device, dtype)
-    engine = Engine(
-        load_model(app_args.model, dtype=config.torch_dtype(), device=config.torch_device()), config
-    )
-    engine.warm_up()
-    return engine
+        return serve_load.engine_records(
+            self.engine, prompts, clients, lambda client: bound if client < constrained else free
+        )
 
 
 def compile_in_process(model: str, probes: int) -> dict[str, Any]:
@@ -608,7 +564,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["compile"]["in_process"] = compile_in_process(app_args.model, args.schema_probes)
     save()
     if args.engine_direct:
-        EngineLoad(args, vocab, max_tokens, started, results, save).run_engine(build_engine(app_args, device))
+        EngineLoad(args, vocab, max_tokens, started, results, save).run_engine(
+            serve_load.build_engine(app_args, device)
+        )
     else:
         load = Load(args, vocab, max_tokens, started, results, save)
         config_path, log = out / "serve_structured_config.yaml", out / "serve_structured_serve.log"

@@ -248,16 +248,6 @@ class _Templates:
     growing: bool = False
 
 
-class MaskFill:
-    """A batch mask fill running on MaskFiller's worker thread."""
-
-    def __init__(self, future: concurrent.futures.Future[None]) -> None:
-        self._future = future
-
-    def wait(self) -> None:
-        self._future.result()
-
-
 class MaskFiller:
     """Writes constrained rows' allowed-token bitmasks with llguidance's batch call, which spreads the rows
     over its threads and releases the GIL: now (fill), or on a worker thread while the engine's own thread
@@ -281,19 +271,21 @@ class MaskFiller:
             matchers = [(grammar.matcher, row) for grammar, row, _ in rows]
             self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
 
-    def start(self, grammars: list[SequenceGrammar], bitmask: torch.Tensor) -> MaskFill:
+    def start(
+        self, grammars: list[SequenceGrammar], bitmask: torch.Tensor
+    ) -> concurrent.futures.Future[None]:
         """Begin writing each grammar's next-token mask into its row of bitmask (row i: grammars[i]) on the
-        worker thread. Returns once that thread has let go of the GIL: a thread waiting for it would
-        otherwise wait until this one blocks, up to Python's switch interval (5 ms)."""
+        worker thread; the future is done once they are written. Returns once that thread is about to let
+        go of the GIL: a thread waiting for it would otherwise wait until this one blocks, up to Python's
+        switch interval (5 ms)."""
         assert bitmask.shape[0] >= len(grammars)
-        matchers = [(grammar.matcher, row) for row, grammar in enumerate(grammars)]
-        call = (matchers, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        rows = [(grammar, row, []) for row, grammar in enumerate(grammars)]
         started = threading.Event()
 
         def run() -> None:
             started.set()
-            self._executor.unsafe_compute_mask_ptr(*call)
+            self.fill(rows, bitmask)
 
         future = self._worker.submit(run)
         started.wait()
-        return MaskFill(future)
+        return future

@@ -27,13 +27,14 @@ logits.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from collections.abc import Callable, Collection
 
 import torch
 
 from engine.block_manager import BlockCopy
-from engine.grammar import MaskFill, MaskFiller
+from engine.grammar import MaskFiller
 from engine.graphs import GraphCache
 from engine.interfaces import DeviceDrafts, DraftsRead
 from engine.kv_cache import allocate_kv_cache, copy_blocks
@@ -241,9 +242,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _sample_masked(
-        self, launched: PendingStep, rows: list[int], fill: MaskFill, bitmask: torch.Tensor
+        self,
+        launched: PendingStep,
+        rows: list[int],
+        fill: concurrent.futures.Future[None],
+        bitmask: torch.Tensor,
     ) -> None:
-        fill.wait()
+        fill.result()
         if self.graphs is not None:
             self.graphs.sample_masked(launched, rows)
             return
