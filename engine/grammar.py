@@ -262,14 +262,14 @@ class MaskFiller:
         each draft at the rows below it (drafts the grammar allows: SequenceGrammar.valid_drafts). Other
         rows are left as they are."""
         row_bytes = bitmask.shape[1] * 4
-        if any(drafts for _, _, drafts in rows):
-            matchers = [(grammar.matcher, row, list(drafts)) for grammar, row, drafts in rows]
+        drafted = [(grammar.matcher, row, list(drafts)) for grammar, row, drafts in rows if drafts]
+        if drafted:  # llguidance's draft call refuses an empty draft list
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
-                matchers, bitmask.data_ptr(), row_bytes, bitmask.shape[0]
+                drafted, bitmask.data_ptr(), row_bytes, bitmask.shape[0]
             )
-        else:
-            matchers = [(grammar.matcher, row) for grammar, row, _ in rows]
-            self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+        undrafted = [(grammar.matcher, row) for grammar, row, drafts in rows if not drafts]
+        if undrafted:
+            self._executor.unsafe_compute_mask_ptr(undrafted, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
 
     def start(
         self, grammars: list[SequenceGrammar], bitmask: torch.Tensor
