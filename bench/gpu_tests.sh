@@ -6,15 +6,20 @@
 #   bash bench/gpu_tests.sh tests/test_kernels_linear.py ... # the GPU tests of these files
 #   SHARDS=8 LIMIT=300 bash bench/gpu_tests.sh ...           # shards (12), each one's limit in s (520)
 #   TEST_TIMEOUT=120 bash bench/gpu_tests.sh                 # one test's limit in s (200)
+#   SAVE_TRITON_CACHE=1 bash bench/gpu_tests.sh              # also write $OUT/triton_cache.txz
 # Carry what bench/gpu_env.sh sets up: gguf's wheel (.whl/gguf-*.whl) and the default model's GGUF, which
-# the engine's GPU tests load (.assets/$GGUF.part*, one a call). Compiling is most of the time: a cold
-# Triton cache may not get through the whole suite in one call; the next call, carrying the
-# $OUT/triton_cache.txz this one wrote as .assets/triton_cache.txz, starts warm.
+# the engine's GPU tests load (.assets/$GGUF.part*, one a call). Compiling is most of the time (the whole
+# suite: about 300 s on an H200 host with 16 cores, cold). A later call on a fresh machine, carrying the
+# triton_cache.txz written on request as .assets/triton_cache.txz, starts warm (writing it takes minutes).
+# Each shard's torch gets its share of the cores: the CPU reference runs beside the GPU in some tests,
+# and 12 shards of 16 threads each on 16 cores left one of them past its limit.
 # Prints the failures and each shard's summary; $OUT/gpu_tests.log holds every shard's log. Exits 1 when a
 # shard failed or ran out of time.
 set -u
 . "$(dirname "$0")/gpu_env.sh"
 shards=${SHARDS:-12} limit=${LIMIT:-520}
+threads=$(($(nproc) / shards))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
 # a test stuck in Python past this fails alone (pytest-timeout, in the GPU image), not its whole shard
 per_test=()
 python3 -c "import pytest_timeout" 2> /dev/null && per_test=(--timeout "${TEST_TIMEOUT:-200}")
@@ -48,5 +53,7 @@ for log in $(grep -L -E " in [0-9.]+s" /tmp/gpu_shard.??.log); do
     done=$(grep -c -E " (PASSED|FAILED|ERROR|SKIPPED)" "$log")
     echo "cut at ${limit}s: ${log%.log}, $done of its $(wc -l < "${log%.log}") tests done"
 done
-tar -cJf "$OUT/triton_cache.txz" -C "$TILEINFER_CACHE" triton 2> /dev/null  # for the next call's .assets
+if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then  # for a later call's .assets
+    XZ_OPT="-1 -T0" tar -cJf "$OUT/triton_cache.txz" -C "$TILEINFER_CACHE" triton 2> /dev/null
+fi
 exit "$failed"
