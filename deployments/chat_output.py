@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from deployments.errors import OpenAIError
-from deployments.reasoning import split_reasoning, thinking_rules, thinks
+from deployments.reasoning import OPEN, split_reasoning, thinking_rules, thinks
 from deployments.requests import ChatCompletionRequest, NamedToolChoice
 from deployments.tool_calls import (
     Function,
@@ -42,10 +42,15 @@ class ChatOutputPlan:
     functions: list[Function]  # every tool's
     parallel: bool
     token_id_of: TokenIdOf
+    opened: bool = False  # the prompt began the think block: the answer starts inside it
 
     @classmethod
     def for_request(
-        cls, request: ChatCompletionRequest, template: str | None, token_id_of: TokenIdOf
+        cls,
+        request: ChatCompletionRequest,
+        template: str | None,
+        token_id_of: TokenIdOf,
+        prompt_opens_thinking: bool = False,
     ) -> ChatOutputPlan:
         functions = [
             Function(tool.function.name, tool.function.description, tool.function.parameters)
@@ -57,8 +62,11 @@ class ChatOutputPlan:
         else:
             forced = functions if choice == "required" else []
         tool_format = format_for_template(template)[0] if functions and choice != "none" else None
-        thinking = thinks(template, request.chat_template_kwargs)
-        return cls(tool_format, thinking, forced, functions, request.parallel_tool_calls, token_id_of)
+        thinking = prompt_opens_thinking or thinks(template, request.chat_template_kwargs)
+        return cls(
+            tool_format, thinking, forced, functions, request.parallel_tool_calls, token_id_of,
+            prompt_opens_thinking,
+        )  # fmt: skip
 
     # ---- the grammar ----------------------------------------------------------------------------
 
@@ -85,7 +93,9 @@ class ChatOutputPlan:
             functions = self.forced or self.functions
             assert self.tool_format is not None
             rules.append(self.tool_format.calls_rules(functions, self.parallel, self.token_id_of))
-        start = thinking_rules("answer", self.token_id_of) if self.thinking else "start: answer\n"
+        start = "start: answer\n"
+        if self.thinking:
+            start = thinking_rules("answer", self.token_id_of, self.opened)
         lark = start + f"answer: {' | '.join(alternatives)}\n" + "".join(rules)
         return dataclasses.replace(params, grammar=GrammarSpec("lark", lark))
 
@@ -94,6 +104,8 @@ class ChatOutputPlan:
     def parse(self, text: str, final: bool, cut_short: bool = False) -> ParsedAnswer:
         """The answer so far (final: all of it). cut_short (max_tokens ended it): a last call cut off is
         kept as far as it goes, as the stream sent it, rather than the whole answer read as content."""
+        if self.opened:
+            text = OPEN + text
         reasoning, answer = split_reasoning(text, final) if self.thinking else (None, text)
         if self.tool_format is None:
             return ParsedAnswer(reasoning, answer, [])

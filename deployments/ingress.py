@@ -45,6 +45,7 @@ from deployments.engine_client import EngineClient, Inbox
 from deployments.engine_loop import Delta
 from deployments.errors import OpenAIError, openai_error_from, original_exception
 from deployments.metrics import exposition, router_families
+from deployments.reasoning import prompt_opens_thinking
 from deployments.request_parsing import json_body_of, parse_json_body, parse_request
 from deployments.request_to_engine import chat_template_input, max_tokens_for, sampling_params_for
 from deployments.requests import ChatCompletionRequest, CompletionRequest
@@ -364,7 +365,8 @@ class OpenAIIngress:
             )
         except Exception as error:  # a template's raise_exception, or a bad message
             raise openai_error_from(error, prompt_param=request.prompt_field) from None
-        plan = ChatOutputPlan.for_request(request, template, self.tokenizer.single_token_id)
+        opened = prompt_opens_thinking(prompt, self.tokenizer)
+        plan = ChatOutputPlan.for_request(request, template, self.tokenizer.single_token_id, opened)
         return await self._submit(request, [prompt], info, "chatcmpl", plan)
 
     async def _prepare_completion(self, request: CompletionRequest) -> _Prepared:

@@ -3,7 +3,9 @@
 As vLLM's Qwen3 reasoning parser returns them: `reasoning_content` is the text inside the block, the
 content what follows `</think>`; an output that does not start with `<think>` is all content, and a block
 cut off before `</think>` (max_tokens) is all reasoning. A chat template thinks when it writes `<think>`
-and the request leaves `enable_thinking` on (Qwen3's switch, a chat_template_kwargs entry).
+and the request leaves `enable_thinking` on (Qwen3's switch, a chat_template_kwargs entry). Where the
+prompt itself ends with `<think>` (QwQ's and DeepSeek-R1's distilled models' templates open the block in
+the generation prompt), the output starts inside the block: its text up to `</think>` is the reasoning.
 
 thinking_rules wraps a grammar (a response format's, or forced tool calls') so that it constrains only
 the answer: any think block may come first.
@@ -11,9 +13,11 @@ the answer: any think block may come first.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from deployments.tool_calls import TokenIdOf, lark_literal
+from engine.tokenizer import Tokenizer
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -21,6 +25,11 @@ OPEN, CLOSE = "<think>", "</think>"
 def thinks(template: str | None, template_kwargs: dict[str, Any]) -> bool:
     """Whether the output may start with a think block: a template that writes one, and thinking on."""
     return template is not None and OPEN in template and template_kwargs.get("enable_thinking") is not False
+
+
+def prompt_opens_thinking(prompt: Sequence[int], tokenizer: Tokenizer) -> bool:
+    """Whether the prompt ends inside a think block (`<think>` and whitespace at its end)."""
+    return tokenizer.decode(prompt[-8:]).rstrip().endswith(OPEN)
 
 
 def split_reasoning(text: str, final: bool) -> tuple[str | None, str]:
@@ -41,11 +50,14 @@ def split_reasoning(text: str, final: bool) -> tuple[str | None, str]:
     return block, ""
 
 
-def thinking_rules(answer_rule: str, token_id_of: TokenIdOf) -> str:
-    """Lark rules for `start`: a think block or none, then `answer_rule`."""
+def thinking_rules(answer_rule: str, token_id_of: TokenIdOf, opened: bool = False) -> str:
+    """Lark rules for `start`: a think block or none, then `answer_rule`; opened (the prompt began the
+    block): the rest of the block, then `answer_rule`."""
+    head = f"start: think {answer_rule}\nthink: " if opened else (
+        f"start: think? {answer_rule}\nthink: {lark_literal(OPEN, token_id_of)} "
+    )  # fmt: skip
     return (
-        f"start: think? {answer_rule}\n"
-        f"think: {lark_literal(OPEN, token_id_of)} THOUGHT {lark_literal(CLOSE, token_id_of)} AFTER_THOUGHT\n"
+        f"{head}THOUGHT {lark_literal(CLOSE, token_id_of)} AFTER_THOUGHT\n"
         "THOUGHT: /(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/\n"
         "AFTER_THOUGHT: /\\n*/\n"
     )

@@ -22,7 +22,7 @@ from ingress_harness import build
 
 from deployments.chat_output import ChatOutputPlan
 from deployments.errors import OpenAIError
-from deployments.reasoning import split_reasoning
+from deployments.reasoning import prompt_opens_thinking, split_reasoning
 from deployments.request_parsing import parse_request
 from deployments.request_to_engine import chat_template_input
 from deployments.requests import ChatCompletionRequest
@@ -277,6 +277,38 @@ def test_reasoning_is_the_think_block_as_vllm_returns_it() -> None:
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
+@pytest.mark.parametrize("name", ["Qwen-QwQ-32B", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"])
+def test_a_prompt_that_opens_the_think_block_gives_reasoning_up_to_its_end(name: str) -> None:
+    """QwQ's and DeepSeek-R1's distilled models' templates write `<think>` in the generation prompt (with
+    thinking on): the output starts inside the block, so its text up to `</think>` is the reasoning, the
+    stream's too, and a schema constrains only what follows the block's end."""
+    tokenizer, _ = _tokenizers(qwen3_tokenizer_dir())  # the Qwen2/Qwen3 vocabulary both models use
+    source = template(name)
+    opened = tokenizer.encode(
+        render_chat_template(source, [USER], enable_thinking=True, **SPECIALS), add_special_tokens=False
+    )
+    closed = tokenizer.encode(
+        render_chat_template(source, [USER], enable_thinking=False, **SPECIALS), add_special_tokens=False
+    )
+    assert prompt_opens_thinking(opened, tokenizer) and not prompt_opens_thinking(closed, tokenizer)
+    thinking_on = request(tools=[], chat_template_kwargs={"enable_thinking": True})
+    plan = ChatOutputPlan.for_request(thinking_on, source, tokenizer.single_token_id, True)
+    message, _ = plan.message("Paris is in France.\n</think>\n\nIt is sunny.", "stop")
+    assert message == {
+        "role": "assistant", "content": "\n\nIt is sunny.", "reasoning_content": "Paris is in France.\n",
+    }  # fmt: skip
+    stream = plan.stream()
+    text = "Hmm.\n</think>\n\nSunny."
+    deltas = [stream.push(character, index == len(text) - 1) for index, character in enumerate(text)]
+    assert "".join(delta.get("reasoning_content", "") for delta in deltas) == "Hmm.\n"
+    assert "".join(delta.get("content", "") for delta in deltas) == "\n\nSunny."
+    wrapped = plan.constrain(SamplingParams(grammar=GrammarSpec("regex", "[0-9]{3}"))).grammar
+    assert _accepts(qwen3_tokenizer_dir(), wrapped, "So: 12?\n</think>\n\n123")
+    # a second <think> (a special token: no text of the block) is refused, where a plain plan takes it
+    assert not _accepts(qwen3_tokenizer_dir(), wrapped, "<think>\nSo.\n</think>\n\n123")
+    assert not _accepts(qwen3_tokenizer_dir(), wrapped, "123")  # the block must end first
+
+
 # ---- rendering: the model's template, the fallback, a user's template -------------------------------
 
 
@@ -501,6 +533,29 @@ def test_reasoning_content_through_the_ingress(smollm2: Tokenizer, monkeypatch: 
     )
     assert "".join(delta.content or "" for delta in deltas) == message.content
     assert prompt_without_thinking.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_reasoning_content_of_a_prompt_that_opens_the_block_through_the_ingress(
+    smollm2: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QwQ's template (thinking on) ends the prompt with `<think>`: the answer's text up to `</think>` comes
+    back as reasoning_content."""
+
+    async def run() -> Any:
+        http_client, engine = build(smollm2, monkeypatch, chat_template=template("Qwen-QwQ-32B"))
+        answer = "Sunny in June.\n</think>\n\nSunny.<|im_end|>"
+        engine.reply = smollm2.encode(answer, add_special_tokens=False)
+        engine.finish_reason = "stop"
+        base_url = http_client.base_url.join("/v1")
+        client = openai.AsyncOpenAI(api_key="k", base_url=base_url, http_client=http_client, max_retries=0)
+        on = {"chat_template_kwargs": {"enable_thinking": True}}
+        async with http_client:
+            reply = await client.chat.completions.create(model=SERVED_MODEL, messages=[USER], extra_body=on)
+        assert smollm2.decode(engine.submitted[-1][0]).endswith("<|im_start|>assistant\n<think>\n")
+        return reply.choices[0].message
+
+    message = asyncio.run(run())
+    assert (message.reasoning_content, message.content) == ("Sunny in June.\n", "\n\nSunny.")
 
 
 def test_a_lark_grammar_stands_alone() -> None:
