@@ -332,6 +332,7 @@ def compile_in_process(model: str, probes: int) -> dict[str, Any]:
     from engine.grammar import Grammars, MaskFiller
     from engine.loader import load_tokenizer
     from engine.sampling import GrammarSpec
+    from kernels.token_mask import bitmask_words
 
     tokenizer, spec = load_tokenizer(model), serve_load.model_spec(model)
     vocab = min(tokenizer.vocab_size, spec.vocab_size)
@@ -343,7 +344,7 @@ def compile_in_process(model: str, probes: int) -> dict[str, Any]:
         return 1e3 * (time.perf_counter() - start)
 
     masks_filler = MaskFiller()
-    bitmask = torch.empty(1, (vocab + 31) // 32, dtype=torch.int32)
+    bitmask = torch.empty(1, bitmask_words(vocab), dtype=torch.int32)
 
     def first_mask(grammar: GrammarSpec) -> None:
         masks_filler.fill([(grammars.matcher(grammar), 0, [])], bitmask)

@@ -53,11 +53,10 @@ def split_reasoning(text: str, final: bool) -> tuple[str | None, str]:
 def thinking_rules(answer_rule: str, token_id_of: TokenIdOf, opened: bool = False) -> str:
     """Lark rules for `start`: a think block or none, then `answer_rule`; opened (the prompt began the
     block): the rest of the block, then `answer_rule`."""
-    head = f"start: think {answer_rule}\nthink: " if opened else (
-        f"start: think? {answer_rule}\nthink: {lark_literal(OPEN, token_id_of)} "
-    )  # fmt: skip
+    optional, opening = ("", "") if opened else ("?", f"{lark_literal(OPEN, token_id_of)} ")
     return (
-        f"{head}THOUGHT {lark_literal(CLOSE, token_id_of)} AFTER_THOUGHT\n"
+        f"start: think{optional} {answer_rule}\n"
+        f"think: {opening}THOUGHT {lark_literal(CLOSE, token_id_of)} AFTER_THOUGHT\n"
         "THOUGHT: /(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/\n"
         "AFTER_THOUGHT: /\\n*/\n"
     )

@@ -529,21 +529,21 @@ class GraphCache:
             bucket = next(b for size, b in self.masked_buckets.items() if size >= len(chunk))
             self._stage_masked(bucket, replay, chunk, start, inputs)
             bucket.replay()
-        num_rows = len(inputs.sample_seqs)
-        launched.host_tokens.copy_(self.token_ids[:num_rows], non_blocking=True)
-        if launched.ready is not None:
-            launched.ready.record()
+        self._copy_tokens(launched.host_tokens, launched.ready)
 
     def _read_back(self, seqs: list[Sequence]) -> PendingStep:
         """Queue the copy of the sampled tokens to the host and return the step that waits for it."""
         parity = self._step_parity
         host_token_ids = self.host_token_ids[parity][: len(seqs)]
-        host_token_ids.copy_(self.token_ids[: len(seqs)], non_blocking=True)
-        ready = None
-        if self.ready is not None:
-            ready = self.ready[parity]
-            ready.record()
+        ready = self.ready[parity] if self.ready is not None else None
+        self._copy_tokens(host_token_ids, ready)
         return PendingStep(seqs, self.token_ids, host_token_ids, ready)
+
+    def _copy_tokens(self, host_tokens: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        """Queue the copy of the first len(host_tokens) sampled tokens into host_tokens, then ready."""
+        host_tokens.copy_(self.token_ids[: len(host_tokens)], non_blocking=True)
+        if ready is not None:
+            ready.record()
 
     def _write_penalty_counts(self, seqs: list[Sequence]) -> None:
         """Token counts for the rows that use penalties (and zeros where a row used them last step);
