@@ -29,7 +29,7 @@ from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel, load_model
 from engine.sampling import GrammarSpec, SamplingParams
 from engine.tokenizer import Tokenizer
-from kernels.token_mask import apply_token_mask
+from kernels.token_mask import apply_token_mask, bitmask_words
 
 SCHEMA = {
     "type": "object",
@@ -170,7 +170,7 @@ def test_one_fill_of_rows_with_and_without_drafts_equals_each_alone(model: Loade
     spec = GrammarSpec("regex", "[a-z]{2,6}")
     drafts = model.tokenizer.encode("ab", add_special_tokens=False)[:1]
     drafted, plain = grammars.matcher(spec), grammars.matcher(spec)
-    words = (model.logit_vocab_size + 31) // 32
+    words = bitmask_words(model.logit_vocab_size)
     together = torch.zeros(3, words, dtype=torch.int32)
     grammar.MaskFiller().fill([(drafted, 0, drafts), (plain, 2, [])], together)
     alone = torch.zeros(3, words, dtype=torch.int32)
@@ -202,7 +202,7 @@ def test_compiles_are_cached_by_spec_in_a_bounded_cache(
     assert sorted(grammars._live[id(template)] for template in templates) == [2, 3]
     for copy in copies:
         assert copy.consume(model.tokenizer.encode("ab", add_special_tokens=False)[0])
-    bitmask = torch.zeros(len(copies), (model.logit_vocab_size + 31) // 32, dtype=torch.int32)
+    bitmask = torch.zeros(len(copies), bitmask_words(model.logit_vocab_size), dtype=torch.int32)
     grammar.MaskFiller().fill([(copy, row, []) for row, copy in enumerate(copies)], bitmask)
     assert bool(bitmask[0].any()) and all(torch.equal(bitmask[0], row) for row in bitmask)
     del one, copies, copy  # (the loop variable holds the last one)
@@ -267,7 +267,7 @@ def test_masks_fill_natively_as_the_wrapped_tokenizer_would(
         for token_id in tokenizer.encode(
             '[{"river": "Rhine", "km": 1233}, {"river": "Po", "km": 652}]', add_special_tokens=False
         ):
-            bitmask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+            bitmask = torch.zeros(1, bitmask_words(vocab_size), dtype=torch.int32)
             filler.fill([(matcher, 0, [])], bitmask)
             logits = torch.zeros(1, vocab_size)
             apply_token_mask(logits, bitmask)
