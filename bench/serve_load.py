@@ -27,7 +27,9 @@ sizes below written in), waits for /health, runs the load, stops that Ray cluste
 head runs with --block), then runs engine-direct with the same args in this process (the GPU is free
 again) and prints both, with HTTP/engine-direct ratios. The app starts as `make run` starts it
 (deployments.launch: Ray Serve's HAProxy mode where ray[serve] brought HAProxy); --serve-proxy measures
-Serve's Python proxy instead, and --ingress-replicas N overrides num_ingress_replicas: auto.
+Serve's Python proxy instead, --ray-defaults the app as a plain `serve run serve_config.yaml` serves it
+(Serve's proxy in its default mode, its logs on stderr), and --ingress-replicas N overrides
+num_ingress_replicas: auto.
 --model: a model_shapes name other than the default smollm2-135m becomes a folder of random weights of
 that shape with the real Qwen3 tokenizer (tests/assets.py); anything else is passed on as given.
 --restart then starts the app once more (Triton's kernels cached by then) to time a restart; the first
@@ -829,15 +831,21 @@ def serve_setup(app_args: Any, env: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def make_run_env(serve_proxy: bool = False) -> dict[str, str]:
+def make_run_env(serve_proxy: bool = False, ray_defaults: bool = False) -> dict[str, str]:
     """The environment `make run` starts Ray with (deployments/launch.py: HAProxy mode where HAProxy is
     here, unless serve_proxy), with the project first on the path and then the caller's (the GPU
-    machine's wheels: Ray); HAProxy's script folder goes when this process exits."""
-    from deployments.launch import cluster_env
+    machine's wheels: Ray); HAProxy's script folder goes when this process exits. ray_defaults: Ray
+    Serve's own settings instead, as a plain `serve run serve_config.yaml` gets them (Serve's proxy, its
+    default mode, logs on stderr), on loopback and with make run's token mode."""
+    from deployments import cluster_security
+    from deployments.launch import RAY_ENV, cluster_env
 
-    env, haproxy_dir = cluster_env(serve_proxy)
-    if haproxy_dir is not None:
-        atexit.register(shutil.rmtree, haproxy_dir, True)
+    if ray_defaults:
+        env = {**os.environ, **RAY_ENV, **cluster_security.auth_env(os.environ)}
+    else:
+        env, haproxy_dir = cluster_env(serve_proxy)
+        if haproxy_dir is not None:
+            atexit.register(shutil.rmtree, haproxy_dir, True)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
     return env
 
@@ -1065,6 +1073,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-processes", type=int, default=1, help="client processes per level")
     parser.add_argument("--ingress-replicas", type=int, default=None, help="num_ingress_replicas")
     parser.add_argument("--serve-proxy", action="store_true", help="Serve's Python proxy, not HAProxy mode")
+    parser.add_argument(
+        "--ray-defaults", action="store_true", help="Ray Serve's own settings, as plain `serve run` has them"
+    )
     parser.add_argument("--engine-replicas", type=int, default=1, help="num_engine_replicas")
     parser.add_argument("--engine-num-gpus", type=float, default=None, help="default: 1/N on one GPU")
     parser.add_argument("--engine-router", choices=ROUTERS, default=None, help="default: the app's")
@@ -1152,7 +1163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         meta["model"] = app_args.model_name
         vocab = _vocab(args, _model_vocab(app_args.model))
         if args.serve_config:
-            env = make_run_env(args.serve_proxy)
+            env = make_run_env(args.serve_proxy, args.ray_defaults)
             routers = ROUTERS if args.compare_routers else (args.engine_router,)
             num_gpus = _num_gpus(app_args.device)
             apps = [with_app_args(config, engine_replica_args(args, num_gpus, router)) for router in routers]

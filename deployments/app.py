@@ -15,6 +15,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.autoscaling import sequences_policy
+from deployments.cluster_security import check_cluster
 from deployments.config import AppArgs, parse_app_args
 from deployments.engine import EngineDeployment
 from deployments.engine_router import EngineRouter
@@ -114,6 +115,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             "args.api_key: Serve logs the application's args as given, key included; give the key in a "
             "file (api_key_file) or in TILEINFER_API_KEY where the ingress runs instead"
         )
+    if ray.is_initialized():  # built for a cluster (not in Serve's local testing mode)
+        check_cluster(app_args.allow_open_cluster)
     several_engines = app_args.num_engine_replicas > 1 or app_args.engine_autoscaling_config is not None
     device = resolve_device(app_args.device)
     app_args = app_args.for_device(device, _cluster_cpus())

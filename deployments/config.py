@@ -81,6 +81,10 @@ class AppArgs(BaseModel):
         None, min_length=1, description="a file holding the key, read where the ingress replicas run"
     )
     metrics_require_key: bool = Field(False, description="/metrics needs the key too (by default not)")
+    allow_open_cluster: bool = Field(
+        False, description="serve on a Ray cluster that listens beyond loopback and takes callers without "
+        "a token (refused by default: deployments/cluster_security.py)",
+    )  # fmt: skip
     engine_num_cpus: float = Field(1.0, ge=0)
     ingress_num_cpus: float = Field(0.0, ge=0)
     num_ingress_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(

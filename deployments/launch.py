@@ -1,6 +1,12 @@
 """What `make run` runs: Ray's head on 127.0.0.1, then `serve run serve_config.yaml`, and on Ctrl-C or
 SIGTERM a stop that leaves nothing running.
 
+Ray's token authentication is decided here once, for the head and for `serve run` alike
+(deployments/cluster_security.py): on, with a token only the user can read (~/.ray/auth_token, made when
+missing), unless RAY_AUTH_MODE says otherwise; beside a cluster that runs already, whatever that cluster
+asks for. Once the head has stopped, Ray's record of the latest cluster (ray_current_cluster, which a
+plain `serve run` or `ray.init()` would connect to) no longer names it.
+
 `serve run` shuts its app down on Ctrl-C only; a SIGTERM ends it and leaves the app serving in the Ray
 cluster (Ray Serve's behaviour: the app belongs to the cluster). So this launcher hands either signal
 to `serve run` as SIGINT, waits for it, then stops the Ray head it started. The head runs with --block
@@ -30,7 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
-from deployments import haproxy
+from deployments import cluster_security, haproxy
 
 RAY_ENV = {  # this machine's address is 127.0.0.1 (README, Security); no usage reports
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -87,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
     parser.add_argument("--serve-proxy", action="store_true", help="Serve's Python proxy, not HAProxy")
     args = parser.parse_args(argv)
-    env, haproxy_dir = _proxy_mode_env(), None
+    haproxy_dir: Path | None = None
+    address = f"127.0.0.1:{args.ray_port}"
     head: subprocess.Popen | None = None  # the Ray head, when started here
     stopping = False
 
@@ -104,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         if listening(args.ray_port):
-            print(f"a Ray cluster runs on 127.0.0.1:{args.ray_port} already: serving on it", flush=True)
+            print(f"a Ray cluster runs on {address} already: serving on it", flush=True)
+            env = {**_settings_env(), **_client_auth_env(address)}
         else:
             env, haproxy_dir = cluster_env(args.serve_proxy)
             # each child in a session of its own: a terminal's Ctrl-C reaches this launcher only, which
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         if stopping:
             return 0
         serve = subprocess.Popen(
-            [_bin("serve"), "run", "--address", f"127.0.0.1:{args.ray_port}", args.config],
+            [_bin("serve"), "run", "--address", address, args.config],
             env=env, start_new_session=True,
         )  # fmt: skip
         code = serve.wait()
@@ -135,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             _stop(serve, signal.SIGINT)
         if head is not None:
             _stop(head, signal.SIGTERM)  # `ray start --block` stops its cluster's processes on SIGTERM
+            forget_cluster(address)
         if haproxy_dir is not None:
             shutil.rmtree(haproxy_dir, ignore_errors=True)
     return 0 if stopping else code
@@ -143,19 +152,40 @@ def main(argv: list[str] | None = None) -> int:
 def cluster_env(serve_proxy: bool = False) -> tuple[dict[str, str], Path | None]:
     """The environment a Ray head starts with to serve as `make run` does, and the folder of HAProxy's
     script (remove it once that cluster stops; None in Serve's proxy mode)."""
+    env = {**_settings_env(), **cluster_security.auth_env(os.environ)}
     if serve_proxy or not haproxy.available():
         if not serve_proxy:
             print("no HAProxy here (ray[serve] brings it on Linux): Serve's proxy serves", flush=True)
-        return _proxy_mode_env(), None
+        return env, None
     haproxy_dir = Path(tempfile.mkdtemp(prefix="tileinfer-haproxy-"))
     haproxy_env = haproxy.serve_env(haproxy_dir, **_haproxy_ports(os.environ))
-    return {**_proxy_mode_env(), **haproxy_env, **RAY_ENV}, haproxy_dir
+    return {**env, **haproxy_env, **RAY_ENV}, haproxy_dir
 
 
-def _proxy_mode_env() -> dict[str, str]:
+def _settings_env() -> dict[str, str]:
     """Serve's settings under this environment's, and Ray's on top (also what `serve run` gets beside a
     cluster that was running already)."""
     return {**SERVE_ENV, **os.environ, **RAY_ENV}
+
+
+def _client_auth_env(address: str) -> dict[str, str]:
+    """The token mode of a client of the cluster at `address`: the one the cluster asks for."""
+    wants_token = cluster_security.requires_token(address)
+    return {cluster_security.AUTH_MODE: "token" if wants_token else "disabled"}
+
+
+def forget_cluster(address: str) -> None:
+    """Remove Ray's record of the latest cluster started on this machine when it names `address`, a
+    cluster that has stopped: `ray start --block` leaves it behind when stopped by a signal, and a plain
+    `serve run` would then try to connect to it for ever rather than start its own."""
+    from ray._common.utils import get_ray_address_file
+
+    record = Path(get_ray_address_file(None))
+    try:
+        if record.read_text().strip() == address:
+            record.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _haproxy_ports(env: Mapping[str, str]) -> dict[str, int]:

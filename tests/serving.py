@@ -1,15 +1,25 @@
 """Starts the real application for the tests: Ray on 127.0.0.1, then `serve run` on a copy of
 serve_config.yaml, plus a second, guarded application (API key, a tiny queue, a small body limit), a
 third, speculative one (an n-gram proposer in its own actor) and a fourth with a DFlash proposer (a
-random checkpoint shaped for SmolLM2: it drafts badly, but its drafts cross and are verified)."""
+random checkpoint shaped for SmolLM2: it drafts badly, but its drafts cross and are verified).
+
+Ray runs as `make run` runs it on a machine where Ray's own `serve run` has run before: a token file
+written as Ray writes it (readable by all) and RAY_AUTH_MODE unset, so the launcher must decide token
+authentication for its head and its `serve run` alike. Ray's files live in a folder of the run's own
+(RAY_TMPDIR, the token through RAY_AUTH_TOKEN_PATH), removed at the end: the suite leaves no Ray state
+on the machine."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
+import shutil
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,8 +61,10 @@ class Served:
     ray_address: str
     ray_client_address: str  # ray://..., the cluster's Ray Client server
     model: str
-    env: dict[str, str]
+    env: dict[str, str]  # a Ray client's, token authentication included
     log: Path
+    ray_dir: Path  # Ray's session folders (RAY_TMPDIR/ray)
+    ray_token: str
 
 
 def _free_port() -> int:
@@ -78,12 +90,23 @@ def _wait_healthy(urls: list[str], process: subprocess.Popen, log: Path, timeout
         time.sleep(1)
 
 
+def ray_env(ray_tmpdir: Path) -> dict[str, str]:
+    """This process's environment with Ray's files in `ray_tmpdir` (short: Ray's socket paths must fit in
+    107 bytes), its token in a file there, written as Ray writes one (readable by all), and no
+    RAY_AUTH_MODE: whoever starts Ray must decide it."""
+    token_path = ray_tmpdir / "auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    token_path.chmod(0o644)
+    env = {name: value for name, value in os.environ.items() if not name.startswith("RAY_AUTH")}
+    return {**env, "RAY_TMPDIR": str(ray_tmpdir), "RAY_AUTH_TOKEN_PATH": str(token_path)}
+
+
 def serve_application(workdir: Path) -> Iterator[Served]:
     ray_port, http_port, client_port = _free_port(), _free_port(), _free_port()
+    ray_tmpdir = Path(tempfile.mkdtemp(prefix="ti-ray-", dir="/tmp"))
     env = {
-        **os.environ,
+        **ray_env(ray_tmpdir),
         "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_AUTH_MODE": "disabled",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # makes Ray take 127.0.0.1 as this node's address
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
@@ -119,14 +142,32 @@ def serve_application(workdir: Path) -> Iterator[Served]:
             env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
         )  # fmt: skip
     base_url = f"http://127.0.0.1:{http_port}"
+    token_path = Path(env["RAY_AUTH_TOKEN_PATH"])
     try:
         app_urls = tuple(base_url + route for route in ("", "/guarded", "/speculative", "/dflash"))
         _wait_healthy(list(app_urls), process, log)
+        assert stat.S_IMODE(token_path.stat().st_mode) == 0o600  # the launcher made it the user's alone
         client_address = f"ray://127.0.0.1:{client_port}"
         model = main_app["args"]["served_model_name"]
-        yield Served(*app_urls, ray_address, client_address, model, env, log)
+        client_env = {**env, "RAY_AUTH_MODE": "token"}
+        token = token_path.read_text()
+        ray_dir = ray_tmpdir / "ray"
+        yield Served(*app_urls, ray_address, client_address, model, client_env, log, ray_dir, token)
     finally:
-        _stop_and_check(process, env, log, (ray_port, http_port, client_port))
+        try:
+            _stop_and_check(process, env, log, (ray_port, http_port, client_port))
+            _check_cluster_forgotten(ray_tmpdir / "ray", ray_address)
+        finally:
+            shutil.rmtree(ray_tmpdir, ignore_errors=True)
+
+
+def _check_cluster_forgotten(ray_dir: Path, ray_address: str) -> None:
+    """Ray's record of the latest cluster (what a plain `serve run` or `ray.init()` connects to) does not
+    name the stopped one: `serve run serve_config.yaml` then starts a Ray of its own, as on a fresh
+    machine, where it once tried the stopped cluster's address for ever."""
+    record = ray_dir / "ray_current_cluster"
+    named = record.read_text().strip() if record.exists() else None
+    assert named != ray_address, f"{record} still names the stopped cluster {ray_address}"
 
 
 def _stop_and_check(

@@ -20,7 +20,7 @@ import pytest
 from ingress_harness import MODEL, build, make_ingress
 from serving import API_KEY, Served
 
-from deployments import haproxy
+from deployments import cluster_security, haproxy
 from deployments import ingress as ingress_module
 from deployments.config import API_KEY_ENV, parse_app_args
 from deployments.errors import RETRY_AFTER_S, OpenAIError
@@ -427,17 +427,25 @@ def test_every_listener_is_on_loopback(served: Served) -> None:
     assert [listener for listener in listeners if not listener[0].startswith(loopback)] == []
 
 
+def test_ray_takes_no_caller_without_its_token(served: Served) -> None:
+    """`make run`'s Ray (tests/serving.py: started where a token file exists and RAY_AUTH_MODE is unset)
+    runs with token authentication: its GCS refuses a call without the token (the app's own check at
+    build time asks the same)."""
+    assert cluster_security.requires_token(served.ray_address) is True
+
+
 @pytest.mark.slow
 def test_the_key_is_in_no_log(served: Served) -> None:
-    """The guarded app's key (from its api_key_file) shows neither in `serve run`'s output nor in Ray's
-    session logs (the controller's build log, the replicas' stdout and stderr). Last in this module, so
-    that the restart above is in the logs too."""
+    """The guarded app's key (from its api_key_file), and Ray's token, show neither in `serve run`'s
+    output nor in Ray's session logs (the controller's build log, the replicas' stdout and stderr). Last
+    in this module, so that the restart above is in the logs too."""
     keyed = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
     assert (
         httpx.post(served.guarded_url + CHAT, content=_chat(), headers=keyed, timeout=120).status_code == 200
     )
-    logs = [served.log, *Path("/tmp/ray/session_latest/logs").rglob("*")]
+    logs = [served.log, *(served.ray_dir / "session_latest" / "logs").rglob("*")]
     scanned = [path for path in logs if path.is_file()]
     assert any("controller" in path.name for path in scanned)  # the session's logs are there
-    holding = [str(path) for path in scanned if API_KEY.encode() in path.read_bytes()]
-    assert holding == []
+    for secret in (API_KEY, served.ray_token):  # nor does Ray's own token
+        holding = [str(path) for path in scanned if secret.encode() in path.read_bytes()]
+        assert holding == []

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import shutil
 import socket
+import stat
 from pathlib import Path
 
 import pytest
 
-from deployments import haproxy, launch
+from deployments import cluster_security, haproxy, launch
 
 
 def test_haproxy_pages_move_off_ports_another_app_holds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,3 +37,60 @@ def test_haproxy_mode_unless_serve_proxy_is_asked() -> None:
         shutil.rmtree(folder)
     env, folder = launch.cluster_env(serve_proxy=True)
     assert folder is None and env.get("RAY_SERVE_ENABLE_HA_PROXY") != "1"
+
+
+def test_token_authentication_unless_the_environment_turns_it_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's head and its `serve run` share one token mode: token, with a token file only the
+    user can read, made where Ray looks when missing and made private when Ray left it readable to all
+    (its `serve run` writes ~/.ray/auth_token so); the environment's own RAY_AUTH_MODE wins."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    token = tmp_path / ".ray" / "auth_token"
+    assert cluster_security.auth_env({}) == {"RAY_AUTH_MODE": "token"}
+    first = token.read_text()
+    assert len(first) == 64 and stat.S_IMODE(token.stat().st_mode) == 0o600
+    token.chmod(0o644)
+    assert cluster_security.auth_env({"RAY_AUTH_MODE": "Token"}) == {"RAY_AUTH_MODE": "token"}
+    assert token.read_text() == first and stat.S_IMODE(token.stat().st_mode) == 0o600
+    elsewhere = tmp_path / "elsewhere" / "token"
+    cluster_security.auth_env({"RAY_AUTH_TOKEN_PATH": str(elsewhere)})
+    assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o600
+    token.unlink()
+    assert cluster_security.auth_env({"RAY_AUTH_MODE": "disabled"}) == {"RAY_AUTH_MODE": "disabled"}
+    assert cluster_security.auth_env({"RAY_AUTH_TOKEN": "x" * 64}) == {"RAY_AUTH_MODE": "token"}
+    assert not token.exists()
+    token.write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        cluster_security.auth_env({})
+
+
+def test_the_app_refuses_a_cluster_open_to_the_network_without_a_token() -> None:
+    """The verdict on the cluster an app is built on: refused when it listens beyond loopback and takes
+    callers without a token (or does not say), a warning with a token there or without one on loopback,
+    nothing on loopback with a token. The refusal names the ways out."""
+    refusal, warning = cluster_security.judge(["192.0.2.2"], wants_token=False)
+    assert warning is None and "192.0.2.2" in refusal and "without a token" in refusal
+    assert "allow_open_cluster: true" in refusal and cluster_security.LOOPBACK_COMMAND in refusal
+    assert cluster_security.judge(["192.0.2.2"], wants_token=None)[0] is not None
+    refusal, warning = cluster_security.judge(["192.0.2.2"], wants_token=True)
+    assert refusal is None and "192.0.2.2" in warning and cluster_security.LOOPBACK_COMMAND in warning
+    refusal, warning = cluster_security.judge([], wants_token=False)
+    assert refusal is None and "every user of this machine" in warning
+    assert cluster_security.judge([], wants_token=True) == (None, None)
+    assert not any(map(cluster_security.is_loopback, ["192.0.2.2", "fd00::2", "0.0.0.0"]))
+    assert all(map(cluster_security.is_loopback, ["127.0.0.1", "[::1]", "::ffff:127.0.0.1", "localhost"]))
+
+
+def test_a_stopped_cluster_is_no_longer_ray_s_latest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After its head stops, Ray's record of the latest cluster no longer names it (a plain `serve run`
+    would connect to it for ever); a record of another cluster stays."""
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    record = tmp_path / "ray" / "ray_current_cluster"
+    record.parent.mkdir()
+    record.write_text("127.0.0.1:6379")
+    launch.forget_cluster("127.0.0.1:6380")
+    assert record.read_text() == "127.0.0.1:6379"
+    launch.forget_cluster("127.0.0.1:6379")
+    assert not record.exists()
+    launch.forget_cluster("127.0.0.1:6379")  # nothing to forget

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from serving import ROOT, _free_port, _wait_healthy
+from serving import ROOT, _free_port, _wait_healthy, ray_env
 
 pytestmark = pytest.mark.slow
 
@@ -44,25 +44,24 @@ def base_url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> It
 
     workdir = tmp_path_factory.mktemp("replicas")
     http_port = _free_port()
+    # Ray's files in a folder of its own, with token authentication on (as `make run` has it)
+    temp_dir = Path(tempfile.mkdtemp(prefix="ti-ray-", dir="/tmp"))  # short: socket paths fit in 107 bytes
     env = {
-        **os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+        **ray_env(temp_dir), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
     }  # fmt: skip
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # the nodes inherit this process's environment
-    # a Ray directory of its own: /tmp/ray/session_latest stays the session-wide cluster's (tests/serving.py)
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    # Cluster() writes the head's address to /tmp/ray/ray_current_cluster without making /tmp/ray: on a
-    # machine where no Ray has run yet (this module runs before the session's served app) it failed there
-    os.makedirs("/tmp/ray", exist_ok=True)
+    _reread_ray_auth()  # and this process, which talks to them, reads its token mode anew
+    (temp_dir / "ray").mkdir()  # Cluster() writes the head's address there without making the folder
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "resources": {"head_node": 1}, "node_ip_address": "127.0.0.1",
-                        "include_dashboard": False, "temp_dir": temp_dir},
+                        "include_dashboard": False},
     )  # fmt: skip
     try:
         worker = {"num_cpus": 1, "resources": {"worker_node": 1}, "node_ip_address": "127.0.0.1"}
-        cluster.add_node(**worker, temp_dir=temp_dir)
+        cluster.add_node(**worker)
         cluster.wait_for_nodes()
         ray_port = int(cluster.address.rpartition(":")[2])
         config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
@@ -101,6 +100,16 @@ def base_url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> It
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        _reread_ray_auth()
+
+
+def _reread_ray_auth() -> None:
+    """Make this process's Ray read RAY_AUTH_MODE and the token from the environment again (it keeps the
+    first reading; Ray's own switch to token mode does the same)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _health(base_url: str) -> httpx.Response:

@@ -151,7 +151,7 @@ def test_models_health_and_metrics(client: openai.OpenAI, served: Served) -> Non
 
 def test_the_engine_logs_its_start_in_its_replica_log(served: Served) -> None:
     """TileInfer's own INFO lines reach Serve's replica logs (deployments/serve_logs.py), as they come."""
-    logs = sorted(Path("/tmp/ray/session_latest/logs/serve").glob("replica_tileinfer_Engine_*.log"))
+    logs = sorted((served.ray_dir / "session_latest/logs/serve").glob("replica_tileinfer_Engine_*.log"))
     assert any("engine built in" in path.read_text() for path in logs), logs
 
 
