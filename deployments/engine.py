@@ -92,7 +92,7 @@ class EngineInfo:
     model_name: str
     max_model_len: int
     max_prompt_tokens: int
-    vocab_size: int
+    vocab_size: int  # the token ids a request may hold: [0, vocab_size) (Engine.check_request)
     device: str
     dtype: str
     quantization: str | None
@@ -160,7 +160,7 @@ class EngineDeployment:
             model_name=args.model_name,
             max_model_len=self.engine.max_model_len,
             max_prompt_tokens=self.engine.max_prompt_tokens,
-            vocab_size=self.engine.spec.vocab_size,
+            vocab_size=self.engine.logit_vocab_size,
             device=device,
             dtype=dtype,
             quantization=self.engine.quantization,

@@ -178,7 +178,7 @@ class OpenAIIngress:
     # --- the HTTP app ---------------------------------------------------------------------------
 
     def __serve_build_asgi_app__(self) -> Any:
-        app = FastAPI(title="TileInfer", docs_url=None, redoc_url=None)
+        app = FastAPI(title="TileInfer", docs_url=None, redoc_url=None, openapi_url=None)  # openapi.install
         key_required = self.api_key is not None  # by the routes that _authorize
 
         @app.exception_handler(OpenAIError)
@@ -260,7 +260,7 @@ class OpenAIIngress:
             text = await self._metrics_text()
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-        openapi.install(app, model_names=[self.args.model_name])
+        openapi.install(app, self._engine_info)
         return BodySizeLimit(app, self.args.max_request_bytes)
 
     async def _per_replica(self, method: str, what: str, timeout_s: float) -> list[tuple[str | None, Any]]:

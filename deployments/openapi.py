@@ -3,23 +3,28 @@ they send, so that clients and schema-driven tools (client generators, schemathe
 
 The routes read their bodies themselves (deployments/request_parsing.py parses them, with OpenAI's errors),
 so FastAPI knows no request model: the request schemas are added to the components here, with the served
-model's name as the one `model` they take, and the API key as a Bearer security scheme. The response
-models describe what deployments/responses.py builds; the hot path builds plain dicts, not these models. A
-test (tests/test_openapi.py) sends schemathesis' requests to the running app and checks that the app
-accepts what the schema allows, refuses what it does not, and answers as it says.
+model's name as the one `model` they take, its vocabulary as the range of a token id (both as the engine
+tells them: its name, and the bound it checks token ids against), and the API key as a Bearer security
+scheme. The response models describe what deployments/responses.py builds; the hot path builds plain
+dicts, not these models. A test (tests/test_openapi.py) sends schemathesis' requests to the running app
+and checks that the app accepts what the schema allows, refuses what it does not, and answers as it says.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from deployments.requests import ChatCompletionRequest, CompletionRequest
+from deployments.requests import TOKEN_ID_SCHEMA, ChatCompletionRequest, CompletionRequest
 from engine.config import KVCacheDtype, Quantization
+
+if TYPE_CHECKING:
+    from deployments.engine import EngineInfo
 
 _REF = "#/components/schemas/{model}"
 API_KEY_SCHEME = "ApiKey"
@@ -283,23 +288,45 @@ def generation_route(
     }
 
 
-def install(app: FastAPI, model_names: Sequence[str]) -> None:
-    """Have `app` publish COMPONENT_MODELS too (FastAPI adds the response models itself), requests that
-    name one of `model_names` (another gets a 404), and the API key's security scheme."""
+def install(app: FastAPI, engine_info: Callable[[], Awaitable[EngineInfo]]) -> None:
+    """Serve `app`'s schema at /openapi.json (make the app with openapi_url=None): COMPONENT_MODELS too
+    (FastAPI adds the response models itself), requests that name the served model (another gets a 404)
+    and token ids in its vocabulary (others get a 400), and the API key's security scheme. Built once, at
+    the first request, from what the engine tells (engine_info: a 503 while no engine replica answers)."""
 
-    def openapi() -> dict[str, Any]:
+    async def openapi_json(_: Request) -> JSONResponse:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            components = schema.setdefault("components", {})
-            components["securitySchemes"] = _SECURITY_SCHEMES
-            schemas = components.setdefault("schemas", {})
-            for model in COMPONENT_MODELS:
-                model_schema = model.model_json_schema(ref_template=_REF)
-                schemas.update(model_schema.pop("$defs", {}))
-                if model in REQUEST_MODELS:
-                    model_schema["properties"]["model"]["enum"] = list(model_names)
-                schemas[model.__name__] = model_schema
-            app.openapi_schema = schema
-        return app.openapi_schema
+            app.openapi_schema = _schema(app, await engine_info())
+        return JSONResponse(app.openapi_schema)
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.add_route("/openapi.json", openapi_json, include_in_schema=False)
+
+
+def _schema(app: FastAPI, info: EngineInfo) -> dict[str, Any]:
+    """`app`'s routes, COMPONENT_MODELS and the TokenId component, for the model that `info` describes."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {})
+    components["securitySchemes"] = _SECURITY_SCHEMES
+    schemas = components.setdefault("schemas", {})
+    for model in COMPONENT_MODELS:
+        model_schema = model.model_json_schema(ref_template=_REF)
+        schemas.update(model_schema.pop("$defs", {}))
+        if model in REQUEST_MODELS:
+            model_schema["properties"]["model"]["enum"] = [info.model_name]
+        schemas[model.__name__] = model_schema
+    token_id = TOKEN_ID_SCHEMA["title"]
+    schemas.update(_with_token_id_refs(schemas))
+    schemas[token_id] = {**TOKEN_ID_SCHEMA, "maximum": info.vocab_size - 1,
+                         "description": "a token id of the served model's vocabulary"}  # fmt: skip
+    return schema
+
+
+def _with_token_id_refs(node: Any) -> Any:
+    """`node` with each token id's schema (TOKEN_ID_SCHEMA) a reference to its component."""
+    if node == TOKEN_ID_SCHEMA:
+        return {"$ref": _REF.format(model=TOKEN_ID_SCHEMA["title"])}
+    if isinstance(node, dict):
+        return {key: _with_token_id_refs(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_with_token_id_refs(item) for item in node]
+    return node

@@ -35,6 +35,9 @@ MAX_CHOICES = 128  # OpenAI's limit on n (for completions: prompts x n)
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions endpoint
 MAX_TOP_K = 2**31 - 1  # the engine's buffers hold top_k as int32; any k past the vocabulary means "off"
+# A token id's schema; /openapi.json makes it the component of its title, with the served model's bound too
+# (deployments/openapi.py: [0, the vocabulary size that the engine checks ids against)).
+TOKEN_ID_SCHEMA = {"title": "TokenId", "type": "integer", "minimum": 0}
 
 
 def _accepted_in_schema(schema: dict[str, Any], model: type[_OpenAIModel]) -> None:
@@ -318,9 +321,7 @@ class GenerationRequest(_OpenAIModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    stop_token_ids: list[int] = Field(
-        default_factory=list, json_schema_extra={"items": {"type": "integer", "minimum": 0}}
-    )
+    stop_token_ids: list[int] = Field(default_factory=list, json_schema_extra={"items": TOKEN_ID_SCHEMA})
     # structured output: OpenAI's response_format, and vLLM's structured_outputs (one of the two)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -585,12 +586,13 @@ def _check_message_fields(message: ChatMessage, where: str) -> None:
         raise OpenAIError.invalid_request(f"{param}: only an assistant message makes calls", param=param)
 
 
-# The prompt's schema says what _non_empty_prompts checks: no empty text or list, no negative token id; and
-# that a batch (texts, or lists of token ids) holds at most MAX_CHOICES prompts. prompts x n <= MAX_CHOICES
-# (_consistent_fields) it says in words: JSON Schema cannot multiply, and spelling out each n's batch size
-# (about 20 if/then pairs) is more than schemathesis' generator can take.
+# The prompt's schema says what _non_empty_prompts checks: no empty text or list, no negative token id (and
+# what the engine checks: none past the vocabulary); and that a batch (texts, or lists of token ids) holds
+# at most MAX_CHOICES prompts. prompts x n <= MAX_CHOICES (_consistent_fields) it says in words: JSON Schema
+# cannot multiply, and spelling out each n's batch size (about 20 if/then pairs) is more than schemathesis'
+# generator can take.
 _TEXT_SCHEMA = {"type": "string", "minLength": 1}
-_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1}
 _PROMPT_SCHEMA = {
     "description": f"a text, token ids, or a batch of either; prompts x n at most {MAX_CHOICES}",
     "anyOf": [

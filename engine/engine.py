@@ -177,9 +177,12 @@ class Engine:
             self.grammars.check(params.grammar)  # waits for its compile (a worker thread's), at most 10 s
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
-        # the ids that get logits: a penalty counts each prompt token in a row of that width
-        if any(not 0 <= token < self.logit_vocab_size for token in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.logit_vocab_size})")
+        # the ids that get logits: a penalty counts each prompt token in a row of that width, and a stop id
+        # past them is never generated (the HTTP API's schema publishes this bound: deployments/openapi.py)
+        checked = (("prompt token ids", prompt_token_ids), ("stop_token_ids", params.stop_token_ids))
+        for name, token_ids in checked:
+            if any(not 0 <= token < self.logit_vocab_size for token in token_ids):
+                raise InvalidRequestError(f"{name} must be in [0, {self.logit_vocab_size})")
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens > self.max_prompt_tokens:
             raise ContextLengthExceededError(

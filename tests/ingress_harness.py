@@ -183,3 +183,16 @@ def build(tokenizer: Tokenizer, monkeypatch: Any, **args: Any) -> tuple[httpx.As
     ingress, engine = make_ingress(tokenizer, monkeypatch, **args)
     transport = httpx.ASGITransport(app=ingress.__serve_build_asgi_app__(), raise_app_exceptions=False)
     return httpx.AsyncClient(transport=transport, base_url="http://ingress.test", timeout=30), engine
+
+
+def openapi_schema(tokenizer: Tokenizer, monkeypatch: Any, **args: Any) -> dict[str, Any]:
+    """The /openapi.json an OpenAIIngress with the args given serves (no Serve), its engine's INFO."""
+
+    async def fetch() -> dict[str, Any]:
+        client, _ = build(tokenizer, monkeypatch, **args)
+        async with client:
+            response = await client.get("/openapi.json")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    return asyncio.run(fetch())

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ingress_harness import make_ingress
+from ingress_harness import openapi_schema
 
 from deployments.cli import build_parser
 from deployments.config import AppArgs
@@ -52,8 +52,7 @@ def test_the_app_args_schema_lists_the_allowed_values() -> None:
 def test_the_openapi_schema_lists_the_allowed_values(
     smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ingress, _ = make_ingress(load_tokenizer("smollm2-135m"), monkeypatch)
-    schema = ingress.__serve_build_asgi_app__().app.openapi()
+    schema = openapi_schema(load_tokenizer("smollm2-135m"), monkeypatch)
     model = schema["components"]["schemas"]["Model"]["properties"]
     assert _schema_values(model["quantization"]) == QUANTIZATIONS
     assert _schema_values(model["kv_cache_dtype"]) == KV_CACHE_DTYPES

@@ -153,4 +153,6 @@ def test_bad_requests_get_clear_errors(engine: Engine) -> None:
         engine.add_request([], GREEDY)
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request([49152], GREEDY)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):  # never generated: a client's mistake
+        engine.add_request([1, 2], SamplingParams(stop_token_ids=(engine.logit_vocab_size,)))
     assert not engine.has_unfinished()

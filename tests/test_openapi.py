@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from ingress_harness import MODEL, make_ingress
+from ingress_harness import INFO, MODEL, openapi_schema
 from schemathesis import GenerationMode
 from serving import Served
 
@@ -37,9 +37,7 @@ KEYED = (("post", CHAT), ("post", COMPLETIONS), ("get", "/v1/models"))  # the ro
 
 
 def _openapi(monkeypatch: pytest.MonkeyPatch, **args: Any) -> dict[str, Any]:
-    tokenizer = load_tokenizer("smollm2-135m")
-    ingress, _ = make_ingress(tokenizer, monkeypatch, **args)
-    return ingress.__serve_build_asgi_app__().app.openapi()  # the FastAPI app inside the body limit
+    return openapi_schema(load_tokenizer("smollm2-135m"), monkeypatch, **args)
 
 
 def test_the_schema_declares_bodies_responses_and_the_metrics_text(
@@ -73,6 +71,35 @@ def test_the_schema_declares_bodies_responses_and_the_metrics_text(
         }
 
 
+def test_token_ids_are_within_the_vocabulary_the_engine_checks(
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every field of token ids (a prompt's, a batch's, stop_token_ids) takes [0, the engine's vocab_size):
+    the schema allowed ids the engine refuses (schemathesis' ST202, issue #43)."""
+    components = _openapi(monkeypatch)["components"]
+    last = INFO.vocab_size - 1  # the engine's bound, as its info call tells the ingress
+    bodies = {
+        "CompletionRequest": {"model": MODEL, "prompt": "Hi"},
+        "ChatCompletionRequest": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+    }
+    cases = [
+        ("CompletionRequest", {"prompt": [0, last]}, True),
+        ("CompletionRequest", {"prompt": [[0], [last]]}, True),
+        ("CompletionRequest", {"prompt": [135631891304205]}, False),  # schemathesis' case
+        ("CompletionRequest", {"prompt": [last + 1]}, False),
+        ("CompletionRequest", {"prompt": [[0], [last + 1]]}, False),
+        ("CompletionRequest", {"prompt": [-1]}, False),
+        *((request, {"stop_token_ids": [last]}, True) for request in bodies),
+        *((request, {"stop_token_ids": [last + 1]}, False) for request in bodies),
+        *((request, {"stop_token_ids": [-1]}, False) for request in bodies),
+    ]
+    for request, fields, valid in cases:
+        validator = jsonschema.Draft202012Validator(
+            {"$ref": f"#/components/schemas/{request}", "components": components}
+        )
+        assert validator.is_valid({**bodies[request], **fields}) == valid, (request, fields)
+
+
 def test_the_api_key_is_a_bearer_scheme_that_the_keyed_routes_require(
     smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,18 +121,17 @@ def test_the_api_key_is_a_bearer_scheme_that_the_keyed_routes_require(
 
 def _bounded(case: schemathesis.Case) -> None:
     """A valid request kept valid and small: at most MAX_TOKENS tokens, MAX_CHOICES choices and prompts,
-    token ids within any vocabulary (the schema cannot say whose), grammars that compile (neither can it say
-    which do: a 400 naming the problem, pinned by tests/test_structured_serve.py), and what the schema says
-    in words only (_keep_tool_references); everything else as generated. (An invalid one stays as
-    generated: the server refuses it before it decodes anything.)"""
+    grammars that compile (the schema cannot say which do: a 400 naming the problem, pinned by
+    tests/test_structured_serve.py), and what the schema says in words only (_keep_tool_references);
+    everything else as generated. (An invalid one stays as generated: the server refuses it before it
+    decodes anything.)"""
     if not isinstance(case.body, dict):
         return
     _compiling_grammars(case.body)
     _keep_tool_references(case.body)
     prompt = case.body.get("prompt")
-    if isinstance(prompt, list):
-        is_batch = isinstance(prompt[0], (str, list))
-        case.body["prompt"] = _small_ids(prompt[:MAX_CHOICES] if is_batch else prompt)
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+        case.body["prompt"] = prompt[:MAX_CHOICES]
     for field, limit in (
         ("max_tokens", MAX_TOKENS),
         ("max_completion_tokens", MAX_TOKENS),
@@ -163,13 +189,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _small_ids(value: Any) -> Any:
-    """Token ids (integers; JSON Schema's integer takes 2.0 too) below 1000."""
-    if isinstance(value, list):
-        return [_small_ids(item) for item in value]
-    return type(value)(value % 1000) if _is_number(value) and value >= 0 else value
-
-
 def _engine_info_cached(base_url: str, timeout_s: float = 60) -> None:
     """Wait until /v1/models answers: the ingress has the engine's info, which each request needs. On a
     loaded machine the engine once took over 2 s to answer the first info call (a 503, as documented)."""
@@ -222,6 +241,7 @@ def test_no_request_from_the_schema_gets_a_5xx(served: Served) -> None:
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+VOCAB_SIZE = 49152  # the served model's (SmolLM2-135M)
 CALL_AND_RESULT = [
     {"role": "user", "content": "Weather?"},
     {"role": "assistant", "content": None, "tool_calls": [CALL]},
@@ -277,6 +297,13 @@ AGREEMENT_CASES = {  # name: (path, fields over a small valid request, status)
     "empty prompt": (COMPLETIONS, {"prompt": ""}, 400),
     "empty prompt in a batch": (COMPLETIONS, {"prompt": ["Hi", ""]}, 400),
     "echo with logprobs": (COMPLETIONS, {"echo": True, "logprobs": 1}, 400),
+    # issue #43: token ids past the vocabulary, which the schema allowed (ST202)
+    "the vocabulary's last token id": (COMPLETIONS, {"prompt": [VOCAB_SIZE - 1]}, 200),
+    "a token id far past the vocabulary": (COMPLETIONS, {"prompt": [135631891304205]}, 400),
+    "a token id just past the vocabulary": (COMPLETIONS, {"prompt": [VOCAB_SIZE]}, 400),
+    "a batch with a token id past the vocabulary": (COMPLETIONS, {"prompt": [[1], [VOCAB_SIZE]]}, 400),
+    "a stop token id in the vocabulary": (CHAT, {"stop_token_ids": [VOCAB_SIZE - 1]}, 200),
+    "a stop token id past the vocabulary": (CHAT, {"stop_token_ids": [VOCAB_SIZE]}, 400),
 }
 
 
