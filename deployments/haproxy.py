@@ -9,6 +9,12 @@ HAProxy binary (RAY_SERVE_HAPROXY_BINARY_PATH, through a two-line script): it re
 configuration it is started with to 127.0.0.1, then runs the real HAProxy. The HTTP frontend keeps the host
 of serve_config.yaml's http_options.
 
+The same rewrite keeps a client's close reaching the ingress (which then aborts the request's engine
+work): Ray's template has `option abortonclose` but also `option splice-request`, and with it HAProxy
+2.8 misses the close of a client whose request body came after its headers (as httpx, and so the openai
+client, send it): its socket stayed in CLOSE-WAIT while the request ran to its end. A JSON body gains
+nothing from splicing, so the option goes.
+
 This file imports nothing outside the standard library: HAProxy's manager runs it as a script.
 """
 
@@ -26,6 +32,8 @@ DEFAULT_PORTS = (8404, 9101)  # Ray's: HAProxy's stats and Prometheus pages
 DRAINING_PERIOD_S = 2.0
 # `bind :9101` and `bind *:8404`: a bind with no host, or every host, and nothing else before the port
 _HOSTLESS_BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0)?:(\d+)\b", re.MULTILINE)
+_SPLICE_REQUEST = re.compile(r"^[ \t]*option[ \t]+splice-request[ \t]*\n", re.MULTILINE)
+_DEFAULTS = re.compile(r"^defaults\b[^\n]*\n", re.MULTILINE)
 
 
 def available() -> bool:
@@ -44,6 +52,16 @@ def available() -> bool:
 def bind_to(config: str, host: str) -> str:
     """The HAProxy configuration with its host-less binds on `host`."""
     return _HOSTLESS_BIND.sub(lambda match: f"{match[1]}{host}:{match[2]}", config)
+
+
+def abort_on_close(config: str) -> str:
+    """The HAProxy configuration with a client's close forwarded to the server while it answers: no
+    request splicing, and `option abortonclose` in its defaults (Ray's template has it; kept if a later
+    one drops it)."""
+    config = _SPLICE_REQUEST.sub("", config)
+    if not re.search(r"^[ \t]*option[ \t]+abortonclose\b", config, re.MULTILINE):
+        config = _DEFAULTS.sub(lambda match: match[0] + "    option abortonclose\n", config, count=1)
+    return config
 
 
 def serve_env(workdir: Path, stats_port: int, metrics_port: int) -> dict[str, str]:
@@ -74,7 +92,7 @@ def main(argv: list[str]) -> None:
     real = os.environ[REAL_BINARY]
     if "-f" in argv[:-1]:
         config = Path(argv[argv.index("-f") + 1])
-        config.write_text(bind_to(config.read_text(), LOOPBACK))
+        config.write_text(abort_on_close(bind_to(config.read_text(), LOOPBACK)))
     os.execv(real, [real, *argv])
 
 

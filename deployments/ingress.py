@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException
 from deployments import openapi
 from deployments.chat_output import ChatOutputPlan
 from deployments.config import AppArgs
+from deployments.disconnects import CancelOnDisconnect
 from deployments.engine import EngineInfo
 from deployments.engine_client import EngineClient, Inbox
 from deployments.engine_loop import Delta
@@ -261,7 +262,7 @@ class OpenAIIngress:
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
         openapi.install(app, self._engine_info)
-        return BodySizeLimit(app, self.args.max_request_bytes)
+        return BodySizeLimit(CancelOnDisconnect(app), self.args.max_request_bytes)
 
     async def _per_replica(self, method: str, what: str, timeout_s: float) -> list[tuple[str | None, Any]]:
         """Call a method on every engine replica that Serve runs (on the one Serve picks when this
