@@ -24,6 +24,7 @@ from deployments.tool_calls import (
     format_for_template,
     new_call_id,
 )
+from engine.grammar import lark_json
 from engine.sampling import GrammarSpec, SamplingParams
 
 
@@ -194,7 +195,7 @@ def _answer_rule(grammar: GrammarSpec) -> str:
         except ValueError as error:
             message = f"the JSON Schema is not JSON: {error}"
             raise OpenAIError.invalid_request(message, param="structured_outputs") from None
-        return f"formatted: %json {json.dumps(schema)}\n"
+        return f"formatted: {lark_json(schema)}\n"
     if grammar.kind == "regex":
         return "formatted: /" + re.sub(r"(?<!\\)/", r"\\/", grammar.source) + "/\n"
     if grammar.kind == "choice":

@@ -24,6 +24,8 @@ from typing import Any
 
 from llguidance import LLMatcher
 
+from engine.grammar import lark_json
+
 # Looks a token up by its text: its id when the text is one token of the vocabulary, else None.
 TokenIdOf = Callable[[str], int | None]
 
@@ -163,7 +165,7 @@ class ToolCallFormat:
 
     def calls_rules(self, functions: Sequence[Function], parallel: bool, token_id_of: TokenIdOf) -> str:
         """Lark rules whose rule `tool_calls` matches one call (parallel: one or more) of these functions,
-        each with arguments that validate against its parameters."""
+        each with arguments that validate against its parameters, on one line (lark_json)."""
         raise NotImplementedError
 
     def template_call_id(self, call_id: str) -> str:
@@ -222,7 +224,7 @@ class HermesFormat(ToolCallFormat):
             f"tool_calls: tool_call{repeat}\n"
             f'tool_call: {lark_literal(self.OPEN, token_id_of)} "\\n" call_object "\\n" '
             f"{lark_literal(self.CLOSE, token_id_of)}\n"
-            f"call_object: %json {json.dumps(self._call_schema(functions))}\n"
+            f"call_object: {lark_json(self._call_schema(functions))}\n"
         )
 
 
@@ -260,7 +262,7 @@ class Llama3JsonFormat(ToolCallFormat):
         repeat = ' ("; " call_object)*' if parallel else ""
         return (
             f"tool_calls: call_object{repeat}\n"
-            f"call_object: %json {json.dumps(self._call_schema(functions))}\n"
+            f"call_object: {lark_json(self._call_schema(functions))}\n"
         )
 
 
@@ -334,7 +336,7 @@ class MistralFormat(ToolCallFormat):
             repeat = ' (", " call_object)*' if parallel else ""
             return (
                 f'tool_calls: {marker} "[" call_object{repeat} "]"\n'
-                f"call_object: %json {json.dumps(self._call_schema(functions))}\n"
+                f"call_object: {lark_json(self._call_schema(functions))}\n"
             )
         arguments = lark_literal(self.ARGS, token_id_of)
         rules = [f"tool_calls: tool_call{'+' if parallel else ''}"]
@@ -342,7 +344,7 @@ class MistralFormat(ToolCallFormat):
         for index, function in enumerate(functions):
             parameters = function.parameters or {"type": "object", "additionalProperties": False}
             rules.append(f"call_{index}: {marker} {json.dumps(function.name)} {arguments} arguments_{index}")
-            rules.append(f"arguments_{index}: %json {json.dumps(parameters)}")
+            rules.append(f"arguments_{index}: {lark_json(parameters)}")
         return "\n".join(rules) + "\n"
 
 

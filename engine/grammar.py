@@ -34,6 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
@@ -49,7 +50,8 @@ COMPILE_THREADS = 2
 # templates per spec, and the batch mask fill's threads (the host's other cores serve the engine's loop)
 MASK_SHARDS = max(1, min(8, (os.cpu_count() or 1) - 2))
 # JSON on one line, ", " and ": " between items (what json.dumps writes): whitespace left free, a small model
-# spends its tokens on newlines and indents. A schema's own "x-guidance" options take precedence.
+# spends its tokens on newlines and indents. A schema's own "x-guidance" options take precedence. Both a json
+# spec and a schema in a Lark grammar (lark_json) are laid out so.
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -111,6 +113,14 @@ def grammar_text(spec: GrammarSpec) -> str:
             raise InvalidRequestError("choice must be a non-empty list of strings")
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
     raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}: json, regex, choice or lark")
+
+
+def lark_json(schema: dict[str, Any]) -> str:
+    """Lark's `%json` of a schema, its output laid out as a json spec's: %json takes no compile defaults, so
+    _JSON_LAYOUT goes in the schema's own "x-guidance", under the options that one names."""
+    own = schema.get("x-guidance")
+    layout = {**_JSON_LAYOUT, **(own if isinstance(own, dict) else {})}
+    return f"%json {json.dumps({**schema, 'x-guidance': layout})}"
 
 
 _WHAT = {"json": "JSON schema", "regex": "regex", "lark": "grammar", "choice": "choice"}

@@ -209,6 +209,32 @@ def test_one_call_or_several_as_parallel_tool_calls_says() -> None:
         assert _accepts(qwen3_tokenizer_dir(), grammar, one + "\n" + one) == parallel
 
 
+def test_a_forced_call_and_a_schema_beside_it_are_json_on_one_line() -> None:
+    """A forced call's object, and a response format's schema after a think block or beside a call, are laid
+    out as a json_schema answer is: ", " and ": " between items, no newline or indent (issue #43: a forced
+    call's arguments took indented lines, tokens that a call cut off by max_tokens lost)."""
+    tokenizer, _ = _tokenizers(qwen3_tokenizer_dir())
+    compact = '{"city": "Paris", "days": 3}'
+    indented = json.dumps(ARGUMENTS, indent=2)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    forced = ChatOutputPlan.for_request(
+        request(tool_choice="required", **no_thinking), template("Qwen-Qwen3-0.6B"), tokenizer.single_token_id
+    ).constrain(SamplingParams())
+    schema = SamplingParams(grammar=GrammarSpec("json", json.dumps(WEATHER_PARAMETERS)))
+    beside_a_call = ChatOutputPlan.for_request(
+        request(**no_thinking), template("Qwen-Qwen3-0.6B"), tokenizer.single_token_id
+    ).constrain(schema)
+    after_thinking = ChatOutputPlan.for_request(
+        request(tools=[]), template("Qwen-Qwen3-0.6B"), tokenizer.single_token_id
+    ).constrain(schema)
+    for params, spelled in ((forced, call), (beside_a_call, call), (beside_a_call, "%s"),
+                            (after_thinking, "<think>\nParis.\n</think>\n\n%s")):  # fmt: skip
+        assert _accepts(qwen3_tokenizer_dir(), params.grammar, spelled % compact), spelled
+        for other in (indented, compact.replace(", ", ","), compact.replace(": ", ":")):
+            assert not _accepts(qwen3_tokenizer_dir(), params.grammar, spelled % other), (spelled, other)
+
+
 def test_a_schema_constrains_only_the_answer_after_the_thinking() -> None:
     """Qwen3 thinking: a response format's grammar (as the structured-output side sets it) after any think
     block, and with tool_choice auto a call instead; with thinking off no think block."""

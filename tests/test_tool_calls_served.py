@@ -1,7 +1,7 @@
 """Tool calls through the real application (`serve run`, SmolLM2-135M on the CPU, greedy) with the official
 openai client: a forced call, whole and streamed, whose arguments validate against the function's
-parameters (the grammar forces them: SmolLM2 knows no tools, its template none); a second turn with the
-tool's result; each bad tool request's 400; the README's example."""
+parameters and take one line (the grammar forces them: SmolLM2 knows no tools, its template none); a second
+turn with the tool's result; each bad tool request's 400; the README's example."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import jsonschema
 import openai
 import pytest
 from serving import Served
+
+from engine.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +39,10 @@ def client(served: Served) -> openai.OpenAI:
 
 
 def _check_call(name: str, arguments: str) -> None:
+    """A call of get_weather with valid arguments, written as a json_schema answer is: on one line."""
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), PARAMETERS)
+    assert arguments == json.dumps(json.loads(arguments)), arguments  # no newline, no indent (issue #43)
 
 
 def test_a_forced_call(client: openai.OpenAI, served: Served) -> None:
@@ -51,6 +55,11 @@ def test_a_forced_call(client: openai.OpenAI, served: Served) -> None:
     (call,) = choice.message.tool_calls
     assert call.id.startswith("call_") and call.type == "function"
     _check_call(call.function.name, call.function.arguments)
+    # fewer tokens than the same call with its arguments indented, as the grammar let SmolLM2 write it before
+    indented = json.dumps(json.loads(call.function.arguments), indent=2)
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {indented}}}\n</tool_call>'
+    indented_tokens = load_tokenizer("smollm2-135m").encode(text, add_special_tokens=False)
+    assert reply.usage.completion_tokens < len(indented_tokens)  # its own count has the end token too
 
 
 def test_a_forced_call_streamed(client: openai.OpenAI, served: Served) -> None:
