@@ -8,8 +8,10 @@ against the real application (the `served` fixture)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -18,6 +20,11 @@ from typing import Any
 import httpx
 import pytest
 from ingress_harness import MODEL, build, make_ingress
+from ray.serve._private.constants import (
+    RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT,
+    RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT,
+)
+from ray.util.client.server.proxier import MAX_SPECIFIC_SERVER_PORT, MIN_SPECIFIC_SERVER_PORT
 from serving import API_KEY, Served
 
 from deployments import cluster_security, haproxy
@@ -396,22 +403,53 @@ def _listening_sockets() -> dict[int, tuple[str, int]]:
     return sockets
 
 
-def _ray_listeners() -> list[tuple[str, int, str]]:
-    """(host, port, process) of the sockets that this user's Ray processes listen on."""
+def _processes() -> dict[int, tuple[int, str, list[tuple[str, int]]]]:
+    """pid -> (parent pid, command line, the (host, port)s it listens on) of this user's processes."""
     sockets = _listening_sockets()
-    found = []
+    found = {}
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
         try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
             command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             links = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
         except OSError:  # gone, or another user's
             continue
-        if "ray" not in command:
-            continue
-        for link in links:
-            if link.startswith("socket:[") and int(link[8:-1]) in sockets:
-                found.append((*sockets[int(link[8:-1])], command[:80]))
+        inodes = [int(link[8:-1]) for link in links if link.startswith("socket:[")]
+        found[int(proc.name)] = (parent, command, [sockets[inode] for inode in inodes if inode in sockets])
     return found
+
+
+def _ray_listeners() -> list[tuple[str, int, str]]:
+    """(host, port, process) of the sockets that this user's Ray processes listen on."""
+    return [
+        (host, port, command[:80])
+        for _, command, held in _processes().values()
+        if "ray" in command
+        for host, port in held
+    ]
+
+
+def _cluster_listeners(ray_address: str) -> list[tuple[int, str]]:
+    """(port, process) of the sockets that the cluster at ray_address listens on: every process under the
+    launcher that started it (tests/serving.py), Ray's, `serve run` and HAProxy."""
+    processes = _processes()
+    gcs_port = int(ray_address.rsplit(":", 1)[1])
+    gcs = next(pid for pid, (_, _, held) in processes.items() if any(port == gcs_port for _, port in held))
+    launcher = processes[processes[gcs][0]][0]  # gcs_server <- `ray start --block` <- the launcher
+
+    def started_by_launcher(pid: int) -> bool:
+        while pid in processes and pid != launcher:
+            pid = processes[pid][0]
+        return pid == launcher
+
+    return [
+        (port, command[:80])
+        for pid, (_, command, held) in processes.items()
+        if started_by_launcher(pid)
+        for _, port in held
+    ]
 
 
 def test_every_listener_is_on_loopback(served: Served) -> None:
@@ -425,6 +463,39 @@ def test_every_listener_is_on_loopback(served: Served) -> None:
         assert any("haproxy" in listener[2] for listener in listeners)
     loopback = ("127.", "::ffff:127.", "::1")
     assert [listener for listener in listeners if not listener[0].startswith(loopback)] == []
+
+
+# Ray's workers' ports (`ray start`'s --min-worker-port and --max-worker-port), and the ranges that the
+# README's table names by their first port
+RAY_WORKER_PORTS = range(10002, 20000)
+NAMED_RANGES = (
+    range(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT + 1),
+    range(MIN_SPECIFIC_SERVER_PORT, MAX_SPECIFIC_SERVER_PORT),
+)
+
+
+def test_the_readme_names_every_port_the_app_listens_on(served: Served) -> None:
+    """Each port that the app's processes listen on is in the README's table of listeners (Security), but
+    those the system picks (a bind to port 0: its ephemeral range) and Ray's workers'. Serve's HTTP proxy
+    beside HAProxy, on 8500, serving the whole API, was missing (issue #43)."""
+    low, high = (int(bound) for bound in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    after = readme[readme.index("**What listens where.**") :].splitlines()
+    start = next(index for index, line in enumerate(after) if line.startswith("|"))
+    table = itertools.takewhile(lambda line: line.startswith("|"), after[start:])
+    named = {int(number) for line in table for number in re.findall(r"\d+", line)}
+    fixed = [
+        (port, command)
+        for port, command in _cluster_listeners(served.ray_address)
+        if not (low <= port <= high or port in RAY_WORKER_PORTS)
+    ]
+    assert fixed  # an ingress replica's own HTTP server (HAProxy mode) or Serve's proxy, at least
+    unnamed = [
+        (port, command)
+        for port, command in fixed
+        if next((ports.start for ports in NAMED_RANGES if port in ports), port) not in named
+    ]
+    assert unnamed == []
 
 
 def test_ray_takes_no_caller_without_its_token(served: Served) -> None:
