@@ -37,6 +37,11 @@ _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<en
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
 _SPM_SPACE = "\u2581"
 _SPM_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+# How many times fewer characters these normalizers may leave of a text (NFC and NFKC compose at most four
+# code points into one); others give no bound on a text's tokens (Tokenizer.fewest_tokens).
+_SHRINK_BY_NORMALIZER = {"Prepend": 1, "NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4}
+# pre-tokenizers that keep every character (unless their behavior is "removed")
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation"})
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -134,7 +139,8 @@ class Tokenizer:
         self.chat_template = chat_template
         # One more than the largest id it maps: the ids a model may emit (a model's embedding may have
         # padding rows beyond them). Counting entries would miss ids past a hole or a repeated spelling.
-        self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values(), default=-1) + 1
         self._special_tokens = dict(specials.named)  # passed to chat templates, as transformers does
         self.bos_token = self._special_tokens.get("bos_token")
         self.eos_token = self._special_tokens.get("eos_token")
@@ -157,9 +163,12 @@ class Tokenizer:
         self.add_bos_token = add_bos and self.bos_token_id is not None
         self._eos_to_append = eos_token_id if add_eos else None
         # strips_leading_space: decode() drops the space SentencePiece put before the first word
-        self._decoder_kind, self.strips_leading_space = _decoder_kind(
-            json.loads(backend.to_str()).get("decoder")
-        )
+        description = json.loads(backend.to_str())
+        self._decoder_kind, self.strips_leading_space = _decoder_kind(description.get("decoder"))
+        # a token stands for at most its spelling's length of the normalized text (a byte-level token's
+        # characters are bytes); None: no bound (fewest_tokens)
+        shrink = _text_shrink(description)
+        self._chars_per_token = None if shrink is None else shrink * max(map(len, vocab), default=1)
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -250,15 +259,24 @@ class Tokenizer:
     # ---- text <-> ids -----------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids. The work runs without the GIL (encode_batch_fast; encode holds it), so a
+        long text tokenized on a worker thread leaves the caller's event loop running."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to tokenize must be a string, not {type(text).__name__}")
-        token_ids = self._backend.encode(text, add_special_tokens=False).ids
+        token_ids = self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
         if add_special_tokens:
             if self.add_bos_token:
                 token_ids.insert(0, self.bos_token_id)
             if self._eos_to_append is not None:
                 token_ids.append(self._eos_to_append)
         return token_ids
+
+    def fewest_tokens(self, text: str) -> int:
+        """At most len(encode(text)), found without tokenizing (a prompt too long for any context is refused
+        at once); 0 for a tokenizer whose normalizer, pre-tokenizer or model may drop or fuse text."""
+        if self._chars_per_token is None:
+            return 0
+        return -(-len(text) // self._chars_per_token)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         token_ids = list(token_ids)
@@ -358,6 +376,43 @@ def _folder_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
         named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
         template = named.get("default")
     return template if isinstance(template, str) else None
+
+
+def _text_shrink(description: dict[str, Any]) -> int | None:
+    """How many times fewer characters than a text the pieces that a tokenizer (its tokenizer.json) splits
+    into tokens may have; None where it may drop text, or fuse unknown text into one token."""
+    model = description.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") is not None and not model.get("byte_fallback")):
+        return None
+    if not _keeps_text(description.get("pre_tokenizer")):
+        return None
+    return _normalizer_shrink(description.get("normalizer"))
+
+
+def _normalizer_shrink(normalizer: dict[str, Any] | None) -> int | None:
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers", ()):
+            part_factor = _normalizer_shrink(part)
+            if part_factor is None:
+                return None
+            factor *= part_factor
+        return factor
+    if kind == "Replace":  # one character for at least one: " " -> "▁"
+        pattern = (normalizer.get("pattern") or {}).get("String")
+        return 1 if pattern is not None and len(pattern) == 1 and normalizer.get("content") else None
+    return _SHRINK_BY_NORMALIZER.get(kind)
+
+
+def _keeps_text(pre_tokenizer: dict[str, Any] | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    if pre_tokenizer.get("type") == "Sequence":
+        return all(_keeps_text(part) for part in pre_tokenizer.get("pretokenizers", ()))
+    return pre_tokenizer.get("type") in _KEEPING_PRE_TOKENIZERS and pre_tokenizer.get("behavior") != "Removed"
 
 
 def _decoder_kind(decoder: dict[str, Any] | None) -> tuple[str, bool]:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import gguf
 import pytest
+import tokenizers
 from assets import llama3_tokenizer_dir, llama_cpp_models_dir, qwen3_tokenizer_dir
+from tokenizers import models, pre_tokenizers
 from transformers import AutoTokenizer
 
 from engine.errors import InvalidRequestError, ModelLoadError
@@ -215,6 +217,37 @@ def test_smollm2_gguf_tokenizer_matches_transformers(smollm2_gguf: Path) -> None
     expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours.render_chat(messages) == expected
     assert ours.encode_chat(messages) == reference.encode(expected, add_special_tokens=False)
+
+
+# ---- the fewest tokens a text may take, found without tokenizing it ---------------------------------
+
+
+@pytest.mark.parametrize("source", ["smollm2", "llama-bpe", "llama-spm", "qwen2", "qwen3"])
+def test_fewest_tokens_is_at_most_the_tokens(source: str, request: pytest.FixtureRequest) -> None:
+    """fewest_tokens (the ingress refuses a prompt too long for the context without tokenizing it) never
+    says more than encode gives: over llama.cpp's test texts, this file's, and a run of the vocabulary's
+    longest token, where the bound is closest."""
+    if source == "smollm2":
+        tokenizer = Tokenizer.from_gguf(read_gguf(request.getfixturevalue("smollm2_gguf")))
+    elif source == "qwen3":  # NFC may compose 4 characters into 1: a looser bound
+        tokenizer = Tokenizer.from_folder(qwen3_tokenizer_dir())
+    else:
+        tokenizer = load_vocab(source)
+    longest = max(tokenizer._backend.get_vocab(), key=len)
+    run = tokenizer.decode([tokenizer._backend.token_to_id(longest)]) * 100
+    texts = TEXTS + [run]
+    if source in SUPPORTED_VOCABS:
+        texts += [text for text, _ in read_golden_vectors(source)]
+    for text in texts:
+        assert tokenizer.fewest_tokens(text) <= len(tokenizer.encode(text, add_special_tokens=False)), text
+    assert tokenizer.fewest_tokens(run) > 0
+
+
+def test_no_fewest_tokens_where_the_tokenizer_may_drop_text(tmp_path: Path) -> None:
+    backend = tokenizers.Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()  # drops the spaces
+    backend.save(str(tmp_path / "tokenizer.json"))
+    assert Tokenizer.from_folder(tmp_path).fewest_tokens(" " * 10_000) == 0
 
 
 # ---- bad input -------------------------------------------------------------------------------------
