@@ -5,7 +5,11 @@ one engine request per choice (a chat's with the grammar that forces its tool ca
 deployments/chat_output.py, which also reads reasoning and tool calls out of the answer's text). Token
 ids come back through this replica's one outputs stream from the engine (deployments/engine.py,
 EngineClient), once per engine step; this replica detokenizes them and finds stop strings
-(engine.detokenizer.TextStream: the same code the engine runs in process).
+(engine.detokenizer.TextStream: the same code the engine runs in process). A body over OFF_LOOP_BYTES
+is parsed, validated, rendered and tokenized on a worker thread, so that the streams this replica sends
+meanwhile keep their pace, and a prompt too long for any context is refused before it is tokenized
+(Tokenizer.fewest_tokens). A client that goes away cancels its request, which aborts its engine requests
+(deployments/disconnects.py).
 
 A stop string ends its choice at once (finish_reason "stop"): no text, token or logprob past the
 token that completed it is returned or counted, and the engine request is aborted (it stops within
@@ -28,7 +32,8 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -47,8 +52,13 @@ from deployments.engine_loop import Delta
 from deployments.errors import OpenAIError, openai_error_from, original_exception
 from deployments.metrics import exposition, router_families
 from deployments.reasoning import prompt_opens_thinking
-from deployments.request_parsing import json_body_of, parse_json_body, parse_request
-from deployments.request_to_engine import chat_template_input, max_tokens_for, sampling_params_for
+from deployments.request_parsing import json_bytes_of, parse_body
+from deployments.request_to_engine import (
+    chat_template_input,
+    max_tokens_for,
+    prompt_too_long,
+    sampling_params_for,
+)
 from deployments.requests import ChatCompletionRequest, CompletionRequest
 from deployments.responses import ChatResponse, ChoiceResult, CompletionResponse, echo_text, usage
 from deployments.routing import ROUTE_KWARG, RoutingPolicy, block_keys, policy_for
@@ -60,6 +70,12 @@ from engine.engine import RequestOutput
 from engine.loader import load_tokenizer
 
 HEALTH_TIMEOUT_S = 1.0  # /health: the engine answers its health check within this, or is not healthy
+# A request body larger than this is parsed, validated, rendered and tokenized on a worker thread, so that the
+# streams this replica sends meanwhile keep going (tokenizing and llguidance's schema checks run without the
+# GIL). A hop there and back costs tens of microseconds; 8 KiB of prompt takes milliseconds to tokenize.
+OFF_LOOP_BYTES = 8 * 1024
+PREPARE_THREADS = 2  # larger requests prepared at once; more wait their turn
+T = TypeVar("T")
 CONTROL_CALL_TIMEOUT_S = 2.0  # /v1/models and /metrics: 503 when the engine does not answer within this
 
 
@@ -143,11 +159,15 @@ class OpenAIIngress:
         self.info: EngineInfo | None = None
         self.created = int(time.time())
         self._open_streams = 0  # streamed responses being sent (paced: _merged)
+        self._preparing = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")  # _off_loop
 
     def __del__(self) -> None:  # Serve calls it when it stops this replica
         client = getattr(self, "client", None)
         if client is not None:
             client.close()
+        preparing = getattr(self, "_preparing", None)
+        if preparing is not None:
+            preparing.shutdown(wait=False, cancel_futures=True)
 
     async def _engine_info(self) -> EngineInfo:
         if self.info is None:
@@ -158,22 +178,27 @@ class OpenAIIngress:
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """A chat completion, as the HTTP API returns it (stream is ignored)."""
-        request = self._parse_chat({**json_body_of(body), "stream": False})
-        return await self._chat_response(await self._prepare_chat(request), request)
+        raw = json_bytes_of(body)
+        request = await self._parse(ChatCompletionRequest, raw, stream=False)
+        return await self._chat_response(await self._prepare_chat(request, len(raw)), request)
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The chunks of a streamed chat completion (call with handle.options(stream=True))."""
-        request = self._parse_chat({**json_body_of(body), "stream": True})
-        async for chunk in self._chat_chunks(await self._prepare_chat(request), request):
+        raw = json_bytes_of(body)
+        request = await self._parse(ChatCompletionRequest, raw, stream=True)
+        async for chunk in self._chat_chunks(await self._prepare_chat(request, len(raw)), request):
             yield chunk
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        request = self._parse_completion({**json_body_of(body), "stream": False})
-        return await self._completion_response(await self._prepare_completion(request), request)
+        raw = json_bytes_of(body)
+        request = await self._parse(CompletionRequest, raw, stream=False)
+        return await self._completion_response(await self._prepare_completion(request, len(raw)), request)
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        request = self._parse_completion({**json_body_of(body), "stream": True})
-        async for chunk in self._completion_chunks(await self._prepare_completion(request), request):
+        raw = json_bytes_of(body)
+        request = await self._parse(CompletionRequest, raw, stream=True)
+        prepared = await self._prepare_completion(request, len(raw))
+        async for chunk in self._completion_chunks(prepared, request):
             yield chunk
 
     # --- the HTTP app ---------------------------------------------------------------------------
@@ -204,8 +229,9 @@ class OpenAIIngress:
             ),
         )
         async def chat_completions(request: Request) -> Response:
-            parsed = self._parse_chat(await self._read_body(request))
-            prepared = await self._prepare_chat(parsed)
+            body = await self._read_body(request)
+            parsed = await self._parse(ChatCompletionRequest, body)
+            prepared = await self._prepare_chat(parsed, len(body))
             if parsed.stream:
                 return self._sse_response(self._chat_chunks(prepared, parsed))
             return JSONResponse(await self._chat_response(prepared, parsed))
@@ -217,8 +243,9 @@ class OpenAIIngress:
             ),
         )
         async def completions(request: Request) -> Response:
-            parsed = self._parse_completion(await self._read_body(request))
-            prepared = await self._prepare_completion(parsed)
+            body = await self._read_body(request)
+            parsed = await self._parse(CompletionRequest, body)
+            prepared = await self._prepare_completion(parsed, len(body))
             if parsed.stream:
                 return self._sse_response(self._completion_chunks(prepared, parsed))
             return JSONResponse(await self._completion_response(prepared, parsed))
@@ -321,9 +348,9 @@ class OpenAIIngress:
         if not hmac.compare_digest(key.encode("latin-1"), self.api_key.encode("utf-8")):
             raise OpenAIError.invalid_api_key()
 
-    async def _read_body(self, request: Request) -> dict[str, Any]:
+    async def _read_body(self, request: Request) -> bytes:
         self._authorize(request)
-        return parse_json_body(await request.body())
+        return await request.body()
 
     @staticmethod
     def _sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -341,11 +368,15 @@ class OpenAIIngress:
 
     # --- shared by HTTP and handles -------------------------------------------------------------
 
-    def _parse_chat(self, body: dict[str, Any]) -> ChatCompletionRequest:
-        return parse_request(ChatCompletionRequest, body)
+    async def _off_loop(self, num_bytes: int, work: Callable[..., T], *args: Any) -> T:
+        """work(*args) for a request of num_bytes: here for a small one, on a worker thread for a larger one
+        (OFF_LOOP_BYTES)."""
+        if num_bytes <= OFF_LOOP_BYTES:
+            return work(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._preparing, work, *args)
 
-    def _parse_completion(self, body: dict[str, Any]) -> CompletionRequest:
-        return parse_request(CompletionRequest, body)
+    async def _parse(self, model: type[T], raw: bytes, stream: bool | None = None) -> T:
+        return await self._off_loop(len(raw), parse_body, model, raw, stream)
 
     async def _check_model(self, model: str) -> EngineInfo:
         info = await self._engine_info()
@@ -353,30 +384,51 @@ class OpenAIIngress:
             raise OpenAIError.model_not_found(model, info.model_name)
         return info
 
-    async def _prepare_chat(self, request: ChatCompletionRequest) -> _Prepared:
+    async def _prepare_chat(self, request: ChatCompletionRequest, num_bytes: int) -> _Prepared:
         info = await self._check_model(request.model)
+        prompt, plan = await self._off_loop(num_bytes, self._chat_prompt, request, info)
+        return await self._submit(request, [prompt], info, "chatcmpl", plan)
+
+    def _chat_prompt(
+        self, request: ChatCompletionRequest, info: EngineInfo
+    ) -> tuple[list[int], ChatOutputPlan]:
+        """The chat's prompt (its template rendered, with its tools) and what its answers may hold."""
         template = self.tokenizer.chat_template
         try:
             messages, tools = chat_template_input(request, template)
-            prompt = self.tokenizer.encode_chat(
+            text = self.tokenizer.render_chat(
                 messages,
                 add_generation_prompt=request.add_generation_prompt,
                 tools=tools,
                 **(request.chat_template_kwargs or {}),
             )
+            # the template writes BOS itself where the model wants it
+            prompt = self._tokens(request, text, info, add_special_tokens=False)
         except Exception as error:  # a template's raise_exception, or a bad message
             raise openai_error_from(error, prompt_param=request.prompt_field) from None
         opened = prompt_opens_thinking(prompt, self.tokenizer)
-        plan = ChatOutputPlan.for_request(request, template, self.tokenizer.single_token_id, opened)
-        return await self._submit(request, [prompt], info, "chatcmpl", plan)
+        return prompt, ChatOutputPlan.for_request(request, template, self.tokenizer.single_token_id, opened)
 
-    async def _prepare_completion(self, request: CompletionRequest) -> _Prepared:
+    async def _prepare_completion(self, request: CompletionRequest, num_bytes: int) -> _Prepared:
         info = await self._check_model(request.model)
-        prompts = [
-            self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompts = await self._off_loop(num_bytes, self._completion_prompts, request, info)
+        return await self._submit(request, prompts, info, "cmpl")
+
+    def _completion_prompts(self, request: CompletionRequest, info: EngineInfo) -> list[list[int]]:
+        return [
+            self._tokens(request, prompt, info) if isinstance(prompt, str) else list(prompt)
             for prompt in request.prompt_list()
         ]
-        return await self._submit(request, prompts, info, "cmpl")
+
+    def _tokens(
+        self, request: Any, text: str, info: EngineInfo, add_special_tokens: bool = True
+    ) -> list[int]:
+        """A prompt's tokens; one that cannot fit the context is refused before it is tokenized (a 3 MB
+        prompt's tokens took seconds of a core)."""
+        fewest = self.tokenizer.fewest_tokens(text)
+        if fewest >= info.max_model_len:
+            raise prompt_too_long(request, fewest, info.max_model_len, at_least=True)
+        return self.tokenizer.encode(text, add_special_tokens)
 
     async def _submit(
         self,

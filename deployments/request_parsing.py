@@ -22,7 +22,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     raised RecursionError (a 500) past about 1,000.
     """
     try:
-        body = pydantic_core.from_json(raw, allow_inf_nan=False)
+        body = pydantic_core.from_json(raw, allow_inf_nan=False, cache_strings="keys")
     except ValueError as error:
         raise OpenAIError.invalid_request(f"The request body is not valid JSON: {error}") from None
     if not isinstance(body, dict):
@@ -33,15 +33,28 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 def json_body_of(body: Any) -> dict[str, Any]:
     """A Python handle's request dict held to what an HTTP body may be (parse_json_body): it goes through
     JSON, so a lone surrogate, NaN, a non-JSON type or deep nesting gets the same 400."""
+    return parse_json_body(json_bytes_of(body))
+
+
+def json_bytes_of(body: Any) -> bytes:
+    """A Python handle's request as the JSON body it stands for; 400 for what JSON cannot hold."""
     try:
-        raw = json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        return json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except UnicodeEncodeError as error:
         raise OpenAIError.invalid_request(f"The request's text is not valid Unicode: {error}") from None
     except RecursionError:
         raise OpenAIError.invalid_request("The request is nested too deeply.") from None
     except (TypeError, ValueError) as error:
         raise OpenAIError.invalid_request(f"The request is not what a JSON body can hold: {error}") from None
-    return parse_json_body(raw)
+
+
+def parse_body(model_cls: type[RequestT], raw: bytes, stream: bool | None = None) -> RequestT:
+    """A JSON request body validated into model_cls, its `stream` set where given (a handle's method says
+    whether it streams)."""
+    body = parse_json_body(raw)
+    if stream is not None:
+        body["stream"] = stream
+    return parse_request(model_cls, body)
 
 
 def parse_request(model_cls: type[RequestT], body: Any) -> RequestT:

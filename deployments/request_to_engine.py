@@ -15,16 +15,25 @@ from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 
 
+def prompt_too_long(
+    request: GenerationRequest, num_prompt_tokens: int, max_model_len: int, at_least: bool = False
+) -> OpenAIError:
+    """The 400 for a prompt that leaves no room for the completion; at_least: num_prompt_tokens is a
+    bound, found without tokenizing the prompt."""
+    where = request.prompt_field
+    return OpenAIError.context_length_exceeded(
+        f"This model's maximum context length is {max_model_len} tokens. However, your {where} "
+        f"resulted in {'at least ' if at_least else ''}{num_prompt_tokens} tokens, which leaves no room for "
+        f"the completion. Please reduce the length of the {where}.",
+        param=where,
+    )
+
+
 def max_tokens_for(request: GenerationRequest, num_prompt_tokens: int, max_model_len: int) -> int:
     """The tokens to generate: as requested, or what is left of the context; 400 when it does not fit."""
     where = request.prompt_field
     if num_prompt_tokens >= max_model_len:
-        raise OpenAIError.context_length_exceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, your {where} "
-            f"resulted in {num_prompt_tokens} tokens, which leaves no room for the completion. "
-            f"Please reduce the length of the {where}.",
-            param=where,
-        )
+        raise prompt_too_long(request, num_prompt_tokens, max_model_len)
     requested = request.requested_max_tokens
     if requested is None:
         return max_model_len - num_prompt_tokens
