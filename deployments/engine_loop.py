@@ -38,7 +38,8 @@ ENGINE_SWITCH_INTERVAL_S = float(os.environ.get("TILEINFER_SWITCH_INTERVAL_S", "
 
 # One request's share of a step: (request_id, new_token_ids, finish_reason, new_logprobs or None,
 # error or None). finish_reason is "stop" (a stop token, the last of new_token_ids) or "length", or
-# None while it runs; an error ends the request without a finish reason.
+# None while it runs; an error ends the request without a finish reason (the engine's finish_reason
+# "error", a grammar that failed, is its error: GrammarFailedError).
 Delta = tuple[str, list[int], str | None, list[TokenLogprob] | None, BaseException | None]
 
 
@@ -264,10 +265,12 @@ class EngineLoop:
                             (now - stream.first_token_time) / (stream.num_tokens - 1)
                         )
                 logprobs = output.new_logprobs or None
+                error = output.error
+                finish_reason = output.finish_reason if error is None else None
                 deltas.append(
                     (
                         stream.subscriber,
-                        (output.request_id, output.new_token_ids, output.finish_reason, logprobs, None),
+                        (output.request_id, output.new_token_ids, finish_reason, logprobs, error),
                     )
                 )
             metrics.generation_tokens.inc(generated)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import TextStream
-from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.grammar import Grammars, SequenceGrammar
+from engine.errors import ContextLengthExceededError, GrammarFailedError, InvalidRequestError
+from engine.grammar import Grammars
 from engine.interfaces import Proposer
 from engine.kv_budget import (
     dequant_buffer_bytes,
@@ -38,6 +39,8 @@ from engine.step import Drafts, PendingStep, RowOutput, ScheduledRow, is_decode_
 from kernels.int8 import Int8Weight
 from kernels.triton_common import specialization_sizes
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(slots=True)  # one per request per step: slots make it cheaper to build
 class RequestOutput:
@@ -47,10 +50,11 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (its grammar failed: error says why)
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens reused from the prefix cache
     new_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    error: GrammarFailedError | None = None  # finish_reason "error": why (the output does not match)
 
 
 _WARM_UP_GRAMMAR = GrammarSpec("regex", "[a-z]+")
@@ -311,7 +315,9 @@ class Engine:
         one output."""
         parts = []
         for position in range(seq.num_tokens - num_new, seq.num_tokens):
-            parts.append(self._emit(seq, logprob, num_known_tokens=position + 1))
+            token_id = seq.token_ids[position]
+            grammar_finish = self._grammar_finish(seq, token_id) if seq.grammar is not None else None
+            parts.append(self._emit(seq, logprob, position + 1, grammar_finish))
             if parts[-1].finished:
                 break
         merged = parts[-1]
@@ -349,14 +355,15 @@ class Engine:
                 for seq, token in zip(pending.seqs, pending.read(), strict=True)
                 if not seq.is_finished
             ]
-        grammar_ends: dict[Sequence, bool] = {}
+        grammar_finishes: dict[Sequence, str | None] = {}
         for seq, token_id in read:
             seq.token_ids.append(token_id)
-            if seq.grammar is not None and not self._stops_on(seq, token_id):
-                grammar_ends[seq] = self._grammar_ends(seq.grammar, token_id)
+            if seq.grammar is not None:
+                grammar_finishes[seq] = self._grammar_finish(seq, token_id)
         if launched is not None:
-            self.runner.start_masks(launched, ending={seq for seq, ends in grammar_ends.items() if ends})
-        return [self._emit(seq, None, grammar_ends=grammar_ends.get(seq)) for seq, _ in read]
+            ending = {seq for seq, finish in grammar_finishes.items() if finish is not None}
+            self.runner.start_masks(launched, ending=ending)
+        return [self._emit(seq, None, grammar_finish=grammar_finishes.get(seq)) for seq, _ in read]
 
     def _commit(self, scheduled: list[ScheduledRow]) -> None:
         for item in scheduled:
@@ -369,11 +376,11 @@ class Engine:
         seq: Sequence,
         logprob: TokenLogprob | None,
         num_known_tokens: int | None = None,
-        grammar_ends: bool | None = None,
+        grammar_finish: str | None = None,
     ) -> RequestOutput:
         """Stop-check (and detokenize, when the engine does) the sequence's newest known token (the last
-        of its first num_known_tokens; by default all of them) and say what it adds. grammar_ends: what
-        _grammar_ends said for the token, when its grammar has taken it already."""
+        of its first num_known_tokens; by default all of them) and say what it adds. grammar_finish: what
+        _grammar_finish said for the token (its grammar has taken it already)."""
         text = self.requests[seq.request_id].text
         params = seq.params
         num_known_tokens = num_known_tokens or seq.num_tokens
@@ -381,19 +388,22 @@ class Engine:
         finish_reason = None
         new_text = ""
         if self._stops_on(seq, token_id):
-            finish_reason = "stop"  # a stop token adds no text
+            finish_reason = grammar_finish or "stop"  # a stop token adds no text
         else:
             if text is not None:
                 new_text = text.push(token_id)
-            if grammar_ends is None:
-                grammar_ends = seq.grammar is not None and self._grammar_ends(seq.grammar, token_id)
-            if (text is not None and text.stopped) or grammar_ends:
+            if grammar_finish is not None:
+                finish_reason = grammar_finish
+            elif text is not None and text.stopped:
                 finish_reason = "stop"
             elif (
                 num_known_tokens - seq.num_prompt_tokens >= params.max_tokens
                 or num_known_tokens >= self.max_model_len
             ):
                 finish_reason = "length"
+        error = None
+        if finish_reason == "error":  # its grammar failed
+            error = self._grammar_failed(seq, num_known_tokens - seq.num_prompt_tokens)
         if finish_reason is not None:
             if text is not None:
                 new_text += text.finish(flush=finish_reason == "length")
@@ -407,6 +417,7 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_prompt_tokens,
             new_logprobs=[logprob] if logprob is not None else [],
+            error=error,
         )
 
     def _stops_on(self, seq: Sequence, token_id: int) -> bool:
@@ -414,12 +425,34 @@ class Engine:
         params = seq.params
         return token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
 
-    def _grammar_ends(self, grammar: SequenceGrammar, token_id: int) -> bool:
-        """Commit a generated token to the sequence's grammar: whether that ends the sequence. A complete
-        grammar allows only an end-of-sequence token next, which the stop check above then ends on (it
-        reports no text for it); with ignore_eos, the grammar's taking that token ends it here. A token the
-        grammar refuses (never expected: the mask allowed it) ends it too."""
-        return not grammar.consume(token_id) or (token_id in self.eos_token_ids and grammar.is_complete)
+    def _grammar_finish(self, seq: Sequence, token_id: int) -> str | None:
+        """Commit a generated token to the sequence's grammar: the finish reason that gives, or None. The
+        mask allows an end-of-sequence token only where the grammar accepts, or once it has failed
+        (engine/grammar.py): a stop token, which no grammar takes, ends the sequence "stop", or "error"
+        where it failed. With ignore_eos, a complete grammar's taking that token ends it "stop". A token
+        the grammar refuses (the mask allowed it: the matcher failed on it, at one of llguidance's limits)
+        ends it "error"."""
+        grammar = seq.grammar
+        assert grammar is not None
+        if self._stops_on(seq, token_id):
+            return "error" if grammar.error is not None else "stop"
+        if not grammar.consume(token_id):
+            return "error"
+        if token_id in self.eos_token_ids and grammar.is_complete:  # a failed matcher takes it too
+            return "error" if grammar.error is not None else "stop"
+        return None
+
+    @staticmethod
+    def _grammar_failed(seq: Sequence, num_generated: int) -> GrammarFailedError:
+        """The error a sequence whose grammar failed ends with (logged: the client gets it, not "stop")."""
+        assert seq.grammar is not None
+        why = seq.grammar.error
+        logger.warning("request %s: its grammar failed after %d generated tokens: %s", seq.request_id,
+                       num_generated, why)  # fmt: skip
+        return GrammarFailedError(
+            f"the output could not follow its grammar after {num_generated} generated tokens ({why}), so "
+            "it does not match it; simplify the schema or grammar"
+        )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

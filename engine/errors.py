@@ -17,5 +17,10 @@ class ContextLengthExceededError(InvalidRequestError):
     """A prompt (plus its requested tokens) longer than the model's context."""
 
 
+class GrammarFailedError(InvalidRequestError):
+    """A grammar that failed as it constrained a request's output (llguidance hit one of its limits, or a
+    rule that only recurses): what was generated does not match it, and the request ends with this."""
+
+
 class CapacityError(TileInferError):
     """Every running slot and queue place is taken; the request may be retried later."""

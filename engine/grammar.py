@@ -18,6 +18,17 @@ load gets more. A spec that does not compile, or takes more than COMPILE_TIMEOUT
 (InvalidRequestError, a 400) whose message is llguidance's (it names the problem: "Unimplemented keys:
 [...]", a regex parse error).
 
+A grammar that compiles may still fail as it constrains: llguidance's parser limits a row's items (an object
+with hundreds of optional properties passes it at its brace), and a rule that only recurses (a $ref with no
+base case) leaves nothing that can follow. The matcher then stops in error, for good: a refused token, or a
+mask that allows only the end-of-sequence tokens. So each compile probes its grammar (GrammarProbe): one
+path through it, at most PROBE_TOKENS tokens, taking the lowest allowed byte each time (an object's next
+member before its closing brace, a number's sign), but not a byte of the two just taken (a string's
+characters go on no further than its closing quote); and where few bytes are allowed (a branch, not free
+text) it tries each of them one token deep. A grammar that fails on that path is a request error (refused
+before generation); one that fails later, on a path the model took, ends that request with an
+error (SequenceGrammar.error; Engine, finish_reason "error"), never as a "stop".
+
 Masks: bit j of word i allows token 32 i + j (kernels/token_mask.py applies them). The end-of-sequence
 tokens are allowed only where the grammar accepts; once it is complete (it allows nothing more) they are
 all it allows, so the sequence ends with one (Engine._emit).
@@ -30,6 +41,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import threading
 import time
 import weakref
@@ -47,6 +59,8 @@ from engine.tokenizer import Tokenizer
 COMPILE_TIMEOUT_S = 10.0
 CACHE_SIZE = 256  # compiled specs kept (a JSON schema's template matcher is tens of KB to a few MB)
 COMPILE_THREADS = 2
+PROBE_TOKENS = 32  # a compile's probe of its grammar walks at most this many tokens (a few ms)
+BRANCH_BYTES = 16  # where it allows at most this many bytes, the probe tries each (a few, not free text)
 # templates per spec, and the batch mask fill's threads (the host's other cores serve the engine's loop)
 MASK_SHARDS = max(1, min(8, (os.cpu_count() or 1) - 2))
 # JSON on one line, ", " and ": " between items (what json.dumps writes): whitespace left free, a small model
@@ -124,6 +138,94 @@ def lark_json(schema: dict[str, Any]) -> str:
 
 
 _WHAT = {"json": "JSON schema", "regex": "regex", "lark": "grammar", "choice": "choice"}
+# llguidance's errors of a grammar that fails as it constrains, in words a schema's author can act on
+_FAILURES = (
+    (re.compile(r"Current row has (\d+) items; max is (\d+)"),
+     r"too many alternatives at one point (\1 parser items, at most \2), as in an object with hundreds of "
+     r"optional properties"),
+    (re.compile(r"^NoExtension"),
+     "nothing can follow there, as where a $ref only recurses, with no base case"),
+)  # fmt: skip
+
+
+def failure(matcher: LLMatcher) -> str:
+    """Why a matcher in error failed: llguidance's first line, or what it means where it is one of
+    _FAILURES."""
+    message = (matcher.get_error().splitlines() or ["unknown error"])[0]
+    for pattern, meaning in _FAILURES:
+        found = pattern.search(message)
+        if found is not None:
+            return found.expand(meaning)
+    return message
+
+
+class GrammarProbe:
+    """Walks one path through a compiled grammar, to find where it fails (the module's docstring)."""
+
+    def __init__(self, tokenizer: LLTokenizer, eos_token_ids: Collection[int]) -> None:
+        self._tokenizer = tokenizer
+        self._eos_token_ids = frozenset(eos_token_ids)
+        spelled = [(byte, tokenizer.tokenize_bytes(bytes([byte]))) for byte in range(256)]
+        # (byte, its token), ascending by byte, for the bytes one token spells
+        self._byte_tokens = [(byte, ids[0]) for byte, ids in spelled if len(ids) == 1]
+
+    def problem(self, template: LLMatcher) -> str | None:
+        """Where and why the grammar fails on the probe's path, or None (it completes, or the path ends at
+        PROBE_TOKENS without failing)."""
+        matcher = template.deep_copy()
+        walked = bytearray()
+        recent: list[int] = []  # the last two bytes taken, where they were single-byte tokens
+        for _ in range(PROBE_TOKENS):
+            if matcher.is_stopped():
+                break
+            mask = matcher.compute_bitmask()  # bit b of byte k allows token 8 k + b
+            if matcher.is_error():
+                break
+            allowed = [
+                (byte, token) for byte, token in self._byte_tokens if mask[token >> 3] >> (token & 7) & 1
+            ]
+            if len(allowed) <= BRANCH_BYTES:  # a branch point (not free text): each way, one token deep
+                failed = self._failing_byte(matcher, allowed)
+                if failed is not None:
+                    walked.append(failed)
+                    break
+            fresh = [(byte, token) for byte, token in allowed if byte not in recent] or allowed
+            if fresh:
+                byte, token_id = fresh[0]
+                recent[:] = [*recent, byte][-2:]
+            else:
+                token_id = self._lowest_other(mask)  # a token llguidance forces, such as a canonical `{"`
+                recent.clear()
+                if token_id is None:  # only an end-of-sequence token: the grammar accepts here
+                    return None
+            walked += self._tokenizer.decode_bytes([token_id])
+            if not matcher.consume_token(token_id):
+                break
+        if not matcher.is_error():
+            return None
+        return f"after the output {walked.decode('utf-8', 'replace')!r}, {failure(matcher)}"
+
+    @staticmethod
+    def _failing_byte(matcher: LLMatcher, allowed: list[tuple[int, int]]) -> int | None:
+        """The first allowed (byte, token) whose token the matcher takes in error (left in it): its byte;
+        or None (each taken and rolled back)."""
+        for byte, token_id in allowed:
+            if not matcher.consume_token(token_id):
+                return byte
+            matcher.rollback(1)
+        return None
+
+    def _lowest_other(self, mask: bytes) -> int | None:
+        """The lowest id the mask allows that does not end the sequence, or None."""
+        position = 0
+        while rest := mask[position:].lstrip(b"\0"):
+            position = len(mask) - len(rest)
+            for bit in range(8):
+                token_id = 8 * position + bit
+                if mask[position] >> bit & 1 and token_id not in self._eos_token_ids:
+                    return token_id
+            position += 1
+        return None
 
 
 class SequenceGrammar:
@@ -141,6 +243,12 @@ class SequenceGrammar:
     def is_complete(self) -> bool:
         """Whether the grammar allows no more tokens (but an end-of-sequence token)."""
         return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar failed as it constrained (the module's docstring), or None. Once failed, its
+        mask allows only the end-of-sequence tokens, and it takes no token."""
+        return failure(self.matcher) if self.matcher.is_error() else None
 
     def valid_drafts(self, drafts: Sequence[int]) -> int:
         """How many of the drafts, from the first, the grammar allows after the committed tokens."""
@@ -161,6 +269,7 @@ class Grammars:
         # the specs' further templates: never ahead of a request's compile
         self._shard_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tileinfer-shards")
         self._tokenizer: concurrent.futures.Future[LLTokenizer] | None = None
+        self._probe: GrammarProbe | None = None  # set with the tokenizer
         self._lock = threading.RLock()  # also taken by the copies' finalizers
         self._cache: collections.OrderedDict[GrammarSpec, concurrent.futures.Future[_Templates]] = (
             collections.OrderedDict()
@@ -172,8 +281,13 @@ class Grammars:
         first compile waits for it). Engine.warm_up starts it before the engine serves."""
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = self._pool.submit(llguidance_tokenizer, *self._source)
+                self._tokenizer = self._pool.submit(self._build_tokenizer)
             return self._tokenizer
+
+    def _build_tokenizer(self) -> LLTokenizer:
+        tokenizer = llguidance_tokenizer(*self._source)
+        self._probe = GrammarProbe(tokenizer, self._source[2])
+        return tokenizer
 
     def compile(self, spec: GrammarSpec) -> concurrent.futures.Future[_Templates]:
         """The spec's templates, compiling the first on a worker thread (cached: at most CACHE_SIZE specs,
@@ -201,6 +315,10 @@ class Grammars:
             raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {error}") from None
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {matcher.get_error()}")
+        assert self._probe is not None  # built with the tokenizer
+        problem = self._probe.problem(matcher)
+        if problem is not None:
+            raise InvalidRequestError(f"the {_WHAT[spec.kind]} cannot constrain generation: {problem}")
         if time.monotonic() - asked_at > COMPILE_TIMEOUT_S:
             raise InvalidRequestError(
                 f"the {_WHAT[spec.kind]} did not compile within {COMPILE_TIMEOUT_S:g} s"
