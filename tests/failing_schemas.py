@@ -32,12 +32,12 @@ NAMED = {
 
 
 def past_the_probe(member: dict[str, Any]) -> dict[str, Any]:
-    """An integer, or an object whose one property is `member`: the probe takes the integer (its bytes are
-    the lowest, and it tries the brace only one token deep), a model asked for JSON the object."""
+    """null, or an object whose one property is `member`: the probe takes null (its bytes are the lowest,
+    and it tries the brace only one token deep), a model asked for an object as JSON the object."""
     river = {
         "type": "object",
         "properties": {"river": member},
         "required": ["river"],
         "additionalProperties": False,
     }
-    return {"$defs": DEFS, "anyOf": [{"type": "integer"}, river]}
+    return {"$defs": DEFS, "anyOf": [{"type": "null"}, river]}

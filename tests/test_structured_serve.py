@@ -1,7 +1,8 @@
 """Structured output through the real application (`serve run`) and the official openai client:
 response_format (json_object, json_schema, and client.chat.completions.parse with a pydantic model) and
 vLLM's structured_outputs (json, regex, choice, a GBNF grammar) give output that parses and validates, the
-same with n-gram speculation on, and each bad constraint gets a 400 that names the problem."""
+same with n-gram speculation on, each bad constraint gets a 400 that names the problem (a schema whose grammar
+cannot constrain too), and a grammar that fails while generating is an error, whole and streamed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from failing_schemas import ISSUE_SCHEMAS, RECURSES, past_the_probe
 from serving import Served
 
 pytestmark = pytest.mark.slow
@@ -121,6 +123,19 @@ BAD_CONSTRAINTS = {  # name: (fields, what the message names)
     ),
     "json_schema type without its schema": ({"response_format": {"type": "json_schema"}}, "json_schema"),
     "two structured_outputs": ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+    "too many optional properties": (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": ISSUE_SCHEMAS["500 optional properties"]},
+            }
+        },
+        "too many alternatives",
+    ),
+    "recursion with no base case": (
+        {"structured_outputs": {"json": ISSUE_SCHEMAS["a recursive $ref"]}},
+        "no base case",
+    ),
 }
 
 
@@ -132,3 +147,26 @@ def test_each_bad_constraint_gets_a_400_naming_it(served: Served, stream: bool) 
         response = httpx.post(served.base_url + CHAT, json=body, timeout=120)
         assert response.status_code == 400, (name, response.text)
         assert named in response.json()["error"]["message"], (name, response.text)
+
+
+def test_a_grammar_that_fails_while_generating_is_an_error_not_a_stop(served: Served) -> None:
+    """Off the compile's probe path (tests/failing_schemas.py), both at once: whole, a 400 naming why;
+    streamed, what came so far with no finish_reason, then an in-band error event."""
+    json_schema = {"name": "x", "schema": past_the_probe(RECURSES)}
+    body = {
+        "model": served.model, "messages": ASK, "max_tokens": 16, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": json_schema},
+    }  # fmt: skip
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=served.base_url, timeout=120) as client:
+            streamed = {**body, "stream": True}
+            return await asyncio.gather(client.post(CHAT, json=body), client.post(CHAT, json=streamed))
+
+    whole, streamed = asyncio.run(run())
+    assert whole.status_code == 400 and "no base case" in whole.json()["error"]["message"], whole.text
+    events = [line.removeprefix("data: ") for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert streamed.status_code == 200 and events[-1] == "[DONE]", streamed.text
+    assert "no base case" in json.loads(events[-2])["error"]["message"], streamed.text
+    chunks = [json.loads(event) for event in events[:-2]]
+    assert chunks and all(choice["finish_reason"] is None for chunk in chunks for choice in chunk["choices"])
