@@ -70,6 +70,12 @@ class AppArgs(BaseModel):
         "of a step until the prompts beside it have had theirs; default: a quarter of max_num_batched_tokens",
     )  # fmt: skip
     max_long_partial_prefills: int = Field(1, ge=1, description="long prompts prefilled at once, at most")
+    long_prefill_step_ms: float | None = Field(
+        None, ge=0, description="ms a step that carries a long prompt's chunk is planned to take (the "
+        "engine cuts the chunk by its measured step costs), so a request sent during a long prefill gets "
+        f"its first token within about two of these; default: {GPU_DEFAULTS.long_prefill_step_ms:g} on a "
+        f"GPU, {CPU_DEFAULTS.long_prefill_step_ms:g} on the CPU; 0: steps limited by tokens only",
+    )  # fmt: skip
     max_queue_len: int = Field(256, ge=0, description="requests that may wait beyond max_num_seqs; then 503")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get 413")
     # Serve logs the args as given (its controller's "Importing application ... with arguments"), so a key
@@ -183,8 +189,9 @@ class AppArgs(BaseModel):
 
     def for_device(self, device: str, cluster_cpus: float = 1.0) -> AppArgs:
         """These args with the cluster's defaults in place of null and auto (build_app resolves them once,
-        so every deployment sees numbers): max_num_seqs, on the CPU kv_cache_tokens (on a GPU it stays
-        null: the engine sizes its cache from the free memory), and num_ingress_replicas."""
+        so every deployment sees numbers): max_num_seqs, long_prefill_step_ms, on the CPU kv_cache_tokens
+        (on a GPU it stays null: the engine sizes its cache from the free memory), and
+        num_ingress_replicas."""
         defaults = dataclasses.asdict(device_defaults(device))
         unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
         if self.num_ingress_replicas == "auto":
@@ -206,6 +213,7 @@ class AppArgs(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_long_partial_prefills=self.max_long_partial_prefills,
+            long_prefill_step_ms=args.long_prefill_step_ms,
             dtype=dtype,
             device=device,
             quantization=self.quantization,

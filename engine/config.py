@@ -36,12 +36,17 @@ PROPOSERS: tuple[str, ...] = get_args(ProposerName)
 class DeviceDefaults:
     max_num_seqs: int
     kv_cache_tokens: int | None  # None: what the free memory holds (engine/kv_budget.py)
+    long_prefill_step_ms: float  # EngineConfig.long_prefill_step_ms
 
 
 # A GPU decodes many sequences at once, and its KV cache takes what the free memory holds; the CPU's stay
 # small. The app's args (AppArgs.for_device) and the command line take these where nothing was given.
-GPU_DEFAULTS = DeviceDefaults(max_num_seqs=256, kv_cache_tokens=None)
-CPU_DEFAULTS = DeviceDefaults(max_num_seqs=64, kv_cache_tokens=16384)
+# A step that carries a long prompt's chunk (EngineConfig.long_prefill_step_ms): 25 ms on a GPU, so that
+# a short request sent beside long prompts waits about 50 ms, twice what its TTFT is alone at 8 clients
+# (BENCHMARKS.md, "Short requests beside 16k-token prompts"); 100 ms on the CPU, one or two of SmolLM2-135M's
+# short steps on two cores, where a step's fixed cost makes smaller chunks slow.
+GPU_DEFAULTS = DeviceDefaults(max_num_seqs=256, kv_cache_tokens=None, long_prefill_step_ms=25.0)
+CPU_DEFAULTS = DeviceDefaults(max_num_seqs=64, kv_cache_tokens=16384, long_prefill_step_ms=100.0)
 
 
 def device_defaults(device: str) -> DeviceDefaults:
@@ -86,6 +91,15 @@ class EngineConfig:
     # max_long_partial_prefills. Its max_num_partial_prefills, which counts short prompts too, has no
     # knob here: a short prompt is prefilled in one step whenever the budget holds it.)
     max_long_partial_prefills: int = 1
+    # The time a step that carries a long prompt's chunk is planned to take, in ms: the chunk is cut to
+    # what the engine's step-cost model (engine/step_cost.py, fitted to its own measured steps) predicts
+    # fits, for a step's cost grows with its tokens' context as well as their number. A request sent
+    # during a long prefill waits for the step in flight, then gets its first token from its own step, so
+    # its TTFT stays near two of these. A cut chunk still runs at half its best speed or more, so a long
+    # prompt's own TTFT pays at most about twice, and a long prompt alone keeps whole-budget chunks while
+    # they fit. None or 0: no time budget, steps by tokens only (one request at a time, as the command line
+    # runs, gains nothing from it); the app's args give the device's default (DeviceDefaults).
+    long_prefill_step_ms: float | None = None
     dtype: Dtype = "float32"
     device: str = "cpu"  # cpu, cuda or cuda:N
     quantization: Quantization | None = None  # None: the weights' dtype
@@ -121,6 +135,10 @@ class EngineConfig:
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
             raise InvalidRequestError(
                 f"long_prefill_token_threshold must be at least 1, got {self.long_prefill_token_threshold}"
+            )
+        if self.long_prefill_step_ms is not None and not self.long_prefill_step_ms >= 0:
+            raise InvalidRequestError(
+                f"long_prefill_step_ms must be at least 0, got {self.long_prefill_step_ms}"
             )
         if self.max_long_partial_prefills < 1:  # 0 would keep every long prompt waiting
             raise InvalidRequestError(

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import TextStream
 from engine.errors import ContextLengthExceededError, GrammarFailedError, InvalidRequestError
 from engine.grammar import Grammars
+from engine.graphs import step_sizes
 from engine.interfaces import Proposer
 from engine.kv_budget import (
     dequant_buffer_bytes,
@@ -35,7 +36,8 @@ from engine.sampling import GrammarSpec, SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculator import DEFAULT_DRAFT_COST, Speculator
-from engine.step import Drafts, PendingStep, RowOutput, ScheduledRow, is_decode_step
+from engine.step import Drafts, PendingStep, RowOutput, ScheduledRow, StepWork, is_decode_step
+from engine.step_cost import StepCostModel
 from kernels.int8 import Int8Weight
 from kernels.triton_common import specialization_sizes
 
@@ -147,11 +149,17 @@ class Engine:
         self.max_num_batched_tokens = min(
             config.max_num_batched_tokens, (graphs.max_step_tokens if graphs is not None else 0) or 1 << 62
         )
+        # What the engine's steps cost, measured as they run: the scheduler cuts long prompts' chunks by it.
+        self.step_cost = StepCostModel()
+        step_ms = config.long_prefill_step_ms
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, self.max_num_batched_tokens,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_long_partial_prefills=config.max_long_partial_prefills, max_model_len=self.max_model_len,
+            step_budget_s=step_ms / 1e3 if step_ms else None, step_cost=self.step_cost,
+            step_sizes=step_sizes(self.max_num_batched_tokens),
         )  # fmt: skip
+        self._last_step_done = 0.0  # perf_counter seconds: when the last step measured had its tokens
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
         # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's
         # hidden states come from step graphs or eager steps, not decode graphs, so it never runs ahead.
@@ -257,14 +265,20 @@ class Engine:
                 outputs += self._apply_in_flight()  # the proposer must see every token
                 num_drafts = {seq: k for seq, k in num_drafts.items() if not seq.is_finished}
                 drafts = self.speculator.request_drafts(num_drafts)
+        scheduled_at = time.perf_counter()
         batch = self.scheduler.schedule(in_flight=self._in_flight_rows(), drafts=drafts)
         if not batch:
             return outputs + self._apply_in_flight()
         self.runner.copy_blocks(batch.block_copies)
         scheduled = batch.scheduled
         is_decode = is_decode_step(scheduled)
+        # what the step computes, for the step-cost model (only where the scheduler budgets time with it)
+        work = StepWork.of(scheduled) if self.scheduler.step_budget_s is not None else None
         if not drafts and self.run_ahead and self.runner.can_launch_ahead(scheduled):
             launched = self.runner.launch(scheduled, self.in_flight)
+            launched.work, launched.scheduled_at = work, scheduled_at
+            if launched.ready is None:  # the CPU computed it in launch
+                launched.done_at = time.perf_counter()
             outputs += self._apply_in_flight(launched)
             self._commit(scheduled)
             self.in_flight = launched
@@ -280,6 +294,7 @@ class Engine:
                 if not scheduled:
                     return outputs
             results = self.runner.execute(scheduled, drafts.ring)
+            self._measured(work, scheduled_at, time.perf_counter())
             if drafts.ring is not None:
                 read = {item.seq: result.draft_ids for item, result in zip(scheduled, results, strict=True)}
                 self.speculator.took_ring_drafts(drafts, read)
@@ -350,11 +365,10 @@ class Engine:
         pending, self.in_flight = self.in_flight, None
         read = []
         if pending is not None:
-            read = [
-                (seq, token)
-                for seq, token in zip(pending.seqs, pending.read(), strict=True)
-                if not seq.is_finished
-            ]
+            tokens = pending.read()
+            self._measured(pending.work, pending.scheduled_at, pending.done_at or time.perf_counter())
+            pairs = zip(pending.seqs, tokens, strict=True)
+            read = [(seq, token) for seq, token in pairs if not seq.is_finished]
         grammar_finishes: dict[Sequence, str | None] = {}
         for seq, token_id in read:
             seq.token_ids.append(token_id)
@@ -364,6 +378,14 @@ class Engine:
             ending = {seq for seq, finish in grammar_finishes.items() if finish is not None}
             self.runner.start_masks(launched, ending=ending)
         return [self._emit(seq, None, grammar_finish=grammar_finishes.get(seq)) for seq, _ in read]
+
+    def _measured(self, work: StepWork | None, scheduled_at: float, done_at: float) -> None:
+        """Give the step-cost model a step's time: from when it was scheduled, or when the step before it had
+        its tokens if that was later (run ahead, it waited for that one on the device), to when it had its
+        own. That is how long a request sent during it waits for it."""
+        if work is not None:
+            self.step_cost.observe(work, done_at - max(scheduled_at, self._last_step_done))
+        self._last_step_done = done_at
 
     def _commit(self, scheduled: list[ScheduledRow]) -> None:
         for item in scheduled:
@@ -501,8 +523,10 @@ class Engine:
         variant per specialization of it (kernels/triton_common.py), so one batch runs per variant;
         sampling parameters are per-row values there, but each variant (greedy, temperature, top-k/p,
         min-p, seeds, penalties, logprobs) takes its own host path, so each runs alone once; a prompt
-        longer than the token budget has chunks without logits, which run eagerly; and with a speculator,
-        steps verify greedy and sampled drafts. Skipped on the CPU (no Triton) unless forced (tests)."""
+        longer than the token budget has chunks without logits, which run eagerly, and those cut to the
+        time budget run at each step size; and with a speculator, steps verify greedy and sampled drafts.
+        Its steps are chunked by tokens only, and teach the step-cost model nothing (they compile).
+        Skipped on the CPU (no Triton) unless forced (tests)."""
         if self.device.type == "cpu" and not force:
             return 0.0
         if self.has_unfinished():
@@ -540,7 +564,8 @@ class Engine:
             return tokens if length > 0 else [tokens[position % 4] for position in range(-length)]
 
         count = itertools.count()
-        for batch in batches:
+
+        def run(batch: list[tuple[int, SamplingParams]]) -> None:
             request_ids = []
             try:
                 for length, params in batch:
@@ -552,6 +577,20 @@ class Engine:
             finally:
                 for request_id in request_ids:  # only when a step raised: finished requests are gone
                     self.abort(request_id)
+
+        scheduler = self.scheduler
+        budget_s, scheduler.step_budget_s = scheduler.step_budget_s, None
+        try:
+            for batch in batches:
+                run(batch)
+            if budget_s is not None:  # a chunk cut to the time budget ends its step on a step size
+                for size in scheduler.step_sizes:
+                    if size < self.max_num_batched_tokens and size < self.max_prompt_tokens:
+                        scheduler.max_num_batched_tokens = size  # the first chunk: eager, of that size
+                        run([(size + 1, greedy)])
+        finally:
+            scheduler.step_budget_s, scheduler.max_num_batched_tokens = budget_s, self.max_num_batched_tokens
+        self.step_cost.reset()
         self.block_manager.reset_prefix_cache()
         self.scheduler.num_preemptions = 0
         if self.speculator is not None:

@@ -60,6 +60,14 @@ DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # No step bucket below 16: with buckets of 1-8 tokens (linear layers as GEMVs) an n-gram verify step on
 # SmolLM2-135M took 2.82 ms on the H200, against 1.95 ms from the 16-token bucket (BENCHMARKS.md).
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def step_sizes(max_num_tokens: int) -> tuple[int, ...]:
+    """The token counts of the step buckets, up to a step of max_num_tokens: the sizes a step runs at
+    without padding (the scheduler ends a long prompt's cut chunks on them too)."""
+    return tuple(sorted({size for size in TOKEN_BUCKETS if size < max_num_tokens} | {max_num_tokens}))
+
+
 # The most constrained rows one masked-sampling replay takes (more take several): its gathered logits are
 # [rows, vocab] float32 scratch, 39 MB at 64 rows of a 152k vocabulary.
 MAX_MASKED_ROWS = 64
@@ -153,8 +161,7 @@ class GraphCache:
             self.decode_buckets = {size: _Bucket(True, size, size, 0, size) for size in sizes}
         self.step_buckets: dict[int, _Bucket] = {}
         if max_num_tokens is not None:
-            sizes = sorted({size for size in TOKEN_BUCKETS if size < max_num_tokens} | {max_num_tokens})
-            for size in sizes:
+            for size in step_sizes(max_num_tokens):
                 num_logit_rows = min(size, max_logit_rows)
                 num_slots = min(max_num_seqs, size) + -(-size // self.pad_len)
                 self.step_buckets[size] = _Bucket(

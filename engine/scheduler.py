@@ -10,6 +10,20 @@ back to the long prompts, oldest first, so steps are as full as before and a lon
 whole budget. At most max_long_partial_prefills long prompts are prefilled at once; a long waiting one
 beyond them waits for one to finish its prefill, and short ones start past it.
 
+Tokens are not time: a step's cost grows with its tokens' context too (a chunk at position 15k costs
+several times one at 0), and a request sent during a step waits for the step in flight before its own. So
+with a time budget (step_budget_s), a long prompt's chunk is then cut to what the step can take and still
+end within it, as the engine's step-cost model predicts (engine/step_cost.py, fitted to the engine's own
+measured steps): the steps of a long prefill, alone or beside others, stay near the budget, and a request
+sent during one gets its first token within about two budgets. A cut chunk is never smaller than an
+efficient one (its tokens cost at least what its step and its row cost anyway: half its best speed or
+more), so the long prompt always progresses; where even that chunk would take a step that starts prompts
+past the budget, the long prompt sits that step out (never two running), so a prompt sent during a long
+prefill gets its first token from a step that costs about what it costs alone. A cut chunk ends its step
+on a step size (engine/graphs.py) where one is in reach; and until the model has a fit, a step takes at
+most twice the most tokens measured yet (a fresh engine's first long prompt starts with chunks that
+double).
+
 When the KV cache runs out, the most recently admitted sequence is preempted: its blocks are freed and
 it waits again at the head of the queue, to be recomputed (cheaply, through the prefix cache) once
 there is room.
@@ -35,10 +49,13 @@ from collections.abc import Mapping
 
 from engine.block_manager import BlockCopy, BlockManager
 from engine.sequence import Sequence, SequenceStatus
-from engine.step import Drafts, ScheduledRow
+from engine.step import Drafts, ScheduledRow, StepWork
+from engine.step_cost import StepCostModel
 
 # How many later requests may start before a waiting one that does not fit, before it reserves the cache.
 MAX_TIMES_PASSED_OVER = 8
+# The fewest tokens a long prompt's chunk cut to the time budget keeps: the smallest step graph.
+MIN_CHUNK_TOKENS = 16
 
 
 @dataclasses.dataclass
@@ -59,9 +76,15 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         max_long_partial_prefills: int = 1,
         max_model_len: int | None = None,
+        step_budget_s: float | None = None,
+        step_cost: StepCostModel | None = None,
+        step_sizes: tuple[int, ...] = (),
     ) -> None:
         """long_prefill_token_threshold: None for a quarter of the budget (EngineConfig says why).
-        max_model_len: a sequence's longest context (None: no limit here)."""
+        max_model_len: a sequence's longest context (None: no limit here). step_budget_s: the time a step
+        that carries a long prompt's chunk is planned to take (None: no time budget, tokens only), as
+        step_cost (the engine's measured model) predicts it; step_sizes: the token counts steps run at
+        without padding (engine/graphs.py's step_sizes), which cut chunks end a step on."""
         self.block_manager = block_manager
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.max_num_seqs = max_num_seqs
@@ -70,11 +93,15 @@ class Scheduler:
             long_prefill_token_threshold = max(1, max_num_batched_tokens // 4)
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_long_partial_prefills = max_long_partial_prefills
+        self.step_budget_s = step_budget_s
+        self.step_cost = step_cost if step_cost is not None else StepCostModel()
+        self.step_sizes = step_sizes
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # waiting sequences that later ones started before, and how often; a preempted one starts at the limit
         self.times_passed_over: dict[Sequence, int] = {}
+        self.sat_out: set[Sequence] = set()  # long prompts the last step left out (time budget)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -186,11 +213,47 @@ class Scheduler:
             more = min(item.seq.num_uncomputed_tokens - item.num_new_tokens, budget)
             item.num_new_tokens += more
             budget -= more
+        if self.step_budget_s is not None:
+            long = [item for item in chunks if item.seq.num_uncomputed_tokens > threshold]
+            short = [item for item in chunks if item.seq.num_uncomputed_tokens <= threshold]
+            work = StepWork.of(scheduled + short)
+            sat_out = set()
+            for item in long:  # oldest first
+                may_sit_out = bool(short) and item.seq not in self.sat_out
+                item.num_new_tokens = self._timed_chunk(item, work, may_sit_out)
+                if item.num_new_tokens == 0:
+                    sat_out.add(item.seq)
+                else:
+                    work = work.plus_row(item.seq.num_computed_tokens, item.num_new_tokens)
+            self.sat_out = sat_out
+            chunks = [item for item in chunks if item.num_new_tokens]
         scheduled += chunks
         # an empty step with work left would repeat forever: the engine would spin without progress
         # (sequences sitting out finish when their tokens are read)
         assert scheduled or sitting_out or not self.has_unfinished(), "no sequence can run, yet work is left"
         return Batch(scheduled, copies)
+
+    def _timed_chunk(self, item: ScheduledRow, work: StepWork, may_sit_out: bool) -> int:
+        """A long prompt's chunk cut to the step's time budget, beside the rest of the step (`work`): as
+        many of the tokens it was given as the step can take and still end within step_budget_s, as the
+        step-cost model predicts it. Until the model has a fit (and never beyond what it has seen), the
+        step takes at most twice the most tokens of any step measured: a fresh engine's first long prompt
+        starts with small chunks that double. A cut chunk keeps an efficient chunk's tokens or more
+        (StepCostModel.efficient_chunk: at least half its best speed), and MIN_CHUNK_TOKENS, so the long
+        prompt always progresses; and it ends the step on a step size where one lies in reach (a step graph
+        without padding, or an eager chunk of a shape warm-up compiled). 0 (it sits this step out) where
+        may_sit_out and even that chunk would take the step past the budget."""
+        cost, context, given = self.step_cost, item.seq.num_computed_tokens, item.num_new_tokens
+        measured = max(MIN_CHUNK_TOKENS, 2 * cost.largest_tokens - work.tokens)  # slow start
+        fitting = cost.largest_chunk(work, context, self.step_budget_s)
+        most = measured if fitting is None else min(measured, fitting)
+        if most >= given:
+            return given
+        least = min(max(MIN_CHUNK_TOKENS, cost.efficient_chunk(context)), measured, given)
+        if most < least and may_sit_out:
+            return 0
+        on_sizes = [size - work.tokens for size in self.step_sizes if least <= size - work.tokens <= most]
+        return on_sizes[-1] if on_sizes else max(most, least)
 
     def _ends_by_length(self, seq: Sequence, num_pending: int) -> bool:
         """Whether the sequence's pending tokens bring it to max_tokens or max_model_len."""

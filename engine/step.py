@@ -1,6 +1,7 @@
 """A step as data: the speculator's drafts (Drafts), what the scheduler plans for each sequence
-(ScheduledRow), what the runner returns for it (RowOutput), and a step launched on the device whose sampled
-tokens the host has not read yet (PendingStep).
+(ScheduledRow), what the whole step computes in the units its time grows with (StepWork), what the runner
+returns for each row (RowOutput), and a step launched on the device whose sampled tokens the host has not
+read yet (PendingStep).
 
 A Sequence holds committed tokens only. Drafts ride in the row (draft_ids, or a row of the draft ring) and
 come back verified in its RowOutput. Run-ahead (EngineConfig.run_ahead) launches step n+1 before the host
@@ -11,7 +12,7 @@ holding it in the sequence, and the step reads it on the device.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,6 +52,33 @@ class ScheduledRow:
     def samples(self) -> bool:
         """Whether the step computes the sequence's last token (so it samples the next)."""
         return self.end == self.seq.num_tokens + (self.fed_back_row is not None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepWork:
+    """What a step computes, in the units its time grows with (engine/step_cost.py)."""
+
+    tokens: int = 0  # tokens computed, drafts included: the linear layers' rows
+    keys: int = 0  # keys (and values) its rows read: each row's sequence length after the step
+    attended: int = 0  # (query, key) pairs: a token at position p attends to the p + 1 keys up to its own
+
+    @classmethod
+    def of(cls, rows: Iterable[ScheduledRow]) -> StepWork:
+        tokens = keys = attended = 0
+        for row in rows:
+            num_tokens, context = row.num_tokens, row.seq.num_computed_tokens
+            tokens += num_tokens
+            keys += context + num_tokens
+            attended += num_tokens * context + num_tokens * (num_tokens + 1) // 2
+        return cls(tokens, keys, attended)
+
+    def plus_row(self, context: int, num_tokens: int) -> StepWork:
+        """This work and one more row: num_tokens tokens after `context` computed ones."""
+        return StepWork(
+            self.tokens + num_tokens,
+            self.keys + context + num_tokens,
+            self.attended + num_tokens * context + num_tokens * (num_tokens + 1) // 2,
+        )
 
 
 def is_decode_step(rows: list[ScheduledRow]) -> bool:
@@ -110,6 +138,11 @@ class PendingStep:
     logits: torch.Tensor | None = None
     # set by start_masks: samples the constrained rows again once their masks are written
     masking: Callable[[], None] | None = None
+    # the step's time, for the engine's step-cost model: what it computes, when it was scheduled, and when
+    # its tokens were ready (perf_counter seconds; None until read, except on the CPU: filled at launch)
+    work: StepWork | None = None
+    scheduled_at: float = 0.0
+    done_at: float | None = None
 
     def sample_rows(self) -> dict[Sequence, int]:
         """Each sequence's row of the samples: its fed_back_row in the next step."""
