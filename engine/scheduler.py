@@ -214,8 +214,9 @@ class Scheduler:
             item.num_new_tokens += more
             budget -= more
         if self.step_budget_s is not None:
-            long = [item for item in chunks if item.seq.num_uncomputed_tokens > threshold]
-            short = [item for item in chunks if item.seq.num_uncomputed_tokens <= threshold]
+            # a long prompt's last chunk too (its context makes it dear): only short prompts run whole
+            long = [item for item in chunks if item.seq.num_tokens > threshold]
+            short = [item for item in chunks if item.seq.num_tokens <= threshold]
             work = StepWork.of(scheduled + short)
             sat_out = set()
             for item in long:  # oldest first
@@ -234,15 +235,16 @@ class Scheduler:
         return Batch(scheduled, copies)
 
     def _timed_chunk(self, item: ScheduledRow, work: StepWork, may_sit_out: bool) -> int:
-        """A long prompt's chunk cut to the step's time budget, beside the rest of the step (`work`): as
-        many of the tokens it was given as the step can take and still end within step_budget_s, as the
-        step-cost model predicts it. Until the model has a fit (and never beyond what it has seen), the
-        step takes at most twice the most tokens of any step measured: a fresh engine's first long prompt
-        starts with small chunks that double. A cut chunk keeps an efficient chunk's tokens or more
-        (StepCostModel.efficient_chunk: at least half its best speed), and MIN_CHUNK_TOKENS, so the long
-        prompt always progresses; and it ends the step on a step size where one lies in reach (a step graph
-        without padding, or an eager chunk of a shape warm-up compiled). 0 (it sits this step out) where
-        may_sit_out and even that chunk would take the step past the budget."""
+        """A long prompt's chunk (its last one included) cut to the step's time budget, beside the rest of
+        the step (`work`): as many of the tokens it was given as the step can take and still end within
+        step_budget_s, as the step-cost model predicts it. Until the model has a fit (and never beyond what
+        it has seen), the step takes at most twice the most tokens of any step measured: a fresh engine's
+        first long prompt starts with small chunks that double. A cut chunk keeps an efficient chunk's
+        tokens or more (StepCostModel.efficient_chunk: at least half its best speed), and
+        MIN_CHUNK_TOKENS, so the long prompt always progresses; and it ends the step on a step size where
+        one lies in reach (a step graph without padding, or an eager chunk of a shape warm-up compiled).
+        0 (it sits this step out) where may_sit_out and even that chunk would take the step past the
+        budget."""
         cost, context, given = self.step_cost, item.seq.num_computed_tokens, item.num_new_tokens
         measured = max(MIN_CHUNK_TOKENS, 2 * cost.largest_tokens - work.tokens)  # slow start
         fitting = cost.largest_chunk(work, context, self.step_budget_s)

@@ -99,6 +99,21 @@ def test_a_long_prompt_alone_takes_the_chunk_that_fits_the_budget() -> None:
     assert _seconds(StepWork.of(batch.scheduled)) <= BUDGET_S
 
 
+def test_a_long_prompts_last_chunk_is_cut_too() -> None:
+    """The last 400 tokens of a 16k prompt (fewer than the 512 that make a prompt long) cost 0.01 + 0.04 +
+    0.13 s: they are cut too, where a short prompt of 400 runs whole (and the long one sits that out)."""
+    scheduler = _scheduler(_trained())
+    long = _seq("long", 16384)
+    scheduler.add(long)
+    _run(scheduler.schedule())
+    long.num_computed_tokens = 16384 - 400
+    batch = scheduler.schedule()
+    assert _split(batch) == [("long", 64)]
+    _run(batch)
+    scheduler.add(_seq("short", 400, first_token=2))
+    assert _split(scheduler.schedule()) == [("short", 400)]
+
+
 def test_prompts_beside_a_long_one_leave_it_what_the_budget_holds() -> None:
     """A short prompt sent during a long prefill runs whole in the next step; the long prompt takes what
     the step's time budget has left, the step ending on a step size."""
