@@ -95,9 +95,10 @@ class EngineConfig:
     # what the engine's step-cost model (engine/step_cost.py, fitted to its own measured steps) predicts
     # fits, for a step's cost grows with its tokens' context as well as their number. A request sent
     # during a long prefill waits for the step in flight, then gets its first token from its own step, so
-    # its TTFT stays near two of these. A cut chunk still runs at half its best speed or more, so a long
-    # prompt's own TTFT pays at most about twice, and a long prompt alone keeps whole-budget chunks while
-    # they fit. None or 0: no time budget, steps by tokens only (one request at a time, as the command line
+    # its TTFT stays near two of these. A cut chunk still costs at least what its step costs anyway (half
+    # its best speed), so a long prompt's own TTFT pays about twice where the budget is near a step's fixed
+    # cost (the CPU: 1.6-2.7x, BENCHMARKS.md), and a long prompt alone keeps whole-budget chunks while they
+    # fit. None or 0: no time budget, steps by tokens only (one request at a time, as the command line
     # runs, gains nothing from it); the app's args give the device's default (DeviceDefaults).
     long_prefill_step_ms: float | None = None
     dtype: Dtype = "float32"
