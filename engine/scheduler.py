@@ -213,12 +213,13 @@ class Scheduler:
             more = min(item.seq.num_uncomputed_tokens - item.num_new_tokens, budget)
             item.num_new_tokens += more
             budget -= more
-        if self.step_budget_s is not None:
-            # a long prompt's last chunk too (its context makes it dear): only short prompts run whole
-            long = [item for item in chunks if item.seq.num_tokens > threshold]
+        # With a time budget, long prompts' chunks (their last ones too: their context makes them dear) are
+        # cut to it; only short prompts run whole.
+        long = [item for item in chunks if item.seq.num_tokens > threshold] if self.step_budget_s else []
+        sat_out = set()
+        if long:
             short = [item for item in chunks if item.seq.num_tokens <= threshold]
             work = StepWork.of(scheduled + short)
-            sat_out = set()
             for item in long:  # oldest first
                 may_sit_out = bool(short) and item.seq not in self.sat_out
                 item.num_new_tokens = self._timed_chunk(item, work, may_sit_out)
@@ -226,8 +227,8 @@ class Scheduler:
                     sat_out.add(item.seq)
                 else:
                     work = work.plus_row(item.seq.num_computed_tokens, item.num_new_tokens)
-            self.sat_out = sat_out
             chunks = [item for item in chunks if item.num_new_tokens]
+        self.sat_out = sat_out
         scheduled += chunks
         # an empty step with work left would repeat forever: the engine would spin without progress
         # (sequences sitting out finish when their tokens are read)

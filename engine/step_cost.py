@@ -67,6 +67,9 @@ def _non_negative_least_squares(features: numpy.ndarray, seconds: numpy.ndarray)
 
 
 class StepCostModel:
+    """The engine's model of its own step times: observe each measured step, predict a step's seconds, and
+    size a long prompt's chunk from them (largest_chunk, efficient_chunk)."""
+
     def __init__(self) -> None:
         self.reset()
 
