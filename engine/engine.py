@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -160,6 +160,7 @@ class Engine:
             step_sizes=step_sizes(self.max_num_batched_tokens),
         )  # fmt: skip
         self._last_step_done = 0.0  # perf_counter seconds: when the last step measured had its tokens
+        self._measuring = bool(step_ms)  # whether steps teach the step-cost model (warm-up's compile)
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
         # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's
         # hidden states come from step graphs or eager steps, not decode graphs, so it never runs ahead.
@@ -273,7 +274,7 @@ class Engine:
         scheduled = batch.scheduled
         is_decode = is_decode_step(scheduled)
         # what the step computes, for the step-cost model (only where the scheduler budgets time with it)
-        work = StepWork.of(scheduled) if self.scheduler.step_budget_s is not None else None
+        work = StepWork.of(scheduled) if self._measuring else None
         if not drafts and self.run_ahead and self.runner.can_launch_ahead(scheduled):
             launched = self.runner.launch(scheduled, self.in_flight)
             launched.work, launched.scheduled_at = work, scheduled_at
@@ -378,6 +379,29 @@ class Engine:
             ending = {seq for seq, finish in grammar_finishes.items() if finish is not None}
             self.runner.start_masks(launched, ending=ending)
         return [self._emit(seq, None, grammar_finish=grammar_finishes.get(seq)) for seq, _ in read]
+
+    def _warm_up_cut_chunks(self, prompt: Callable[[int], list[int]], params: SamplingParams) -> None:
+        """Warm-up's eager chunks of each step size below the token budget, as a long prompt's chunks cut to
+        the time budget run them: deep in a prompt (after two whole-budget chunks: at a 2,048-token budget
+        4,096 keys, where the prefill kernel splits the keys as it does for chunks deeper still), each
+        once to compile its kernels, then all once more, measured: the step-cost model's first fit, so
+        that serving starts with chunks cut to the budget. prompt(length): a fresh prompt."""
+        scheduler, whole = self.scheduler, self.max_num_batched_tokens
+        try:
+            for measured in (False, True):
+                self._measuring = measured
+                for size in scheduler.step_sizes:
+                    if size >= whole or 2 * whole + size >= self.max_prompt_tokens:
+                        continue
+                    request_id = self.add_request(prompt(2 * whole + size + 1), params)
+                    for chunk in (whole, whole, size):
+                        scheduler.max_num_batched_tokens = chunk
+                        self.step()
+                    self.abort(request_id)
+                    while self.has_unfinished():  # a step launched ahead
+                        self.step()
+        finally:
+            scheduler.max_num_batched_tokens = whole
 
     def _measured(self, work: StepWork | None, scheduled_at: float, done_at: float) -> None:
         """Give the step-cost model a step's time: from when it was scheduled, or when the step before it had
@@ -524,9 +548,10 @@ class Engine:
         sampling parameters are per-row values there, but each variant (greedy, temperature, top-k/p,
         min-p, seeds, penalties, logprobs) takes its own host path, so each runs alone once; a prompt
         longer than the token budget has chunks without logits, which run eagerly, and those cut to the
-        time budget run at each step size; and with a speculator, steps verify greedy and sampled drafts.
-        Its steps are chunked by tokens only, and teach the step-cost model nothing (they compile).
-        Skipped on the CPU (no Triton) unless forced (tests)."""
+        time budget run at each step size (_warm_up_cut_chunks, which also gives the step-cost model its
+        first fit); and with a speculator, steps verify greedy and sampled drafts. Its steps are chunked by
+        tokens only, and the others teach the step-cost model nothing (they compile). Skipped on the CPU
+        (no Triton) unless forced (tests)."""
         if self.device.type == "cpu" and not force:
             return 0.0
         if self.has_unfinished():
@@ -578,19 +603,16 @@ class Engine:
                 for request_id in request_ids:  # only when a step raised: finished requests are gone
                     self.abort(request_id)
 
-        scheduler = self.scheduler
-        budget_s, scheduler.step_budget_s = scheduler.step_budget_s, None
+        scheduler, measuring = self.scheduler, self._measuring
+        budget_s, scheduler.step_budget_s, self._measuring = scheduler.step_budget_s, None, False
         try:
             for batch in batches:
                 run(batch)
-            if budget_s is not None:  # a chunk cut to the time budget ends its step on a step size
-                for size in scheduler.step_sizes:
-                    if size < self.max_num_batched_tokens and size < self.max_prompt_tokens:
-                        scheduler.max_num_batched_tokens = size  # the first chunk: eager, of that size
-                        run([(size + 1, greedy)])
+            self.step_cost.reset()
+            if budget_s is not None:
+                self._warm_up_cut_chunks(lambda length: prompt(next(count), length), greedy)
         finally:
-            scheduler.step_budget_s, scheduler.max_num_batched_tokens = budget_s, self.max_num_batched_tokens
-        self.step_cost.reset()
+            scheduler.step_budget_s, self._measuring = budget_s, measuring
         self.block_manager.reset_prefix_cache()
         self.scheduler.num_preemptions = 0
         if self.speculator is not None:

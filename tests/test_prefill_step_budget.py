@@ -235,20 +235,24 @@ def test_the_budget_is_the_devices_default_and_is_checked() -> None:
         EngineConfig(long_prefill_step_ms=-1.0).validate()
 
 
-def test_warm_up_runs_each_cut_chunk_size_then_forgets_its_steps(smollm2_model: LoadedModel) -> None:
-    """Warm-up's steps compile kernels: it chunks by tokens, runs an eager chunk of each step size (what
-    cut chunks run at), then leaves the budget as set and the step-cost model empty."""
+def test_warm_up_runs_each_cut_chunk_deep_in_a_prompt_and_fits_the_model(smollm2_model: LoadedModel) -> None:
+    """Warm-up's other steps compile kernels and teach the step-cost model nothing. Then an eager chunk of
+    each step size below the budget runs after two whole-budget chunks (where the prefill kernel splits
+    the keys as for deeper chunks), twice: once to compile, once measured, so serving starts with a fit."""
     engine = Engine(smollm2_model, EngineConfig(max_num_batched_tokens=64, long_prefill_step_ms=50))
-    first_chunks = []
+    deep_chunks = []
     schedule = engine.scheduler.schedule
 
     def recording(*args: object, **kwargs: object) -> Batch:
         batch = schedule(*args, **kwargs)
-        first_chunks.extend(row.num_new_tokens for row in batch.scheduled if row.seq.num_computed_tokens == 0)
+        deep = [row.num_new_tokens for row in batch.scheduled if row.seq.num_computed_tokens == 2 * 64]
+        deep_chunks.extend(deep)
         return batch
 
     engine.scheduler.schedule = recording
     engine.warm_up(force=True)
-    assert {16, 32, 64} <= set(first_chunks)
+    assert deep_chunks == [16, 32, 16, 32]
     assert engine.scheduler.step_budget_s == 0.05 and engine.scheduler.max_num_batched_tokens == 64
-    assert engine.step_cost.largest_tokens == 0 and engine.step_cost.coefficients() is None
+    assert engine.step_cost.largest_tokens == 64 and engine.step_cost.coefficients() is not None
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
