@@ -12,17 +12,17 @@ beyond them waits for one to finish its prefill, and short ones start past it.
 
 Tokens are not time: a step's cost grows with its tokens' context too (a chunk at position 15k costs
 several times one at 0), and a request sent during a step waits for the step in flight before its own. So
-with a time budget (step_budget_s), a long prompt's chunk is then cut to what the step can take and still
-end within it, as the engine's step-cost model predicts (engine/step_cost.py, fitted to the engine's own
-measured steps): the steps of a long prefill, alone or beside others, stay near the budget, and a request
-sent during one gets its first token within about two budgets. A cut chunk is never smaller than an
-efficient one (its tokens cost at least what its step and its row cost anyway: half its best speed or
-more), so the long prompt always progresses; where even that chunk would take a step that starts prompts
+with a time budget (step_budget_s), a long prompt's chunk (its last one too) is cut to what the step can
+take and still end within it, as the engine's step-cost model predicts (engine/step_cost.py, fitted to the
+engine's own measured steps): the steps of a long prefill, alone or beside others, stay near the budget,
+and a request sent during one gets its first token within about two budgets. A cut chunk is never smaller
+than an efficient one (its tokens cost at least what its step and its row cost anyway: half its best speed
+or more), so the long prompt always progresses; where even that chunk would take a step that starts prompts
 past the budget, the long prompt sits that step out (never two running), so a prompt sent during a long
 prefill gets its first token from a step that costs about what it costs alone. A cut chunk ends its step
-on a step size (engine/graphs.py) where one is in reach; and until the model has a fit, a step takes at
-most twice the most tokens measured yet (a fresh engine's first long prompt starts with chunks that
-double).
+on a step size (engine/graphs.py) where one is in reach; and until the model has a fit (warm-up gives it
+one), a step takes at most twice the most tokens measured yet (a fresh engine's first long prompt starts
+with chunks that double).
 
 When the KV cache runs out, the most recently admitted sequence is preempted: its blocks are freed and
 it waits again at the head of the queue, to be recomputed (cheaply, through the prefix cache) once
