@@ -30,7 +30,8 @@ def test_haproxy_pages_move_off_ports_another_app_holds(monkeypatch: pytest.Monk
 
 
 @pytest.mark.skipif(not haproxy.available(), reason="no HAProxy (ray[serve] brings it on Linux)")
-def test_haproxy_mode_unless_serve_proxy_is_asked() -> None:
+def test_haproxy_mode_unless_serve_proxy_is_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "token"))  # not the user's ~/.ray
     env, folder = launch.cluster_env()
     try:
         assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
@@ -112,7 +113,9 @@ def test_haproxy_starts_with_ray_s_configuration_made_safe(tmp_path: Path) -> No
     from ray.serve.config import HTTPOptions
 
     http = HTTPOptions(host="127.0.0.1", port=8000)
-    config = HAProxyConfig(http_options=http, socket_path=str(tmp_path / "admin.sock"))
+    files = {"socket_path": "admin.sock", "server_state_file": "state", "metrics_socket_path": "metrics.sock"}
+    paths = {key: str(tmp_path / name) for key, name in files.items()}  # not Ray's /tmp/haproxy-serve
+    config = HAProxyConfig(http_options=http, server_state_base=str(tmp_path), **paths)
     HAProxyApi(cfg=config, config_file_path=str(tmp_path / "haproxy.cfg"))._generate_config_file_internal()
     ray_config = (tmp_path / "haproxy.cfg").read_text()
     assert "mode 666" in ray_config and re.search(r"bind :\d+", ray_config)  # what Ray writes
