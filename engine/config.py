@@ -41,11 +41,11 @@ class DeviceDefaults:
 
 # A GPU decodes many sequences at once, and its KV cache takes what the free memory holds; the CPU's stay
 # small. The app's args (AppArgs.for_device) and the command line take these where nothing was given.
-# A step that carries a long prompt's chunk (EngineConfig.long_prefill_step_ms): 25 ms on a GPU, so that
-# a short request sent beside long prompts waits about 50 ms, twice what its TTFT is alone at 8 clients
-# (BENCHMARKS.md, "Short requests beside 16k-token prompts"); 100 ms on the CPU, one or two of SmolLM2-135M's
-# short steps on two cores, where a step's fixed cost makes smaller chunks slow.
-GPU_DEFAULTS = DeviceDefaults(max_num_seqs=256, kv_cache_tokens=None, long_prefill_step_ms=25.0)
+# A step that carries a long prompt's chunk (EngineConfig.long_prefill_step_ms): 100 ms on the CPU, one or
+# two of SmolLM2-135M's short steps on two cores, where a step's fixed cost makes smaller chunks slow. Off
+# on a GPU until it has been measured there (bench/long_prompts.py --long-prefill-step-ms 25: a short
+# request beside long prompts would wait about 50 ms, twice its TTFT alone at 8 clients).
+GPU_DEFAULTS = DeviceDefaults(max_num_seqs=256, kv_cache_tokens=None, long_prefill_step_ms=0.0)
 CPU_DEFAULTS = DeviceDefaults(max_num_seqs=64, kv_cache_tokens=16384, long_prefill_step_ms=100.0)
 
 
