@@ -11,12 +11,12 @@ VENV = .venv
 INSTALLED = $(VENV)/.installed
 .PHONY: run test
 
-# deployments/launch.py: Ray's head on 127.0.0.1 only, in Serve's HAProxy mode where ray[serve] brought
+# deployments/launch/launcher.py: Ray's head on 127.0.0.1 only, in Serve's HAProxy mode where ray[serve] brought
 # HAProxy, then `serve run serve_config.yaml`; Ctrl-C (or a SIGTERM to it) stops the app, then the Ray it
 # started.
 run: $(INSTALLED)
-	$(VENV)/bin/python -m engine.default_model
-	exec $(VENV)/bin/python -m deployments.launch serve_config.yaml $(if $(SERVE_PROXY),--serve-proxy)
+	$(VENV)/bin/python -m tileinfer.engine.models.default_model
+	exec $(VENV)/bin/python -m tileinfer.deployments.launch.launcher serve_config.yaml $(if $(SERVE_PROXY),--serve-proxy)
 
 test: $(INSTALLED)
 	$(VENV)/bin/ruff check .

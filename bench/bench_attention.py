@@ -16,7 +16,7 @@ verify:  paged_prefill_attention_triton with 4 and 16 query tokens after 4k cach
          timed like decode.
 --sweep-decode: instead, the decode kernel on Qwen3-4B heads at 1k, 4k and 32k positions for every
          launch shape (keys per tile, fewest tiles a split, warps, stages) and most splits tried, the
-         fastest first (to tune kernels/attention.py's decode_tile and decode_num_splits).
+         fastest first (to tune kernels/decode_attention.py's decode_tile and decode_num_splits).
 Copy bandwidth (a 2 GiB device-to-device copy, bytes read + written) is measured in the same run.
 The last thing printed is the table; the full results go to OUT_DIR/bench_attention.json (OUT_DIR:
 the argument, else $OUT, else ./bench_out).
@@ -38,9 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_linear import time_in_graph  # noqa: E402
-from bench.limits import copy_bandwidth, time_each  # noqa: E402
-from kernels.attention import (  # noqa: E402
+from tileinfer.kernels.decode_attention import (  # noqa: E402
     MAX_DECODE_SPLITS,
     AttentionMetadata,
     DecodeTile,
@@ -49,11 +47,14 @@ from kernels.attention import (  # noqa: E402
     decode_splits_used,
     paged_decode_attention_triton,
 )
-from kernels.prefill_attention import (  # noqa: E402
+from tileinfer.kernels.prefill_attention import (  # noqa: E402
     allocate_prefill_workspace,
     paged_prefill_attention_triton,
     prefill_num_splits,
 )
+
+from bench.bench_linear import time_in_graph  # noqa: E402
+from bench.limits import copy_bandwidth, time_each  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -36,6 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tileinfer.engine.config import DTYPES, EngineConfig, torch_dtype  # noqa: E402
+from tileinfer.engine.engine import Engine  # noqa: E402
+from tileinfer.engine.models.loader import LoadedModel  # noqa: E402
+from tileinfer.engine.models.shape import ModelSpec  # noqa: E402
+from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
+
 from bench import limits  # noqa: E402
 from bench.bench_engine import (  # noqa: E402
     attempt,
@@ -47,11 +53,6 @@ from bench.bench_engine import (  # noqa: E402
 )
 from bench.model_shapes import DISPLAY_NAMES, MODELS, kv_bytes_per_token, random_weights, weight_bytes  # noqa: E402
 from bench.peer import PeerModel, compile_greedy_step, greedy_step  # noqa: E402
-from engine.config import DTYPES, EngineConfig, torch_dtype  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loader import LoadedModel  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.spec import ModelSpec  # noqa: E402
 
 PEER_WARMUP_STEPS = 3  # the compiled step compiles on the 1st call; CUDA graph trees record on the 2nd/3rd
 

@@ -38,14 +38,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tileinfer.engine.config import DTYPES, EngineConfig, torch_dtype  # noqa: E402
+from tileinfer.engine.engine import Engine  # noqa: E402
+from tileinfer.engine.models.loader import LoadedModel  # noqa: E402
+from tileinfer.engine.models.shape import ModelSpec  # noqa: E402
+from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
+
 from bench import limits  # noqa: E402
 from bench.model_shapes import DISPLAY_NAMES, MODELS, random_weights  # noqa: E402
 from bench.peer import PeerModel, compile_greedy_step, greedy_step  # noqa: E402
-from engine.config import DTYPES, EngineConfig, torch_dtype  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loader import LoadedModel  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.spec import ModelSpec  # noqa: E402
 
 GREEDY = {"temperature": 0.0}
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}

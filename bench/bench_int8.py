@@ -29,6 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tileinfer.engine.config import DTYPES, torch_dtype  # noqa: E402
+from tileinfer.engine.kv.budget import kv_bytes_per_token  # noqa: E402
+from tileinfer.engine.models.loader import load_model  # noqa: E402
+from tileinfer.engine.models.shape import ModelSpec  # noqa: E402
+from tileinfer.kernels.int8 import Int8Weight  # noqa: E402
+
 from bench import limits  # noqa: E402
 from bench.bench_engine import (  # noqa: E402
     GREEDY,
@@ -41,11 +47,6 @@ from bench.bench_engine import (  # noqa: E402
     random_prompt,
 )
 from bench.model_shapes import MODELS, random_weights  # noqa: E402
-from engine.config import DTYPES, torch_dtype  # noqa: E402
-from engine.kv_budget import kv_bytes_per_token  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from engine.spec import ModelSpec  # noqa: E402
-from kernels.int8 import Int8Weight  # noqa: E402
 
 # mode -> (EngineConfig.quantization, EngineConfig.kv_cache_dtype)
 MODES = {

@@ -45,11 +45,11 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import linear, linear_gemm, linear_gemv, linear_skinny, linear_tuned  # noqa: E402
-from kernels.int8 import quantize_int8, split  # noqa: E402
-from kernels.linear import LinearWorkspace  # noqa: E402
-from kernels.linear_dequant import DequantWorkspace  # noqa: E402
-from kernels.linear_skinny import SplitKScratch  # noqa: E402
+from tileinfer.kernels import linear, linear_gemm, linear_gemv, linear_skinny, linear_tuned  # noqa: E402
+from tileinfer.kernels.int8 import quantize_int8, split  # noqa: E402
+from tileinfer.kernels.linear import LinearWorkspace  # noqa: E402
+from tileinfer.kernels.linear_dequant import DequantWorkspace  # noqa: E402
+from tileinfer.kernels.linear_skinny import SplitKScratch  # noqa: E402
 
 # Layer shapes per model: (out_features, in_features); gate_up is [2 * intermediate, hidden].
 MODELS: dict[str, dict[str, tuple[int, int]]] = {

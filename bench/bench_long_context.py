@@ -23,12 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tileinfer.engine.config import EngineConfig  # noqa: E402
+from tileinfer.engine.engine import Engine  # noqa: E402
+from tileinfer.engine.models.loader import LoadedModel  # noqa: E402
+from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
+
 from bench import limits  # noqa: E402
 from bench.model_shapes import MODELS, random_weights  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loader import LoadedModel  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
 
 CHUNK = 2048
 

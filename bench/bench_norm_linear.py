@@ -30,6 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tileinfer.kernels import norm_linear  # noqa: E402
+from tileinfer.kernels.int8 import split  # noqa: E402
+from tileinfer.kernels.linear import GEMV_MAX_M, gate_up_silu_triton, linear_triton  # noqa: E402
+from tileinfer.kernels.linear_gemv import GemvConfig  # noqa: E402
+from tileinfer.kernels.rmsnorm import add_rms_norm_triton  # noqa: E402
+
 from bench.bench_linear import (  # noqa: E402
     DEVICE,
     DTYPE,
@@ -40,11 +46,6 @@ from bench.bench_linear import (  # noqa: E402
     sweep_configs,
     time_in_graph,
 )
-from kernels import norm_linear  # noqa: E402
-from kernels.int8 import split  # noqa: E402
-from kernels.linear import GEMV_MAX_M, gate_up_silu_triton, linear_triton  # noqa: E402
-from kernels.linear_gemv import GemvConfig  # noqa: E402
-from kernels.rmsnorm import add_rms_norm_triton  # noqa: E402
 
 LAYERS = ("qkv", "gate_up", "lm_head")  # the linears that follow a norm
 EPS = 1e-6

@@ -36,13 +36,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from tileinfer.engine.config import EngineConfig  # noqa: E402
+from tileinfer.engine.engine import Engine  # noqa: E402
+from tileinfer.engine.models.default_model import default_model_path  # noqa: E402
+from tileinfer.engine.models.loader import load_model  # noqa: E402
+from tileinfer.proposers.remote import ProposerServer, RemoteProposer, hidden_layout  # noqa: E402
 
 from bench.bench_spec import CODE_EDIT, OPEN_CHAT, run_set  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.default_model import default_model_path  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from proposers.remote import ProposerServer, RemoteProposer, hidden_layout  # noqa: E402
 from tests.random_dflash import smollm2_135m_config, write_checkpoint  # noqa: E402
 
 CONTEXT = multiprocessing.get_context("spawn")
@@ -59,7 +59,7 @@ def _serve(
 ) -> None:
     """(attached first gets the proposer's hidden-state layout, then one True per channel served.)"""
     """The proposer process: a self-draft on this process's GPU, serving each channel that arrives."""
-    from deployments.proposers import build_proposer
+    from tileinfer.deployments.replicas.proposer_build import build_proposer
 
     def on_gpu(serve: Callable[[], None]) -> None:  # the current GPU is per thread
         if gpu is not None:

@@ -3,7 +3,8 @@ HTTP streaming (Ray Serve, the OpenAI API) against the engine called directly, i
 
     python bench/bench_serve.py [--model smollm2-135m] [--requests 20] [--tokens 128] [--out DIR]
 
-Batch 1: one request at a time. Ray starts on 127.0.0.1; the app runs from deployments.app:build_app.
+Batch 1: one request at a time. Ray starts on 127.0.0.1; the app runs from
+tileinfer.deployments.app:build_app.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ def _summary(ttfts: list[float], tpots: list[float]) -> dict[str, float]:
 
 
 def measure_direct(args: argparse.Namespace, device: str) -> dict[str, float]:
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    from tileinfer.engine.config import EngineConfig
+    from tileinfer.engine.engine import Engine
+    from tileinfer.engine.sampling.params import SamplingParams
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     engine = Engine.load(args.model, EngineConfig(device=device, dtype=dtype, max_model_len=2048,
@@ -50,8 +51,7 @@ def measure_http(args: argparse.Namespace, device: str) -> dict[str, float]:
     import httpx
     import ray
     from ray import serve
-
-    from deployments.app import build_app
+    from tileinfer.deployments.app import build_app
 
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})

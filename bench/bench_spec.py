@@ -27,13 +27,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deployments.proposers import build_engine  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.default_model import default_model_path  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loader import LoadedModel, load_model  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.step import ScheduledRow  # noqa: E402
+from tileinfer.deployments.replicas.proposer_build import build_engine  # noqa: E402
+from tileinfer.engine.config import EngineConfig  # noqa: E402
+from tileinfer.engine.engine import Engine  # noqa: E402
+from tileinfer.engine.models.default_model import default_model_path  # noqa: E402
+from tileinfer.engine.models.loader import LoadedModel, load_model  # noqa: E402
+from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
+from tileinfer.engine.step import ScheduledRow  # noqa: E402
+
 from tests.divergence import differences  # noqa: E402
 
 OPEN_CHAT = [

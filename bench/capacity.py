@@ -1,5 +1,5 @@
 """Which Qwen3 models serve N sequences of a given context on one GPU, in each weight and KV mode: the
-engine's own sizing (engine/kv_budget.py) applied to each shape, without loading anything.
+engine's own sizing (engine/kv/budget.py) applied to each shape, without loading anything.
 
     python bench/capacity.py [--free-gib 139.0] [--sequences 64] [--context 4096] [--out DIR]
 
@@ -25,10 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tileinfer.engine.errors import InvalidRequestError  # noqa: E402
+from tileinfer.engine.kv.budget import kv_bytes_per_token, kv_cache_tokens_from_memory, step_reserve_bytes  # noqa: E402
+
 from bench.bench_int8 import MODES  # noqa: E402
 from bench.model_shapes import QWEN3_SIZES, weight_bytes  # noqa: E402
-from engine.errors import InvalidRequestError  # noqa: E402
-from engine.kv_budget import kv_bytes_per_token, kv_cache_tokens_from_memory, step_reserve_bytes  # noqa: E402
 
 GIB = 1 << 30
 BLOCK_SIZE = 16

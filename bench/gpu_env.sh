@@ -8,7 +8,11 @@
 #   .assets/qwen3-tokenizer/   tests/assets.py's Qwen3 tokenizer, gzipped (the bench shapes' models use it)
 #   .assets/triton_cache.txz   Triton's cache from an earlier call's $OUT (bench/gpu_tests.sh writes it)
 # What it puts in place (/tmp/site, the cache) stays while the machine does.
-export TILEINFER_CACHE=${TILEINFER_CACHE:-/tmp/tc} PYTHONPATH=/tmp/site:$PWD RAY_USAGE_STATS_ENABLED=0
+# the four folders under the tileinfer namespace, as pyproject.toml installs them (nothing is installed here)
+namespace=/tmp/tileinfer-$(echo "$PWD" | cksum | cut -d' ' -f1)
+mkdir -p "$namespace/tileinfer"
+for layer in kernels engine proposers deployments; do ln -sfn "$PWD/$layer" "$namespace/tileinfer/$layer"; done
+export TILEINFER_CACHE=${TILEINFER_CACHE:-/tmp/tc} PYTHONPATH=/tmp/site:$namespace:$PWD RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0  # never NVLink multicast: the host's GPUs are shared
 export OUT=${OUT:-/tmp/out}
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf

@@ -29,12 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loader import LoadedModel, load_model  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
-from engine.step import ScheduledRow  # noqa: E402
+from tileinfer.engine.config import EngineConfig  # noqa: E402
+from tileinfer.engine.engine import Engine  # noqa: E402
+from tileinfer.engine.models.loader import LoadedModel, load_model  # noqa: E402
+from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
+from tileinfer.engine.sequence import Sequence  # noqa: E402
+from tileinfer.engine.step import ScheduledRow  # noqa: E402
 
 CHUNK = 256  # prompt tokens per teacher-forced prefill step
 MODES = {  # what each INT8 mode changes in the engine's config

@@ -24,13 +24,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tileinfer.engine.models.shape import ModelSpec  # noqa: E402
+
 from bench.model_shapes import (  # noqa: E402
     MODELS,
     kv_bytes_per_token,
     prefill_matmul_params,
     weight_bytes,
 )
-from engine.spec import ModelSpec  # noqa: E402
 
 GIB = 2**30
 

@@ -1,9 +1,9 @@
 """Heavy request bodies beside a stream: the stream's longest gap while each is handled.
 
 An ingress replica parses, validates, renders and tokenizes every request it takes on the event loop that
-also sends its streams, unless the work runs off it (deployments/ingress.py, OFF_LOOP_BYTES). This serves
-serve_config.yaml as `make run` does (one ingress replica below 8 CPUs), or loads --url, keeps one streamed
-completion going, and sends each heavy request in turn, --repeats times:
+also sends its streams, unless the work runs off it (deployments/openai_api/ingress.py, OFF_LOOP_BYTES). This
+serves serve_config.yaml as `make run` does (one ingress replica below 8 CPUs), or loads --url, keeps one
+streamed completion going, and sends each heavy request in turn, --repeats times:
 
 - tools: a chat with four tools, each with a 30,000-string enum (2 MB);
 - prompt-3mb, prompt-1mb: completions with a 3 MB and a 1 MB prompt;

@@ -10,10 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-
-from engine.kv_budget import kv_bytes_per_token  # noqa: F401 - the benchmarks take it from here
-from engine.model import is_layer_linear, weight_shapes
-from engine.spec import ModelSpec
+from tileinfer.engine.kv.budget import kv_bytes_per_token  # noqa: F401 - the benchmarks take it from here
+from tileinfer.engine.models.decoder import is_layer_linear, weight_shapes
+from tileinfer.engine.models.shape import ModelSpec
 
 QWEN3_0_6B = ModelSpec(
     family="qwen3",
@@ -89,7 +88,8 @@ DISPLAY_NAMES = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-4b": "Qwen3-4B", "smollm2-13
 def random_weights(
     spec: ModelSpec, dtype: torch.dtype, device: str | torch.device, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Canonical weight dict (engine.model.weight_shapes names and shapes), drawn on `device`."""
+    """Canonical weight dict (tileinfer.engine.models.decoder.weight_shapes names and shapes), drawn on
+    `device`."""
     generator = torch.Generator(device=device).manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     for name, shape in weight_shapes(spec).items():

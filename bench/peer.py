@@ -1,7 +1,7 @@
 """The gpt-fast-style peer: the same decoder in plain PyTorch, a static KV cache and SDPA attention.
 
-It loads the canonical weight dict (engine.model.weight_shapes names) without copying it, except
-q/k/v, which it fuses into one linear as gpt-fast does. Llama and Qwen3 (q/k RMSNorm) are covered:
+It loads the canonical weight dict (tileinfer.engine.models.decoder.weight_shapes names) without copying it,
+except q/k/v, which it fuses into one linear as gpt-fast does. Llama and Qwen3 (q/k RMSNorm) are covered:
 RMSNorm, RoPE in the rotate-half layout, GQA, SwiGLU, a tied or separate LM head.
 
     prefill(prompt)            one forward over a fresh prompt from position 0 (causal SDPA);
@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from tileinfer.engine.models.rope import rope_cos_sin_cache
+from tileinfer.engine.models.shape import ModelSpec
 from torch import nn
-
-from engine.rope import rope_cos_sin_cache
-from engine.spec import ModelSpec
 
 
 def _parameter(tensor: torch.Tensor | None) -> nn.Parameter | None:

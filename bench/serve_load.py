@@ -26,10 +26,10 @@ ray.serve.scripts run`) on a copy of the config (its first application's args, w
 sizes below written in), waits for /health, runs the load, stops that Ray cluster (only that one: its
 head runs with --block), then runs engine-direct with the same args in this process (the GPU is free
 again) and prints both, with HTTP/engine-direct ratios. The app starts as `make run` starts it
-(deployments.launch: Ray Serve's HAProxy mode where ray[serve] brought HAProxy); --serve-proxy measures
-Serve's Python proxy instead, --ray-defaults the app as a plain `serve run serve_config.yaml` serves it
-(Serve's proxy in its default mode, its logs on stderr), and --ingress-replicas N overrides
-num_ingress_replicas: auto.
+(tileinfer.deployments.launch.launcher: Ray Serve's HAProxy mode where ray[serve] brought HAProxy);
+--serve-proxy measures Serve's Python proxy instead, --ray-defaults the app as a plain `serve run
+serve_config.yaml` serves it (Serve's proxy in its default mode, its logs on stderr), and --ingress-replicas N
+overrides num_ingress_replicas: auto.
 --model: a model_shapes name other than the default smollm2-135m becomes a folder of random weights of
 that shape with the real Qwen3 tokenizer (tests/assets.py); anything else is passed on as given.
 --restart then starts the app once more (Triton's kernels cached by then) to time a restart; the first
@@ -456,11 +456,12 @@ def make_conversations(args: argparse.Namespace, vocab: tuple[int, int]) -> list
 
 
 def token_id_table(tokenizer: Any) -> dict[str, int]:
-    """Each token's spelling in the completions API's logprobs (deployments.logprobs.token_text) -> its
-    id. The API returns a completion as text, and a conversation's next turn must hold the very ids the
-    server generated (the prefix cache matches ids), so the turns ask for logprobs and read the ids back.
-    A spelling that several ids share is left out (the Qwen3 and SmolLM2 tokenizers have none)."""
-    from deployments.logprobs import token_text
+    """Each token's spelling in the completions API's logprobs
+    (tileinfer.deployments.openai_api.logprobs.token_text) -> its id. The API returns a completion as text,
+    and a conversation's next turn must hold the very ids the server generated (the prefix cache matches ids),
+    so the turns ask for logprobs and read the ids back. A spelling that several ids share is left out (the
+    Qwen3 and SmolLM2 tokenizers have none)."""
+    from tileinfer.deployments.openai_api.logprobs import token_text
 
     table: dict[str, int] = {}
     shared = set()
@@ -536,7 +537,7 @@ def run_shared_prefix(
     """Turn 1 of every conversation, then the later turns, with /metrics read before, between and after:
     turn 1's prompts are all new, so the prefix hits counted over the later turns are theirs alone. Per
     turn its latencies and prompt tokens; per phase its latencies, throughput and prefix hits."""
-    from deployments.engine import HEARTBEAT_S
+    from tileinfer.deployments.replicas.engine_replica import HEARTBEAT_S
 
     conversations = make_conversations(args, vocab)
     phases = {"turn 1": range(1), f"turns 2-{args.turns}": range(1, args.turns)}
@@ -610,7 +611,7 @@ def engine_level(
     concurrency: int,
     output_tokens: int,
 ) -> dict[str, Any]:
-    from engine.sampling import SamplingParams
+    from tileinfer.engine.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
     return summarize(*engine_records(engine, prompts, concurrency, lambda client: params))
@@ -620,9 +621,8 @@ def build_engine(app_args: Any, device: str) -> Any:
     """An Engine in this process with the app's engine settings on `device` ("auto": a GPU where there is
     one), warmed up as the engine deployment does before it serves."""
     import torch
-
-    from engine.engine import Engine
-    from engine.loader import load_model
+    from tileinfer.engine.engine import Engine
+    from tileinfer.engine.models.loader import load_model
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -654,8 +654,9 @@ def run_engine_direct(app_args: Any, args: argparse.Namespace, vocab: tuple[int,
 def model_source(name: str, dtype: str) -> str:
     """A model_shapes shape (not the real default model) as a folder of random weights with the Qwen3
     tokenizer, written once under the cache; anything else as given."""
+    from tileinfer.engine.models.default_model import DEFAULT_MODEL_ALIAS, cache_dir
+
     from bench.model_shapes import MODELS, random_weights
-    from engine.default_model import DEFAULT_MODEL_ALIAS, cache_dir
 
     if name == DEFAULT_MODEL_ALIAS or name not in MODELS:
         return name
@@ -706,7 +707,7 @@ def start_serve(
     would stop every cluster on a shared machine), then `serve run`; both processes, head first. Refuses
     when something listens on either port already: a run cut short can leave its app serving there, and
     the load would then measure that one."""
-    from deployments.launch import listening
+    from tileinfer.deployments.launch.launcher import listening
 
     for port in (ray_port, http_port):
         if listening(port):
@@ -764,8 +765,7 @@ def wait_healthy(base_url: str, process: subprocess.Popen, log: Path, timeout_s:
 def app_args_for(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     """The serve config (parsed) and its first application's args, with --model and the sizes in."""
     import yaml
-
-    from deployments.config import parse_app_args
+    from tileinfer.deployments.launch.app_args import parse_app_args
 
     config = yaml.safe_load(Path(args.serve_config or ROOT / "serve_config.yaml").read_text())
     raw = dict(config["applications"][0].get("args") or {})
@@ -832,13 +832,13 @@ def serve_setup(app_args: Any, env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def make_run_env(serve_proxy: bool = False, ray_defaults: bool = False) -> dict[str, str]:
-    """The environment `make run` starts Ray with (deployments/launch.py: HAProxy mode where HAProxy is
-    here, unless serve_proxy), with the project first on the path and then the caller's (the GPU
+    """The environment `make run` starts Ray with (deployments/launch/launcher.py: HAProxy mode where HAProxy
+    is here, unless serve_proxy), with the project first on the path and then the caller's (the GPU
     machine's wheels: Ray); HAProxy's script folder goes when this process exits. ray_defaults: Ray
     Serve's own settings instead, as a plain `serve run serve_config.yaml` gets them (Serve's proxy, its
     default mode, logs on stderr), on loopback and with make run's token mode."""
-    from deployments import cluster_security
-    from deployments.launch import RAY_ENV, cluster_env
+    from tileinfer.deployments.launch import cluster_security
+    from tileinfer.deployments.launch.launcher import RAY_ENV, cluster_env
 
     if ray_defaults:
         env = {**os.environ, **RAY_ENV, **cluster_security.auth_env(os.environ)}
@@ -880,7 +880,7 @@ def serve_and_load(
 
 def shared_prefix_workload(model: str) -> Callable[..., dict[str, Any]]:
     """run_shared_prefix, reading the generated ids back with this model's tokenizer."""
-    from engine.loader import load_tokenizer
+    from tileinfer.engine.models.loader import load_tokenizer
 
     return functools.partial(run_shared_prefix, token_ids=token_id_table(load_tokenizer(model)))
 
@@ -1156,7 +1156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         meta["model"] = info["id"]
         meta["serve"] = None
     else:
-        from deployments.config import parse_app_args
+        from tileinfer.deployments.launch.app_args import parse_app_args
 
         config, app_args = app_args_for(args)
         meta["app_args"] = app_args.model_dump()
@@ -1218,14 +1218,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def model_spec(model: str) -> Any:
     """The model's ModelSpec, from its config.json or GGUF, without loading weights."""
-    from engine.loader import resolve_model_source
+    from tileinfer.engine.models.loader import resolve_model_source
 
     source = resolve_model_source(model)
     if source.is_dir():
-        from engine.spec import ModelSpec
+        from tileinfer.engine.models.shape import ModelSpec
 
         return ModelSpec.from_config_file(source / "config.json")
-    from engine.gguf_loader import read_gguf, spec_from_gguf
+    from tileinfer.engine.models.gguf_loader import read_gguf, spec_from_gguf
 
     return spec_from_gguf(read_gguf(source))
 

@@ -28,9 +28,9 @@ In one served app, in this order:
 1. warm-up: one request per client at --mixed-clients, a quarter of them constrained;
 2. schema compile: --schema-probes times, a request with a schema the app has not seen (SCHEMA with a new
    title), then the same schema again, one at a time: TTFT of the first against the second. Beside it,
-   before the app starts, the same compile in this process with engine.grammar's Grammars on the model's
-   tokenizer, as the engine builds it: llguidance's tokenizer set-up (once per model), a new schema
-   cold, the same again (cached), and a fresh matcher's first mask;
+   before the app starts, the same compile in this process with tileinfer.engine.sampling.grammar's Grammars
+   on the model's tokenizer, as the engine builds it: llguidance's tokenizer set-up (once per model), a new
+   schema cold, the same again (cached), and a fresh matcher's first mask;
 3. mixed load, --mixed-runs times: --mixed-clients clients all unconstrained, then the same clients with
    a quarter of them constrained; the medians of the runs' unconstrained TPOT p50s give the ratio
    mixed / all-unconstrained;
@@ -313,7 +313,7 @@ class EngineLoad(Load):
     ) -> tuple[list[dict[str, Any]], float]:
         """The prompts' records from `clients` closed-loop clients of the engine (a client sends its next
         prompt when its request ends; those below `constrained` ask for the schema), and the wall time."""
-        from engine.sampling import GrammarSpec, SamplingParams
+        from tileinfer.engine.sampling.params import GrammarSpec, SamplingParams
 
         free = SamplingParams(max_tokens=self.max_tokens, temperature=0.0)
         bound = dataclasses.replace(free, grammar=GrammarSpec("json", json.dumps(schema)))
@@ -323,16 +323,15 @@ class EngineLoad(Load):
 
 
 def compile_in_process(model: str, probes: int) -> dict[str, Any]:
-    """engine.grammar's work for a new schema, in this process: Grammars on the model's tokenizer and
-    vocabulary as Engine builds it, llguidance's tokenizer set-up (once per model, before the engine
-    serves), then per probe SCHEMA under a new title compiled cold, the same again (the cache's), and a
+    """tileinfer.engine.sampling.grammar's work for a new schema, in this process: Grammars on the model's
+    tokenizer and vocabulary as Engine builds it, llguidance's tokenizer set-up (once per model, before the
+    engine serves), then per probe SCHEMA under a new title compiled cold, the same again (the cache's), and a
     fresh matcher's first mask. Milliseconds."""
     import torch
-
-    from engine.grammar import Grammars, MaskFiller
-    from engine.loader import load_tokenizer
-    from engine.sampling import GrammarSpec
-    from kernels.token_mask import bitmask_words
+    from tileinfer.engine.models.loader import load_tokenizer
+    from tileinfer.engine.sampling.grammar import Grammars, MaskFiller
+    from tileinfer.engine.sampling.params import GrammarSpec
+    from tileinfer.kernels.token_mask import bitmask_words
 
     tokenizer, spec = load_tokenizer(model), serve_load.model_spec(model)
     vocab = min(tokenizer.vocab_size, spec.vocab_size)

@@ -102,8 +102,7 @@ def main() -> None:
 
     import ray
     from ray import serve
-
-    from deployments.app import build_app
+    from tileinfer.deployments.app import build_app
 
     checkpoint = write_checkpoint(Path("/tmp/dflash-random-smollm2"), smollm2_135m_config())
     ray.init(num_gpus=2 if on_gpu else 0, include_dashboard=False)

@@ -40,12 +40,12 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
     started = time.perf_counter()
     import torch
+    from tileinfer.deployments.launch.app_args import parse_app_args
+    from tileinfer.engine.engine import Engine
+    from tileinfer.engine.models.loader import load_model
+    from tileinfer.kernels.triton_common import cache_root
 
     from bench.serve_load import model_source
-    from deployments.config import parse_app_args
-    from engine.engine import Engine
-    from engine.loader import load_model
-    from kernels.triton_common import cache_root
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     source = model_source(args.model, args.dtype)

@@ -1,4 +1,4 @@
-"""The application builder named in serve_config.yaml: `deployments.app:build_app`.
+"""The application builder named in serve_config.yaml: `tileinfer.deployments.app:build_app`.
 
 It validates the args, decides where the engine runs, and binds the deployments. A Python
 program passes its result to `serve.run(...)` just the same.
@@ -13,15 +13,14 @@ from typing import Any
 import ray
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
-
-from deployments.autoscaling import sequences_policy
-from deployments.cluster_security import check_cluster
-from deployments.config import AppArgs, parse_app_args
-from deployments.engine import EngineDeployment
-from deployments.engine_router import EngineRouter
-from deployments.ingress import OpenAIIngress
-from deployments.proposer import SEE_ALL_GPUS
-from deployments.routing import ROUTING_STATS_PERIOD_S
+from tileinfer.deployments.launch.app_args import AppArgs, parse_app_args
+from tileinfer.deployments.launch.cluster_security import check_cluster
+from tileinfer.deployments.openai_api.ingress import OpenAIIngress
+from tileinfer.deployments.replicas.autoscaling import sequences_policy
+from tileinfer.deployments.replicas.engine_replica import EngineDeployment
+from tileinfer.deployments.replicas.engine_router import EngineRouter
+from tileinfer.deployments.replicas.proposer_actor import SEE_ALL_GPUS
+from tileinfer.deployments.replicas.routing import ROUTING_STATS_PERIOD_S
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,8 @@ def gpu_shares(app_args: AppArgs, cluster_gpus: float) -> tuple[float, float]:
 
 def proposer_actor_options(app_args: AppArgs, proposer_gpus: float) -> dict[str, Any]:
     """The proposer actor's Ray options. With a GPU of its own it also sees the engine's GPU, so that it
-    can map the engine's buffer of DFlash rows as a peer (deployments/proposer.py picks its own GPU)."""
+    can map the engine's buffer of DFlash rows as a peer (deployments/replicas/proposer_actor.py picks its own
+    GPU)."""
     options: dict[str, Any] = {"num_cpus": app_args.proposer_num_cpus, "num_gpus": proposer_gpus}
     if proposer_gpus >= 1:
         options["runtime_env"] = {"env_vars": {SEE_ALL_GPUS: "1"}}
@@ -97,7 +97,7 @@ def resolve_device(requested: str) -> str:
 
 def engine_autoscaling_config(app_args: AppArgs) -> dict[str, Any] | None:
     """Serve's autoscaling_config for the engine deployment, as the args give it, scaled on the
-    sequences the engines hold (deployments/autoscaling.py): target_ongoing_requests is sequences per
+    sequences the engines hold (deployments/replicas/autoscaling.py): target_ongoing_requests is sequences per
     replica, by default half of max_num_seqs."""
     if app_args.engine_autoscaling_config is None:
         return None
@@ -128,7 +128,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     placement: dict[str, Any] = {"max_replicas_per_node": app_args.engine_max_replicas_per_node}
     proposer_options = None
     draft_ahead = False
-    if app_args.proposer_actor:  # each engine replica starts its own (deployments/proposer.py)
+    if app_args.proposer_actor:  # each engine replica starts its own (deployments/replicas/proposer_actor.py)
         proposer_options = proposer_actor_options(app_args, proposer_gpus)
         draft_ahead = app_args.proposer_draft_ahead(device, proposer_gpus)
         bundles = engine_bundles(engine_options, proposer_options)

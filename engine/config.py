@@ -1,9 +1,9 @@
 """The engine's settings: the values each may take, the defaults that depend on the device, EngineConfig,
 and one check of them all (EngineConfig.validate).
 
-The command line's choices (deployments/cli.py), the app's args (deployments/config.py) and the API's
-schema (deployments/openapi.py) read the allowed values from here. This module imports no torch, so that
-`tileinfer --help` answers at once; the methods that make torch objects import it.
+The command line's choices (deployments/launch/cli.py), the app's args (deployments/launch/app_args.py) and
+the API's schema (deployments/openai_api/openapi.py) read the allowed values from here. This module imports no
+torch, so that `tileinfer --help` answers at once; the methods that make torch objects import it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, get_args
 
-from engine.errors import InvalidRequestError
+from tileinfer.engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +35,7 @@ PROPOSERS: tuple[str, ...] = get_args(ProposerName)
 @dataclasses.dataclass(frozen=True)
 class DeviceDefaults:
     max_num_seqs: int
-    kv_cache_tokens: int | None  # None: what the free memory holds (engine/kv_budget.py)
+    kv_cache_tokens: int | None  # None: what the free memory holds (engine/kv/budget.py)
     long_prefill_step_ms: float  # EngineConfig.long_prefill_step_ms
 
 
@@ -70,7 +70,7 @@ def torch_dtype(name: str) -> torch.dtype:
 class EngineConfig:
     block_size: int = 16
     # KV cache capacity in tokens; default: on a GPU what gpu_memory_utilization of the free memory holds
-    # (engine/kv_budget.py), on the CPU max_model_len
+    # (engine/kv/budget.py), on the CPU max_model_len
     kv_cache_tokens: int | None = None
     # default: the model's max_position_embeddings; never more than the KV cache holds
     max_model_len: int | None = None

@@ -13,33 +13,33 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.detokenizer import TextStream
-from engine.errors import ContextLengthExceededError, GrammarFailedError, InvalidRequestError
-from engine.grammar import Grammars
-from engine.graphs import step_sizes
-from engine.interfaces import Proposer
-from engine.kv_budget import (
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.errors import ContextLengthExceededError, GrammarFailedError, InvalidRequestError
+from tileinfer.engine.graphs import step_sizes
+from tileinfer.engine.kv.block_manager import BlockManager
+from tileinfer.engine.kv.budget import (
     dequant_buffer_bytes,
     engine_free_bytes,
     kv_bytes_per_token,
     kv_cache_tokens_from_memory,
     step_reserve_bytes,
 )
-from engine.kv_calibration import calibration_ids
-from engine.loader import LoadedModel, load_model
-from engine.model import Decoder
-from engine.ops import ops_for
-from engine.runner import ModelRunner
-from engine.sampling import GrammarSpec, SamplingParams, TokenLogprob
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.speculator import DEFAULT_DRAFT_COST, Speculator
-from engine.step import Drafts, PendingStep, RowOutput, ScheduledRow, StepWork, is_decode_step
-from engine.step_cost import StepCostModel
-from kernels.int8 import Int8Weight
-from kernels.triton_common import specialization_sizes
+from tileinfer.engine.kv.calibration import calibration_ids
+from tileinfer.engine.models.decoder import Decoder
+from tileinfer.engine.models.loader import LoadedModel, load_model
+from tileinfer.engine.ops import ops_for
+from tileinfer.engine.runner import ModelRunner
+from tileinfer.engine.sampling.grammar import Grammars
+from tileinfer.engine.sampling.params import GrammarSpec, SamplingParams, TokenLogprob
+from tileinfer.engine.scheduler import Scheduler
+from tileinfer.engine.sequence import Sequence, SequenceStatus
+from tileinfer.engine.spec_decode.proposer_interface import Proposer
+from tileinfer.engine.spec_decode.speculator import DEFAULT_DRAFT_COST, Speculator
+from tileinfer.engine.step import Drafts, PendingStep, RowOutput, ScheduledRow, StepWork, is_decode_step
+from tileinfer.engine.step_cost import StepCostModel
+from tileinfer.engine.text.detokenizer import TextStream
+from tileinfer.kernels.int8 import Int8Weight
+from tileinfer.kernels.triton_common import specialization_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,9 @@ class Engine:
         draft_cost: float = DEFAULT_DRAFT_COST,
     ) -> None:
         """proposer: drafts for speculative decoding, the one config.proposer names (built in this process,
-        or a client of a proposer actor: deployments/proposers.py); draft_cost: what one more of its
-        drafts costs, as a share of a plain decode step (deployments/proposers.py draft_cost)."""
+        or a client of a proposer actor: deployments/replicas/proposer_build.py); draft_cost: what one more of
+        its drafts costs, as a share of a plain decode step (deployments/replicas/proposer_build.py
+        draft_cost)."""
         config = config or EngineConfig()
         config.validate()
         if config.proposer is not None and proposer is None:
@@ -96,7 +97,8 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer_eos) | frozenset(model.spec.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
-        # structured output (SamplingParams.grammar): compiled off the engine's loop (engine/grammar.py)
+        # structured output (SamplingParams.grammar): compiled off the engine's loop
+        # (engine/sampling/grammar.py)
         self.grammars: Grammars | None = None
         if model.tokenizer is not None and self.eos_token_ids:
             self.grammars = Grammars(model.tokenizer, self.logit_vocab_size, self.eos_token_ids)
@@ -191,7 +193,8 @@ class Engine:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         # the ids that get logits: a penalty counts each prompt token in a row of that width, and a stop id
-        # past them is never generated (the HTTP API's schema publishes this bound: deployments/openapi.py)
+        # past them is never generated (the HTTP API's schema publishes this bound:
+        # deployments/openai_api/openapi.py)
         checked = (("prompt token ids", prompt_token_ids), ("stop_token_ids", params.stop_token_ids))
         for name, token_ids in checked:
             if any(not 0 <= token < self.logit_vocab_size for token in token_ids):
@@ -474,10 +477,10 @@ class Engine:
     def _grammar_finish(self, seq: Sequence, token_id: int) -> str | None:
         """Commit a generated token to the sequence's grammar: the finish reason that gives, or None. The
         mask allows an end-of-sequence token only where the grammar accepts, or once it has failed
-        (engine/grammar.py): a stop token, which no grammar takes, ends the sequence "stop", or "error"
-        where it failed. With ignore_eos, a complete grammar's taking that token ends it "stop". A token
-        the grammar refuses (the mask allowed it: the matcher failed on it, at one of llguidance's limits)
-        ends it "error"."""
+        (engine/sampling/grammar.py): a stop token, which no grammar takes, ends the sequence "stop", or
+        "error" where it failed. With ignore_eos, a complete grammar's taking that token ends it "stop". A
+        token the grammar refuses (the mask allowed it: the matcher failed on it, at one of llguidance's
+        limits) ends it "error"."""
         grammar = seq.grammar
         assert grammar is not None
         if self._stops_on(seq, token_id):

@@ -22,8 +22,8 @@ alternate steps: a launch's inputs must stay intact until its copy has run, whic
 has prepared the next launch (run-ahead). A row whose source row is >= 0 takes that row of the previous
 launch's samples (token_ids, still on the device) as its input id.
 
-Structured output (engine/grammar.py). A constrained row's mask follows its previous token, which the host
-may not have read when the step launches (run-ahead), so a step samples every row unmasked and the
+Structured output (engine/sampling/grammar.py). A constrained row's mask follows its previous token, which the
+host may not have read when the step launches (run-ahead), so a step samples every row unmasked and the
 constrained rows are then sampled again from their masked logits by a masked-sampling replay
 (sample_masked): a bucket of C rows gathers their logits, applies the bitmask (kernels/token_mask.py) and
 samples into their rows of token_ids, before the next launch reads them. The host writes the masks
@@ -45,16 +45,15 @@ from collections.abc import Callable
 
 import numpy
 import torch
-
-from engine.model import Decoder
-from engine.sampler import Sampler
-from engine.sequence import Sequence
-from engine.step import PendingStep
-from engine.step_inputs import SAMPLING_FLOAT_FIELDS, StepInputs
-from kernels.attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
-from kernels.prefill_attention import allocate_prefill_workspace, prefill_num_splits
-from kernels.sampling import SamplingTensors, SamplingWorkspace
-from kernels.token_mask import apply_token_mask, bitmask_words
+from tileinfer.engine.models.decoder import Decoder
+from tileinfer.engine.sampling.sampler import Sampler
+from tileinfer.engine.sequence import Sequence
+from tileinfer.engine.step import PendingStep
+from tileinfer.engine.step_inputs import SAMPLING_FLOAT_FIELDS, StepInputs
+from tileinfer.kernels.decode_attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
+from tileinfer.kernels.prefill_attention import allocate_prefill_workspace, prefill_num_splits
+from tileinfer.kernels.sampling import SamplingTensors, SamplingWorkspace
+from tileinfer.kernels.token_mask import apply_token_mask, bitmask_words
 
 DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # No step bucket below 16: with buckets of 1-8 tokens (linear layers as GEMVs) an n-gram verify step on

@@ -9,13 +9,12 @@ import functools
 from collections.abc import Callable
 
 import torch
-
-from kernels.attention import paged_attention_reference, paged_decode_attention_triton
-from kernels.embedding import embedding_reference, embedding_triton
-from kernels.linear import LinearWorkspace, linear_reference, linear_triton
-from kernels.norm_linear import add_rms_norm_linear_reference, add_rms_norm_linear_triton
-from kernels.prefill_attention import paged_prefill_attention_triton
-from kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
+from tileinfer.kernels.decode_attention import paged_attention_reference, paged_decode_attention_triton
+from tileinfer.kernels.embedding import embedding_reference, embedding_triton
+from tileinfer.kernels.linear import LinearWorkspace, linear_reference, linear_triton
+from tileinfer.kernels.norm_linear import add_rms_norm_linear_reference, add_rms_norm_linear_triton
+from tileinfer.kernels.prefill_attention import paged_prefill_attention_triton
+from tileinfer.kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
 
 
 @dataclasses.dataclass(frozen=True)

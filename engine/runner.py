@@ -1,8 +1,8 @@
 """Runs one step of the model and samples: owns the KV cache, builds the step's inputs, returns tokens.
 
 On the CPU every step runs eagerly with the torch reference ops and sampler. On a GPU the decoder runs
-Triton kernels and samples on the device (engine/sampler.py: the same tokens for the same logits), and a
-step replays a CUDA graph of the graph cache (engine/graphs.py) where one fits: a decode step (one new
+Triton kernels and samples on the device (engine/sampling/sampler.py: the same tokens for the same logits),
+and a step replays a CUDA graph of the graph cache (engine/graphs.py) where one fits: a decode step (one new
 token per sequence) a decode bucket's, which samples too; a prefill, mixed or verify step a step bucket's.
 Each step's inputs are built once (engine/step_inputs.py), and the graphs and the eager step fill from them.
 
@@ -13,9 +13,9 @@ a fed_back_row, engine/step.py), so the host prepares step n+1 while the GPU sti
 tokens back one step later.
 
 Structured output: a row whose sequence has a grammar samples from logits masked with its allowed tokens
-(engine/grammar.py fills the masks on the host; kernels/token_mask.py applies them); logprobs are those of
-the unmasked logits. Its mask follows its previous token, which a step launched ahead takes on the device
-before the host has read it; so a decode or launched step samples every row as usual, and once the host
+(engine/sampling/grammar.py fills the masks on the host; kernels/token_mask.py applies them); logprobs are
+those of the unmasked logits. Its mask follows its previous token, which a step launched ahead takes on the
+device before the host has read it; so a decode or launched step samples every row as usual, and once the host
 knows the constrained rows' grammar state (after reading the previous step), start_masks has their masks
 filled on a worker thread while the host goes on, and the samples are replaced from the masked logits
 (GraphCache.sample_masked, a replay) before anything reads them: the next launch, or reading this one
@@ -32,22 +32,21 @@ import functools
 from collections.abc import Callable, Collection
 
 import torch
-
-from engine.block_manager import BlockCopy
-from engine.grammar import MaskFiller
-from engine.graphs import GraphCache
-from engine.interfaces import DeviceDrafts, DraftsRead
-from engine.kv_cache import allocate_kv_cache, copy_blocks
-from engine.model import Decoder
-from engine.sampler import Sampler
-from engine.sampling import TokenLogprob
-from engine.sequence import Sequence
-from engine.step import PendingStep, RowOutput, ScheduledRow, is_decode_step
-from engine.step_inputs import StepInputs, StepInputsBuilder
-from engine.verify import read_ring, ring_drafts_read, verify_rows
-from kernels.attention import AttentionMetadata
-from kernels.sampling import top_logprobs
-from kernels.token_mask import apply_token_mask, bitmask_words
+from tileinfer.engine.graphs import GraphCache
+from tileinfer.engine.kv.block_manager import BlockCopy
+from tileinfer.engine.kv.cache import allocate_kv_cache, copy_blocks
+from tileinfer.engine.models.decoder import Decoder
+from tileinfer.engine.sampling.grammar import MaskFiller
+from tileinfer.engine.sampling.params import TokenLogprob
+from tileinfer.engine.sampling.sampler import Sampler
+from tileinfer.engine.sequence import Sequence
+from tileinfer.engine.spec_decode.proposer_interface import DeviceDrafts, DraftsRead
+from tileinfer.engine.spec_decode.verify_step import read_ring, ring_drafts_read, verify_rows
+from tileinfer.engine.step import PendingStep, RowOutput, ScheduledRow, is_decode_step
+from tileinfer.engine.step_inputs import StepInputs, StepInputsBuilder
+from tileinfer.kernels.decode_attention import AttentionMetadata
+from tileinfer.kernels.sampling import top_logprobs
+from tileinfer.kernels.token_mask import apply_token_mask, bitmask_words
 
 
 class ModelRunner:
@@ -74,7 +73,7 @@ class ModelRunner:
         capture_layers: decoder layers whose output stream every step returns (RowOutput.hidden; DFlash);
         their steps run from step buckets (which capture them too) or eagerly, never from decode buckets.
         kv_cache_dtype "int8": an INT8 cache, whose key smoothing comes from a forward pass over
-        calibration_tokens before any graph is captured (engine/kv_cache.py)."""
+        calibration_tokens before any graph is captured (engine/kv/cache.py)."""
         spec = decoder.spec
         self.decoder = decoder
         self.spec = spec

@@ -47,10 +47,10 @@ import collections
 import dataclasses
 from collections.abc import Mapping
 
-from engine.block_manager import BlockCopy, BlockManager
-from engine.sequence import Sequence, SequenceStatus
-from engine.step import Drafts, ScheduledRow, StepWork
-from engine.step_cost import StepCostModel
+from tileinfer.engine.kv.block_manager import BlockCopy, BlockManager
+from tileinfer.engine.sequence import Sequence, SequenceStatus
+from tileinfer.engine.step import Drafts, ScheduledRow, StepWork
+from tileinfer.engine.step_cost import StepCostModel
 
 # How many later requests may start before a waiting one that does not fit, before it reserves the cache.
 MAX_TIMES_PASSED_OVER = 8

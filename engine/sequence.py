@@ -6,10 +6,10 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
-from engine.sampling import SamplingParams
+from tileinfer.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.grammar import SequenceGrammar
+    from tileinfer.engine.sampling.grammar import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):

@@ -16,13 +16,12 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
-
-from engine.sampling import TokenLogprob
-from engine.sequence import Sequence
+from tileinfer.engine.sampling.params import TokenLogprob
+from tileinfer.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from engine.interfaces import DeviceDrafts
-    from engine.step_inputs import StepInputs
+    from tileinfer.engine.spec_decode.proposer_interface import DeviceDrafts
+    from tileinfer.engine.step_inputs import StepInputs
 
 
 @dataclasses.dataclass(slots=True)

@@ -22,8 +22,7 @@ import itertools
 import math
 
 import numpy
-
-from engine.step import StepWork
+from tileinfer.engine.step import StepWork
 
 # The steps kept per bin of (tokens, mean context), each bin a power of two of each: the latest ones.
 SAMPLES_PER_BIN = 4

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from engine.block_manager import BlockManager
-from engine.sampler import Sampler
-from engine.sequence import Sequence
-from engine.step import ScheduledRow, is_decode_step
+from tileinfer.engine.kv.block_manager import BlockManager
+from tileinfer.engine.sampling.sampler import Sampler
+from tileinfer.engine.sequence import Sequence
+from tileinfer.engine.step import ScheduledRow, is_decode_step
 
 # SamplingTensors' float fields, in the order of StepInputs.sampling_floats
 SAMPLING_FLOAT_FIELDS = (

@@ -16,7 +16,7 @@ Three Triton kernels serve every call, picked here by the number of rows of x:
 Tiles measured fastest per shape on a GPU (kernels/linear_tuned.py) override the heuristics.
 
 The scratch the kernels need beside their operands (split-K partials, dequantized weights) is a
-LinearWorkspace: each decoder builds its own (engine/model.py) and passes it with every call, so two
+LinearWorkspace: each decoder builds its own (engine/models/decoder.py) and passes it with every call, so two
 decoders in one process never share one. Without a workspace K is not split and INT8 weights are not
 dequantized.
 
@@ -31,19 +31,18 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-
-from kernels.activation import silu_and_mul_reference
-from kernels.int8 import LinearWeight, dequantize, split
-from kernels.linear_dequant import (
+from tileinfer.kernels.activation import silu_and_mul_reference
+from tileinfer.kernels.int8 import LinearWeight, dequantize, split
+from tileinfer.kernels.linear_dequant import (
     DEQUANT_BUFFERS,
     INT8_DEQUANT_MIN_M,
     DequantWorkspace,
     dequantized_at_prefill,
     dequantized_weights,
 )
-from kernels.linear_gemm import launch_gemm
-from kernels.linear_gemv import launch_gemv
-from kernels.linear_skinny import SKINNY_MAX_M, SplitKScratch, launch_skinny
+from tileinfer.kernels.linear_gemm import launch_gemm
+from tileinfer.kernels.linear_gemv import launch_gemv
+from tileinfer.kernels.linear_skinny import SKINNY_MAX_M, SplitKScratch, launch_skinny
 
 GEMV_MAX_M = 1  # up to this many rows of x take the GEMV; up to SKINNY_MAX_M the skinny GEMM
 

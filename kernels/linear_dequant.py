@@ -13,9 +13,8 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-
-from kernels.int8 import Int8Weight, KernelWeight, LinearWeight, split
-from kernels.linear_tiles import group_scales, input_order, widen
+from tileinfer.kernels.int8 import Int8Weight, KernelWeight, LinearWeight, split
+from tileinfer.kernels.linear_tiles import group_scales, input_order, widen
 
 INT8_DEQUANT_MIN_M = 256  # rows of x from which an INT8 weight is dequantized (H200: BENCHMARKS.md)
 # Weights in the MMA order are dequantized only under this many rows: more make enough tiles for the

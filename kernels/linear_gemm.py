@@ -10,11 +10,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-
-from kernels.int8 import MMA_CHUNK
-from kernels.linear_tiles import group_scales, input_order, widen
-from kernels.linear_tuned import tuned_config, weights_kind
-from kernels.triton_common import INTERPRET, num_sms
+from tileinfer.kernels.int8 import MMA_CHUNK
+from tileinfer.kernels.linear_tiles import group_scales, input_order, widen
+from tileinfer.kernels.linear_tuned import tuned_config, weights_kind
+from tileinfer.kernels.triton_common import INTERPRET, num_sms
 
 
 @triton.jit

@@ -15,11 +15,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-
-from kernels.int8 import MMA_CHUNK
-from kernels.linear_tiles import chunks_in_input_order, group_scales, widen
-from kernels.linear_tuned import tuned_config, weights_kind
-from kernels.triton_common import INTERPRET, shared_memory_per_block
+from tileinfer.kernels.int8 import MMA_CHUNK
+from tileinfer.kernels.linear_tiles import chunks_in_input_order, group_scales, widen
+from tileinfer.kernels.linear_tuned import tuned_config, weights_kind
+from tileinfer.kernels.triton_common import INTERPRET, shared_memory_per_block
 
 SKINNY_MAX_M = 64  # rows of x up to which the skinny GEMM runs (past it: the tiled GEMM)
 # INT8 weights in the MMA order take the skinny kernel past SKINNY_MAX_M too (the swapped-operand GEMM), x

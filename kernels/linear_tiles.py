@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from kernels.triton_common import INTERPRET
+from tileinfer.kernels.triton_common import INTERPRET
 
 
 @triton.jit

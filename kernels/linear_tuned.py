@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 import triton
-
-from kernels.triton_common import INTERPRET
+from tileinfer.kernels.triton_common import INTERPRET
 
 TUNED_DIR = Path(__file__).parent / "tuned"
 

@@ -35,10 +35,9 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-
-from kernels.activation import silu_and_mul_reference
-from kernels.int8 import MMA_CHUNK, LinearWeight, split
-from kernels.linear import (
+from tileinfer.kernels.activation import silu_and_mul_reference
+from tileinfer.kernels.int8 import MMA_CHUNK, LinearWeight, split
+from tileinfer.kernels.linear import (
     GEMV_MAX_M,
     LinearWorkspace,
     _launch,
@@ -47,11 +46,11 @@ from kernels.linear import (
     linear_reference,
     linear_triton,
 )
-from kernels.linear_gemv import GemvConfig, gemv_config
-from kernels.linear_skinny import SKINNY_MAX_M
-from kernels.linear_tiles import group_scales, load_stored_order, stored_inputs, widen
-from kernels.linear_tuned import weights_kind
-from kernels.rmsnorm import add_rms_norm_into_triton, rms_norm_reference, rms_norm_triton
+from tileinfer.kernels.linear_gemv import GemvConfig, gemv_config
+from tileinfer.kernels.linear_skinny import SKINNY_MAX_M
+from tileinfer.kernels.linear_tiles import group_scales, load_stored_order, stored_inputs, widen
+from tileinfer.kernels.linear_tuned import weights_kind
+from tileinfer.kernels.rmsnorm import add_rms_norm_into_triton, rms_norm_reference, rms_norm_triton
 
 # One row takes the fused GEMV up to this many weight elements (rows x K), and a norm launch, then the
 # plain GEMV, past it: every fused program loads three [BLOCK_K] vectors a K step beside its weight tile

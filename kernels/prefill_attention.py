@@ -1,7 +1,7 @@
 """Paged flash attention for any number of new query tokens per sequence (prefill, prefill chunks,
 mixed batches, speculative verification): the Triton kernel of paged_attention_reference.
 
-The reference (kernels/attention.py) defines the math: query [num_tokens, num_heads, head_dim], the new
+The reference (kernels/decode_attention.py) defines the math: query [num_tokens, num_heads, head_dim], the new
 tokens of each sequence packed along one axis (query_start_loc) and sitting at the last q_len of its
 seq_lens[i] positions; keys and values read through the block table; causal, optionally windowed.
 
@@ -31,8 +31,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kernels.attention import (
+from tileinfer.kernels.decode_attention import (
     AttentionMetadata,
     DecodeWorkspace,
     deal_key_tiles,
@@ -40,8 +39,8 @@ from kernels.attention import (
     int8_kv_tile,
     store_normalized,
 )
-from kernels.kv_cache import Int8KVCache, KVCache
-from kernels.triton_common import INTERPRET, num_sms
+from tileinfer.kernels.kv_cache import Int8KVCache, KVCache
+from tileinfer.kernels.triton_common import INTERPRET, num_sms
 
 MAX_PREFILL_SPLITS = 64
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.kv_cache import Int8KVCache, KVCache, write_kv_cache_reference
-from kernels.rmsnorm import rms_norm_reference
-from kernels.rope import apply_rope_reference
-from kernels.triton_common import num_sms
+from tileinfer.kernels.kv_cache import Int8KVCache, KVCache, write_kv_cache_reference
+from tileinfer.kernels.rmsnorm import rms_norm_reference
+from tileinfer.kernels.rope import apply_rope_reference
+from tileinfer.kernels.triton_common import num_sms
 
 
 def qkv_epilogue_reference(

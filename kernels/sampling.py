@@ -25,9 +25,8 @@ from collections.abc import Sequence
 import numpy
 import torch
 import triton
-
-from kernels import sampling_triton
-from kernels.triton_common import num_sms
+from tileinfer.kernels import sampling_triton
+from tileinfer.kernels.triton_common import num_sms
 
 TOKEN_STREAM = 0  # the race's noise
 ACCEPT_STREAM = 1  # sampled verification's acceptance uniforms (vocab index 0 of each draft's position)
@@ -52,7 +51,7 @@ class SamplingTensors:
     @classmethod
     def from_params(
         cls,
-        params: Sequence,  # engine.sampling.SamplingParams
+        params: Sequence,  # tileinfer.engine.sampling.params.SamplingParams
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
         seeds: Sequence[int],

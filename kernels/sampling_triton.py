@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from kernels.triton_common import INTERPRET
+from tileinfer.kernels.triton_common import INTERPRET
 
 # Pass 1: 1024 fp32 = 8 per thread with 4 warps (two 16-byte loads). Small blocks in the interpreter so
 # that the tests' small vocabularies still span several blocks and chunks.

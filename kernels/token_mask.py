@@ -1,5 +1,5 @@
-"""The allowed-token mask of structured output (engine/grammar.py), applied to logits before sampling: a
-torch reference (the CPU's) and a Triton kernel (a GPU's).
+"""The allowed-token mask of structured output (engine/sampling/grammar.py), applied to logits before
+sampling: a torch reference (the CPU's) and a Triton kernel (a GPU's).
 
 The mask is llguidance's (and xgrammar's) bitmask, int32 [rows, ceil(vocab / 32)]: bit j of word i allows
 token 32 i + j. A disallowed token's logit becomes -inf, which every sampling path (greedy, the race, top-k,
@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.triton_common import INTERPRET
+from tileinfer.kernels.triton_common import INTERPRET
 
 _BLOCK = 128 if INTERPRET else 1024
 

@@ -53,11 +53,10 @@ from multiprocessing import shared_memory
 
 import numpy as np
 import torch
-
-from proposers.cuda_ipc import describe, open_described
-from proposers.device_rows import DeviceRowsExport, DeviceRowsImport
-from proposers.draft_ring import DraftRing
-from proposers.stream_signal import map_host_page, unmap_host_page
+from tileinfer.proposers.cuda_ipc import describe, open_described
+from tileinfer.proposers.device_rows import DeviceRowsExport, DeviceRowsImport
+from tileinfer.proposers.draft_ring import DraftRing
+from tileinfer.proposers.stream_signal import map_host_page, unmap_host_page
 
 MAGIC = 0x54494C4543484E33  # "TILECHN3": the segment is a channel of this layout
 HEADER = (

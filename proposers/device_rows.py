@@ -19,8 +19,7 @@ are in this buffer: the proposer may map it between two steps.
 from __future__ import annotations
 
 import torch
-
-from proposers.cuda_ipc import describe, open_described
+from tileinfer.proposers.cuda_ipc import describe, open_described
 
 
 class DeviceRowsExport:

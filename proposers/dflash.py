@@ -27,20 +27,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tileinfer.engine.errors import InvalidRequestError, ModelLoadError
+from tileinfer.engine.kv.block_manager import common_prefix_length
+from tileinfer.engine.models import decoder
+from tileinfer.engine.models.rope import rope_cos_sin_cache
+from tileinfer.engine.models.safetensors_loader import read_safetensors_file, safetensors_files
+from tileinfer.engine.models.shape import ModelSpec
+from tileinfer.engine.spec_decode.proposer_interface import AheadStats, DraftRequest, Proposer
+from tileinfer.kernels.activation import silu_and_mul_reference
+from tileinfer.kernels.embedding import embedding_reference
+from tileinfer.kernels.linear import linear_reference
+from tileinfer.kernels.rmsnorm import rms_norm_reference
+from tileinfer.kernels.rope import apply_rope_reference
 from torch import nn
-
-from engine import model
-from engine.block_manager import common_prefix_length
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.interfaces import AheadStats, DraftRequest, Proposer
-from engine.rope import rope_cos_sin_cache
-from engine.safetensors_loader import read_safetensors_file, safetensors_files
-from engine.spec import ModelSpec
-from kernels.activation import silu_and_mul_reference
-from kernels.embedding import embedding_reference
-from kernels.linear import linear_reference
-from kernels.rmsnorm import rms_norm_reference
-from kernels.rope import apply_rope_reference
 
 ARCHITECTURE = "DFlashDraftModel"
 WARM_UP_ID, WARM_UP_TOKENS = "tileinfer-warm-up", 16  # DFlashProposer.warm_up's throwaway request
@@ -180,7 +179,7 @@ class ContextCache:
         return self.keys[index, : self.num_tokens], self.values[index, : self.num_tokens]
 
 
-class RMSNorm(model.RMSNorm):
+class RMSNorm(decoder.RMSNorm):
     """The decoder's norm (a weight and eps), applied here with the reference op."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,17 +16,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence as TokenIds
 
-from engine.block_manager import BlockManager, common_prefix_length
-from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.interfaces import AheadStats, DraftRequest, Proposer
-from engine.loader import LoadedModel
-from engine.model import Decoder
-from engine.ops import ops_for
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
-from engine.step import PendingStep, ScheduledRow
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.errors import InvalidRequestError, ModelLoadError
+from tileinfer.engine.kv.block_manager import BlockManager, common_prefix_length
+from tileinfer.engine.models.decoder import Decoder
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.ops import ops_for
+from tileinfer.engine.runner import ModelRunner
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.sequence import Sequence
+from tileinfer.engine.spec_decode.proposer_interface import AheadStats, DraftRequest, Proposer
+from tileinfer.engine.step import PendingStep, ScheduledRow
 
 # Argmax drafts: deterministic, so the engine verifies them with a one-hot q (draft_probs=None).
 _GREEDY = SamplingParams(temperature=0.0)
@@ -40,7 +40,8 @@ class _DraftState:
 
 
 class DraftModelProposer(Proposer):
-    """Proposes each request's greedy continuation under the draft model (see engine.interfaces.Proposer).
+    """Proposes each request's greedy continuation under the draft model (see
+    tileinfer.engine.spec_decode.proposer_interface.Proposer).
 
     config: the draft side's own settings (EngineConfig's fields): device, dtype, block_size, its KV
     capacity (kv_cache_tokens), max_model_len, max_num_seqs (the batch of one decode step, and the largest

@@ -31,8 +31,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-
-from proposers.stream_signal import wait_at_least, write_after
+from tileinfer.proposers.stream_signal import wait_at_least, write_after
 
 POLL_SLEEP_S = 20e-6  # the engine's host, between looks at the flag or the step's event
 
@@ -141,7 +140,7 @@ class DraftRing:
 class RingDrafts:
     """A step whose drafts come through the ring (RemoteProposer.launch): request i's drafts, up to
     num_drafts[i], are in ring row rows[i] (None: it asked for none) once the flag reaches `step`. The
-    engine's DeviceDrafts (engine/interfaces.py)."""
+    engine's DeviceDrafts (engine/spec_decode/proposer_interface.py)."""
 
     ring: DraftRing
     step: int

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from engine.errors import InvalidRequestError
-from engine.interfaces import DraftRequest, Proposer
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.spec_decode.proposer_interface import DraftRequest, Proposer
 
 
 @dataclasses.dataclass

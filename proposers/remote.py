@@ -26,11 +26,16 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import torch
-
-from engine.errors import InvalidRequestError
-from engine.interfaces import DraftRequest, Proposer, ProposerUnavailableError
-from proposers.channel import HIDDEN_DTYPES, ChannelCapacity, ChannelClient, ChannelRequest, ChannelServer
-from proposers.draft_ring import RingDrafts
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.spec_decode.proposer_interface import DraftRequest, Proposer, ProposerUnavailableError
+from tileinfer.proposers.channel import (
+    HIDDEN_DTYPES,
+    ChannelCapacity,
+    ChannelClient,
+    ChannelRequest,
+    ChannelServer,
+)
+from tileinfer.proposers.draft_ring import RingDrafts
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +49,7 @@ class HiddenLayout:
 
     target_layer_ids: tuple[int, ...] = ()
     width: int = 0  # values per row: len(target_layer_ids) x the target's hidden size
-    dtype: str = "float32"  # a key of proposers.channel.HIDDEN_DTYPES
+    dtype: str = "float32"  # a key of tileinfer.proposers.channel.HIDDEN_DTYPES
 
 
 def hidden_layout(proposer: Proposer) -> HiddenLayout:

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.default_model import cache_dir
+from tileinfer.engine.models.default_model import cache_dir
 
 _LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
 _LLAMA_CPP_MODELS = "vendor/llama.cpp/models/"

@@ -19,9 +19,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-
-from engine.default_model import fetch_default_model  # noqa: E402
-from engine.loader import LoadedModel, load_model  # noqa: E402
+from tileinfer.engine.models.default_model import fetch_default_model  # noqa: E402
+from tileinfer.engine.models.loader import LoadedModel, load_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -59,8 +58,8 @@ def transformers_smollm2(smollm2_gguf: Path) -> tuple[dict, dict[str, torch.Tens
 
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_gguf: Path) -> LoadedModel:
-    """That GGUF loaded by engine.loader (float32, on the CPU), once for the files that share it: each load
-    costs seconds, and engines and proposers read its weights without changing them."""
+    """That GGUF loaded by tileinfer.engine.models.loader (float32, on the CPU), once for the files that share
+    it: each load costs seconds, and engines and proposers read its weights without changing them."""
     return load_model(str(smollm2_gguf))
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.sampling.params import SamplingParams
 
 
 def first_difference(got: list[int], expected: list[int]) -> int | None:

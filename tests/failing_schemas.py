@@ -1,5 +1,5 @@
-"""JSON schemas whose grammars llguidance cannot follow (engine/grammar.py): issue 43's, which its compile's
-probe finds, and ones that fail only off the probe's path, where a model goes."""
+"""JSON schemas whose grammars llguidance cannot follow (engine/sampling/grammar.py): issue 43's, which its
+compile's probe finds, and ones that fail only off the probe's path, where a model goes."""
 
 from __future__ import annotations
 

@@ -9,14 +9,13 @@ from typing import Any
 
 import httpx
 from prometheus_client.core import GaugeMetricFamily
-
-from deployments import ingress as ingress_module
-from deployments.config import AppArgs
-from deployments.engine import EngineInfo
-from deployments.engine_loop import Delta
-from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams, TokenLogprob
-from engine.tokenizer import Tokenizer
+from tileinfer.deployments.launch.app_args import AppArgs
+from tileinfer.deployments.openai_api import ingress as ingress_module
+from tileinfer.deployments.replicas.engine_loop import Delta
+from tileinfer.deployments.replicas.engine_replica import EngineInfo
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.sampling.params import SamplingParams, TokenLogprob
+from tileinfer.engine.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m"
 INFO = EngineInfo(MODEL, max_model_len=512, max_prompt_tokens=511, vocab_size=49152, device="cpu",

@@ -28,8 +28,7 @@ from pathlib import Path
 import httpx
 import yaml
 from random_dflash import smollm2_135m_config, write_checkpoint
-
-from deployments.launch import listening
+from tileinfer.deployments.launch.launcher import listening
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -138,8 +137,8 @@ def serve_application(workdir: Path) -> Iterator[Served]:
     ray_address = f"127.0.0.1:{ray_port}"
     with log.open("w") as log_file:  # what `make run` runs: Ray's head, then `serve run`
         process = subprocess.Popen(
-            [sys.executable, "-m", "deployments.launch", str(config_path), f"--ray-port={ray_port}",
-             f"--ray-client-server-port={client_port}", "--num-cpus=2"],
+            [sys.executable, "-m", "tileinfer.deployments.launch.launcher", str(config_path),
+             f"--ray-port={ray_port}", f"--ray-client-server-port={client_port}", "--num-cpus=2"],
             env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
         )  # fmt: skip
     base_url = f"http://127.0.0.1:{http_port}"

@@ -32,27 +32,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from tileinfer.engine.kv.block_manager import BlockManager  # noqa: E402
+from tileinfer.engine.models.decoder import Decoder  # noqa: E402
+from tileinfer.engine.ops import TRITON_OPS  # noqa: E402
+from tileinfer.engine.runner import ModelRunner  # noqa: E402
+from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
+from tileinfer.engine.sequence import Sequence  # noqa: E402
+from tileinfer.engine.step import ScheduledRow  # noqa: E402
+from tileinfer.kernels import linear, norm_linear  # noqa: E402
+from tileinfer.kernels.decode_attention import (  # noqa: E402
+    AttentionMetadata,
+    DecodeWorkspace,
+    paged_decode_attention_triton,
+)
+from tileinfer.kernels.int8 import quantize_int8  # noqa: E402
+from tileinfer.kernels.linear_dequant import INT8_DEQUANT_MIN_M, DequantWorkspace  # noqa: E402
+from tileinfer.kernels.linear_gemv import GemvConfig, launch_gemv  # noqa: E402
+from tileinfer.kernels.linear_skinny import SplitKScratch  # noqa: E402
+from tileinfer.kernels.prefill_attention import allocate_prefill_workspace, paged_prefill_attention_triton  # noqa: E402
+from tileinfer.kernels.sampling import ACCEPT_STREAM, SamplingTensors, philox_uniform_triton, sample_triton  # noqa: E402
+from tileinfer.kernels.triton_common import H200_SHARED_MEMORY_PER_BLOCK  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from bench.model_shapes import QWEN3_0_6B, SMOLLM2_135M, random_weights  # noqa: E402
-from engine.block_manager import BlockManager  # noqa: E402
-from engine.model import Decoder  # noqa: E402
-from engine.ops import TRITON_OPS  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
-from engine.step import ScheduledRow  # noqa: E402
-from kernels import linear, norm_linear  # noqa: E402
-from kernels.attention import AttentionMetadata, DecodeWorkspace, paged_decode_attention_triton  # noqa: E402
-from kernels.int8 import quantize_int8  # noqa: E402
-from kernels.linear_dequant import INT8_DEQUANT_MIN_M, DequantWorkspace  # noqa: E402
-from kernels.linear_gemv import GemvConfig, launch_gemv  # noqa: E402
-from kernels.linear_skinny import SplitKScratch  # noqa: E402
-from kernels.prefill_attention import allocate_prefill_workspace, paged_prefill_attention_triton  # noqa: E402
-from kernels.sampling import ACCEPT_STREAM, SamplingTensors, philox_uniform_triton, sample_triton  # noqa: E402
-from kernels.triton_common import H200_SHARED_MEMORY_PER_BLOCK  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl")

@@ -18,10 +18,9 @@ import pytest
 from ingress_harness import MODEL, make_ingress
 from serving import Served
 from test_serve_api import _metrics
-
-from deployments import haproxy
-from engine.gguf_loader import read_gguf
-from engine.tokenizer import Tokenizer
+from tileinfer.deployments.launch import haproxy
+from tileinfer.engine.models.gguf_loader import read_gguf
+from tileinfer.engine.text.tokenizer import Tokenizer
 
 ABORTED = "tileinfer_requests_total{finish_reason=abort}"
 ABORT_WITHIN_S = 1.0  # the product's bound

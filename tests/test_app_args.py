@@ -1,5 +1,6 @@
-"""The application's args (deployments/config.py) and where they place the actors (deployments/app.py):
-GPU shares for the engine and the proposer on one GPU, on two, and on none; drafting ahead; bad args."""
+"""The application's args (deployments/launch/app_args.py) and where they place the actors
+(deployments/app.py): GPU shares for the engine and the proposer on one GPU, on two, and on none; drafting
+ahead; bad args."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from deployments.app import gpu_shares, proposer_actor_options
-from deployments.config import AppArgs, parse_app_args
-from deployments.proposer import SEE_ALL_GPUS, assigned_gpu_index
+from tileinfer.deployments.app import gpu_shares, proposer_actor_options
+from tileinfer.deployments.launch.app_args import AppArgs, parse_app_args
+from tileinfer.deployments.replicas.proposer_actor import SEE_ALL_GPUS, assigned_gpu_index
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_quantization_reaches_the_engine() -> None:
 
 def _engine_deployment(app: object) -> object:
     """The engine deployment an application builds (the ingress's bound argument)."""
-    from deployments.engine import EngineDeployment
+    from tileinfer.deployments.replicas.engine_replica import EngineDeployment
 
     bound_args = app._bound_deployment.init_args  # type: ignore[attr-defined]
     found = [arg for arg in bound_args if hasattr(arg, "_bound_deployment")]
@@ -131,7 +131,7 @@ def _engine_deployment(app: object) -> object:
 
 
 def test_engine_replicas_and_autoscaling_reach_serve() -> None:
-    from deployments.app import build_app
+    from tileinfer.deployments.app import build_app
 
     engine = _engine_deployment(build_app({"num_engine_replicas": 3, "engine_max_replicas_per_node": 2}))
     assert engine.num_replicas == 3
@@ -143,7 +143,7 @@ def test_engine_replicas_and_autoscaling_reach_serve() -> None:
     autoscaling = _engine_deployment(app)._deployment_config.autoscaling_config
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 4)
     assert autoscaling.target_ongoing_requests == 16  # sequences per replica: half of max_num_seqs
-    assert autoscaling.policy.policy_function == "deployments.autoscaling:sequences_policy"
+    assert autoscaling.policy.policy_function == "tileinfer.deployments.replicas.autoscaling:sequences_policy"
     with pytest.raises(ValueError, match="not both"):
         parse_app_args({"num_engine_replicas": 2, "engine_autoscaling_config": {"max_replicas": 2}})
 
@@ -151,7 +151,7 @@ def test_engine_replicas_and_autoscaling_reach_serve() -> None:
 def test_each_engine_replica_reserves_its_proposer_beside_it() -> None:
     """With a proposer actor that takes resources, Serve reserves each engine replica and its proposer as
     one placement group on one node (the replica starts the proposer in the second bundle)."""
-    from deployments.app import build_app, engine_bundles
+    from tileinfer.deployments.app import build_app, engine_bundles
 
     paired = _engine_deployment(
         build_app({"num_engine_replicas": 2, "proposer": "ngram", "proposer_num_cpus": 2})
@@ -175,7 +175,7 @@ def test_each_engine_replica_reserves_its_proposer_beside_it() -> None:
 def test_the_autoscaling_policy_scales_on_the_engines_sequences() -> None:
     from types import SimpleNamespace
 
-    from deployments.autoscaling import sequences_policy
+    from tileinfer.deployments.replicas.autoscaling import sequences_policy
 
     config = SimpleNamespace(get_target_ongoing_requests=lambda: 64)
 

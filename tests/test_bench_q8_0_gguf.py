@@ -7,10 +7,10 @@ from pathlib import Path
 
 import gguf
 import torch
+from tileinfer.engine.models.gguf_loader import load_gguf_weights, read_gguf, spec_from_gguf
+from tileinfer.kernels.int8 import Int8Weight, dequantize
 
 from bench.q8_0_gguf import convert
-from engine.gguf_loader import load_gguf_weights, read_gguf, spec_from_gguf
-from kernels.int8 import Int8Weight, dequantize
 from tests.test_gguf_loader import Tiny, float_tensors, gguf_layout, hf_weights, write_gguf
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
+from tileinfer.engine.kv.block_manager import BlockManager
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.sequence import Sequence
 
 
 def _seq(token_ids: list[int], name: str = "s") -> Sequence:

@@ -13,17 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.interfaces import DraftRequest, Proposer
-from proposers.channel import (
+from tileinfer.engine.spec_decode.proposer_interface import DraftRequest, Proposer
+from tileinfer.proposers.channel import (
     ChannelCapacity,
     ChannelCapacityError,
     ChannelClient,
     ChannelRequest,
     ChannelServer,
 )
-from proposers.ngram import NgramProposer
-from proposers.remote import ProposerServer, ProposerUnavailableError, RemoteProposer
+from tileinfer.proposers.ngram import NgramProposer
+from tileinfer.proposers.remote import ProposerServer, ProposerUnavailableError, RemoteProposer
 
 CONTEXT = multiprocessing.get_context("spawn")
 
@@ -294,7 +293,7 @@ def test_the_server_drafts_ahead_after_each_answer_when_asked(proposer_process: 
 def test_remote_ngram_drafts_equal_in_process_drafts_on_real_text(
     proposer_process: ProposerProcess, smollm2_gguf: Path
 ) -> None:
-    from engine.loader import load_tokenizer
+    from tileinfer.engine.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(str(smollm2_gguf))
     text = "The quick brown fox jumps over the lazy dog. " * 3 + "A quick brown fox jumps over the lazy cat."

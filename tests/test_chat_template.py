@@ -7,13 +7,12 @@ from typing import Any
 
 import pytest
 from assets import llama3_tokenizer_dir, llama_cpp_models_dir, qwen3_tokenizer_dir
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.models.gguf_loader import read_gguf
+from tileinfer.engine.text.chat_template import render_chat_template
+from tileinfer.engine.text.tokenizer import Tokenizer
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
-
-from engine.chat_template import render_chat_template
-from engine.errors import InvalidRequestError
-from engine.gguf_loader import read_gguf
-from engine.tokenizer import Tokenizer
 
 SYSTEM_AND_USER = [
     {"role": "system", "content": "You are a terse assistant."},

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from deployments import cli
+from tileinfer.deployments.launch import cli
 
 TILEINFER = str(Path(sys.executable).parent / "tileinfer")
 MODEL = "smollm2-135m"

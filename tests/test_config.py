@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 from ingress_harness import openapi_schema
-
-from deployments.cli import build_parser
-from deployments.config import AppArgs
-from engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, PROPOSERS, QUANTIZATIONS, EngineConfig
-from engine.errors import InvalidRequestError
-from engine.loader import load_tokenizer
+from tileinfer.deployments.launch.app_args import AppArgs
+from tileinfer.deployments.launch.cli import build_parser
+from tileinfer.engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, PROPOSERS, QUANTIZATIONS, EngineConfig
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.models.loader import load_tokenizer
 
 
 def _cli_choices(command: str, option: str) -> tuple[str, ...]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 from assets import llama_cpp_models_dir, qwen3_tokenizer_dir
-
-from engine.detokenizer import IncrementalDetokenizer
-from engine.gguf_loader import read_gguf
-from engine.tokenizer import Tokenizer
+from tileinfer.engine.models.gguf_loader import read_gguf
+from tileinfer.engine.text.detokenizer import IncrementalDetokenizer
+from tileinfer.engine.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world, plain ASCII.",

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 from divergence import describe, first_difference, top2_gap
-
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.sampling.params import SamplingParams
 
 
 def test_first_difference() -> None:

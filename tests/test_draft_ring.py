@@ -15,17 +15,16 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
-
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.interfaces import DraftRequest
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams
-from proposers import draft_ring
-from proposers.channel import ChannelCapacity, ChannelClient, ChannelRequest, ChannelServer
-from proposers.draft_ring import RingDrafts, RingRead
-from proposers.ngram import NgramProposer
-from proposers.remote import ProposerServer, RemoteProposer
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.spec_decode.proposer_interface import DraftRequest
+from tileinfer.proposers import draft_ring
+from tileinfer.proposers.channel import ChannelCapacity, ChannelClient, ChannelRequest, ChannelServer
+from tileinfer.proposers.draft_ring import RingDrafts, RingRead
+from tileinfer.proposers.ngram import NgramProposer
+from tileinfer.proposers.remote import ProposerServer, RemoteProposer
 
 CONTEXT = multiprocessing.get_context("spawn")
 TWO_GPUS = pytest.mark.skipif(

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.errors import ContextLengthExceededError, InvalidRequestError
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.sampling.params import SamplingParams
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -1,10 +1,11 @@
-"""The ingress's Inbox (deployments/engine_client.py): how a paced stream's reader waits for its Deltas."""
+"""The ingress's Inbox (deployments/replicas/engine_client.py): how a paced stream's reader waits for its
+Deltas."""
 
 from __future__ import annotations
 
 import asyncio
 
-from deployments.engine_client import Inbox
+from tileinfer.deployments.replicas.engine_client import Inbox
 
 
 def _delta(token: int, finish: str | None = None) -> tuple[str, tuple]:

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from divergence import describe
-
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling import SamplingParams
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,5 @@
-"""The engine thread's hand-over (deployments/engine_loop.py), in process: one call_soon_threadsafe per
-step for all subscribers, outputs equal to the engine's own, and a subscriber that goes away has its
+"""The engine thread's hand-over (deployments/replicas/engine_loop.py), in process: one call_soon_threadsafe
+per step for all subscribers, outputs equal to the engine's own, and a subscriber that goes away has its
 requests aborted."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import pytest
 import torch
 from assets import qwen3_tokenizer_dir
 from prometheus_client.parser import text_string_to_metric_families
+from tileinfer.deployments.replicas.engine_loop import EngineLoop, UnknownSubscriberError
+from tileinfer.deployments.replicas.metrics import exposition
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.text.tokenizer import Tokenizer
 
 from bench.model_shapes import TINY, random_weights
-from deployments.engine_loop import EngineLoop, UnknownSubscriberError
-from deployments.metrics import exposition
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 

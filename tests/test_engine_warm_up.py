@@ -4,11 +4,11 @@ fresh engine gives and reuses nothing the warm-up computed."""
 
 from __future__ import annotations
 
-from deployments.proposers import build_engine
-from engine.config import EngineConfig
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams
-from engine.speculator import SpeculationStats
+from tileinfer.deployments.replicas.proposer_build import build_engine
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.spec_decode.speculator import SpeculationStats
 
 # a small budget and batch, so that the forced warm-up stays cheap and still has a prompt to chunk
 CONFIG = EngineConfig(

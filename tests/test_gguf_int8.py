@@ -13,16 +13,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tileinfer.engine.kv.block_manager import BlockManager
+from tileinfer.engine.models.decoder import Decoder, is_layer_linear
+from tileinfer.engine.models.gguf_loader import load_gguf_weights, read_gguf, spec_from_gguf
+from tileinfer.engine.models.safetensors_loader import load_safetensors_folder
+from tileinfer.engine.runner import ModelRunner
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.sequence import Sequence
+from tileinfer.engine.step import ScheduledRow
+from tileinfer.kernels.int8 import Int8Weight, dequantize, quantize_int8
 
-from engine.block_manager import BlockManager
-from engine.gguf_loader import load_gguf_weights, read_gguf, spec_from_gguf
-from engine.model import Decoder, is_layer_linear
-from engine.runner import ModelRunner
-from engine.safetensors_loader import load_safetensors_folder
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
-from engine.step import ScheduledRow
-from kernels.int8 import Int8Weight, dequantize, quantize_int8
 from tests.test_gguf_loader import QuantType, Tiny, gguf_layout, hf_weights, write_gguf
 
 
@@ -74,7 +74,7 @@ def test_other_types_are_requantized_with_a_warning(tmp_path: Path, caplog: pyte
     types = {"attn_k.weight": QuantType.Q4_1, "ffn_down.weight": QuantType.Q4_1}
     reader = read_gguf(_write(tmp_path / "mixed.gguf", tiny, types))
     spec = spec_from_gguf(reader)
-    with caplog.at_level(logging.WARNING, logger="engine.gguf_loader"):
+    with caplog.at_level(logging.WARNING, logger="tileinfer.engine.models.gguf_loader"):
         weights = load_gguf_weights(reader, spec, torch.float32, int8=True)
     assert "rounded twice" in caplog.text and "Q4_1" in caplog.text
     # q and v are Q8_0 beside a Q4_1 k: the three get one scale per row, like the Q4_1 down_proj
@@ -121,9 +121,9 @@ def test_safetensors_load_as_int8_one_tensor_at_a_time(tmp_path: Path) -> None:
 def test_q8_0_serves_as_int8_unasked_and_mixed_groups_dequantize(tmp_path: Path) -> None:
     """Without int8: the Q8_0 layer weights are the same INT8 blocks; q/k/v, where k is Q4_1, and the
     Q4_1 down_proj are dequantized (no second rounding); the engine reports INT8."""
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.loader import load_model
+    from tileinfer.engine.config import EngineConfig
+    from tileinfer.engine.engine import Engine
+    from tileinfer.engine.models.loader import load_model
 
     tiny = Tiny(architecture="qwen2", num_kv_heads=1)
     path = _write(

@@ -16,11 +16,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
-from engine.errors import ModelLoadError
-from engine.gguf_loader import load_gguf_weights, read_gguf, spec_from_gguf
-from engine.loader import LoadedModel
-from engine.spec import ModelSpec
+from tileinfer.engine.errors import ModelLoadError
+from tileinfer.engine.models.gguf_loader import load_gguf_weights, read_gguf, spec_from_gguf
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.models.shape import ModelSpec
 
 QuantType = gguf.GGMLQuantizationType
 
@@ -35,8 +34,8 @@ def smollm2_reader(smollm2_gguf: Path) -> gguf.GGUFReader:
 
 @pytest.fixture(scope="module")
 def smollm2_weights(smollm2_model: LoadedModel) -> dict[str, torch.Tensor]:
-    """load_gguf_weights(reader, spec, torch.float32) as engine.loader.load_model calls it, loaded once for
-    the session (tests/conftest.py)."""
+    """load_gguf_weights(reader, spec, torch.float32) as tileinfer.engine.models.loader.load_model calls it,
+    loaded once for the session (tests/conftest.py)."""
     return smollm2_model.weights
 
 

@@ -11,14 +11,13 @@ import json
 
 import jsonschema
 import pytest
-
-from deployments.proposers import build_engine
-from engine import graphs
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import LoadedModel
-from engine.runner import ModelRunner
-from engine.sampling import GrammarSpec, SamplingParams
+from tileinfer.deployments.replicas.proposer_build import build_engine
+from tileinfer.engine import graphs
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.runner import ModelRunner
+from tileinfer.engine.sampling.params import GrammarSpec, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tileinfer.deployments.replicas.proposer_build import build_engine
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.spec_decode.proposer_interface import DraftRequest, Proposer
+from tileinfer.engine.step import ScheduledRow
+from tileinfer.kernels.linear_dequant import INT8_DEQUANT_MIN_M
 
 from bench.model_shapes import SMOLLM2_135M, random_weights
-from deployments.proposers import build_engine
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.interfaces import DraftRequest, Proposer
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams
-from engine.step import ScheduledRow
-from kernels.linear_dequant import INT8_DEQUANT_MIN_M
 
 pytestmark = pytest.mark.gpu
 

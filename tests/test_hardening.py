@@ -26,16 +26,15 @@ from ray.serve._private.constants import (
 )
 from ray.util.client.server.proxier import MAX_SPECIFIC_SERVER_PORT, MIN_SPECIFIC_SERVER_PORT
 from serving import API_KEY, Served
-
-from deployments import cluster_security, haproxy
-from deployments import ingress as ingress_module
-from deployments.config import API_KEY_ENV, parse_app_args
-from deployments.errors import RETRY_AFTER_S, OpenAIError
-from deployments.request_parsing import json_body_of
-from engine.errors import CapacityError
-from engine.loader import load_tokenizer
-from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer
+from tileinfer.deployments.launch import cluster_security, haproxy
+from tileinfer.deployments.launch.app_args import API_KEY_ENV, parse_app_args
+from tileinfer.deployments.openai_api import ingress as ingress_module
+from tileinfer.deployments.openai_api.errors import RETRY_AFTER_S, OpenAIError
+from tileinfer.deployments.openai_api.request_parsing import json_body_of
+from tileinfer.engine.errors import CapacityError
+from tileinfer.engine.models.loader import load_tokenizer
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.text.tokenizer import Tokenizer
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 NO_KEY_MESSAGE = (
@@ -293,8 +292,7 @@ def test_an_abort_is_not_made_in_the_request_context_it_is_for(monkeypatch: pyte
     client went away); an abort made there could be cancelled with it, and the sequence ran on."""
     from ingress_harness import FakeEngine
     from ray.serve import context as serve_context
-
-    from deployments.engine_client import EngineClient, Inbox
+    from tileinfer.deployments.replicas.engine_client import EngineClient, Inbox
 
     contexts = []
 
@@ -454,8 +452,8 @@ def _cluster_listeners(ray_address: str) -> list[tuple[int, str]]:
 
 def test_every_listener_is_on_loopback(served: Served) -> None:
     """Ray on 127.0.0.1, each Serve replica's inter-deployment gRPC server on the node's address
-    (deployments/listeners.py), not on [::] as Ray binds it, and HAProxy's stats and Prometheus pages on
-    127.0.0.1 (deployments/haproxy.py): nothing of the app listens beyond loopback."""
+    (deployments/replicas/listeners.py), not on [::] as Ray binds it, and HAProxy's stats and Prometheus pages
+    on 127.0.0.1 (deployments/launch/haproxy.py): nothing of the app listens beyond loopback."""
     listeners = _ray_listeners()
     replicas = [listener for listener in listeners if "ServeReplica" in listener[2]]
     assert len(replicas) >= 8  # four apps' engines and ingresses, each with its servers: the scan sees them

@@ -18,10 +18,9 @@ import torch
 from huggingface_hub import constants as hub_constants
 from test_loader import save_tiny_tokenizer
 from test_safetensors_loader import save_tiny_model
-
-from engine import hub
-from engine.errors import ModelLoadError
-from engine.safetensors_loader import load_safetensors_folder
+from tileinfer.engine.errors import ModelLoadError
+from tileinfer.engine.models import hub
+from tileinfer.engine.models.safetensors_loader import load_safetensors_folder
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -141,8 +140,8 @@ def test_env_variables_reach_a_fresh_process(hub_cache: Path) -> None:
     """The real route: HF_HUB_CACHE and HF_HUB_OFFLINE=1 in the environment of a new process."""
     script = """
 import json
-from engine.errors import ModelLoadError
-from engine.loader import load_model
+from tileinfer.engine.errors import ModelLoadError
+from tileinfer.engine.models.loader import load_model
 model = load_model("tiny-org/tiny-qwen3")
 try:
     load_model("tiny-org/never-downloaded")

@@ -13,10 +13,10 @@ from pathlib import Path
 import ingress_harness
 import pytest
 from ingress_harness import MODEL, build
+from tileinfer.engine.models.gguf_loader import read_gguf
+from tileinfer.engine.text.tokenizer import Tokenizer
 
 from bench.loop_gap import heavy_requests
-from engine.gguf_loader import read_gguf
-from engine.tokenizer import Tokenizer
 
 LAG_BOUND_S = 0.05  # the target: a stream's longest gap grows by at most this
 ATTEMPTS = 3  # a blocked loop blocks every time; a busy machine's scheduling does not

@@ -9,13 +9,13 @@ import logging
 
 import pytest
 import torch
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.models.loader import LoadedModel, load_model
+from tileinfer.kernels.int8 import Int8Weight, quantize_int8
 
 from bench.int8_accuracy import CHAT_PROMPTS, compare
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import InvalidRequestError
-from engine.loader import LoadedModel, load_model
-from kernels.int8 import Int8Weight, quantize_int8
 
 CONFIG = EngineConfig(max_model_len=512, max_num_seqs=1)
 
@@ -51,7 +51,7 @@ def test_loading_as_int8_equals_quantizing_after_the_load(
 ) -> None:
     """The file's Q4_1 linears, dequantized and quantized one at a time while loading (with the double
     rounding named), give the weights that quantizing the loaded float model gives."""
-    with caplog.at_level(logging.WARNING, logger="engine.gguf_loader"):
+    with caplog.at_level(logging.WARNING, logger="tileinfer.engine.models.gguf_loader"):
         loaded = load_model("smollm2-135m", quantization="int8")
     assert "Q4_1" in caplog.text and "rounded twice" in caplog.text
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):

@@ -13,8 +13,7 @@ import dataclasses
 import pytest
 import torch
 from paged_cases import paged_cache
-
-from kernels.attention import (
+from tileinfer.kernels.decode_attention import (
     DecodeTile,
     DecodeWorkspace,
     decode_min_keys_per_split,
@@ -23,7 +22,7 @@ from kernels.attention import (
     paged_decode_attention_reference,
     paged_decode_attention_triton,
 )
-from kernels.triton_common import num_sms
+from tileinfer.kernels.triton_common import num_sms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -347,7 +346,11 @@ def test_decode_attention_cuda_graph_replay() -> None:
 def test_reference_blocks_long_prompts_into_query_blocks_exactly(window: int | None) -> None:
     """The reference computes a long prompt REFERENCE_QUERY_BLOCK queries at a time; the result equals
     one dense masked softmax over contiguous keys (a 600-token chunk after 100 cached positions)."""
-    from kernels.attention import REFERENCE_QUERY_BLOCK, AttentionMetadata, paged_attention_reference
+    from tileinfer.kernels.decode_attention import (
+        REFERENCE_QUERY_BLOCK,
+        AttentionMetadata,
+        paged_attention_reference,
+    )
 
     generator = torch.Generator().manual_seed(7)
     num_heads, num_kv_heads, head_dim, block_size, cached, new = 4, 2, 16, 16, 100, 600

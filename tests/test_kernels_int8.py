@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels import linear_gemm, linear_gemv, linear_skinny
-from kernels.int8 import (
+from tileinfer.kernels import linear_gemm, linear_gemv, linear_skinny
+from tileinfer.kernels.int8 import (
     Int8Weight,
     dequantize,
     in_mma_order,
@@ -24,19 +23,20 @@ from kernels.int8 import (
     stack_rows,
     values_in_input_order,
 )
-from kernels.linear import (
+from tileinfer.kernels.linear import (
     LinearWorkspace,
     gate_up_silu_reference,
     gate_up_silu_triton,
     linear_reference,
     linear_triton,
 )
-from kernels.linear_dequant import INT8_DEQUANT_MIN_M, SWAPPED_MIN_ROWS, DequantWorkspace
-from kernels.linear_gemm import GemmConfig
-from kernels.linear_gemv import GemvConfig
-from kernels.linear_skinny import SkinnyConfig, SplitKScratch
-from kernels.linear_tiles import widen
-from kernels.norm_linear import add_rms_norm_linear_reference, add_rms_norm_linear_triton
+from tileinfer.kernels.linear_dequant import INT8_DEQUANT_MIN_M, SWAPPED_MIN_ROWS, DequantWorkspace
+from tileinfer.kernels.linear_gemm import GemmConfig
+from tileinfer.kernels.linear_gemv import GemvConfig
+from tileinfer.kernels.linear_skinny import SkinnyConfig, SplitKScratch
+from tileinfer.kernels.linear_tiles import widen
+from tileinfer.kernels.norm_linear import add_rms_norm_linear_reference, add_rms_norm_linear_triton
+
 from tests.test_kernels_linear import tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

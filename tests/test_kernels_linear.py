@@ -8,18 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import linear_gemm, linear_gemv, linear_skinny
-from kernels.linear import (
+from tileinfer.kernels import linear_gemm, linear_gemv, linear_skinny
+from tileinfer.kernels.linear import (
     LinearWorkspace,
     gate_up_silu_reference,
     gate_up_silu_triton,
     linear_reference,
     linear_triton,
 )
-from kernels.linear_gemm import GemmConfig
-from kernels.linear_gemv import GemvConfig
-from kernels.linear_skinny import SkinnyConfig, SplitKScratch
+from tileinfer.kernels.linear_gemm import GemmConfig
+from tileinfer.kernels.linear_gemv import GemvConfig
+from tileinfer.kernels.linear_skinny import SkinnyConfig, SplitKScratch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import norm_linear
-from kernels.linear import LinearWorkspace
-from kernels.linear_gemv import GemvConfig
-from kernels.linear_skinny import SplitKScratch
-from kernels.norm_linear import (
+from tileinfer.kernels import norm_linear
+from tileinfer.kernels.linear import LinearWorkspace
+from tileinfer.kernels.linear_gemv import GemvConfig
+from tileinfer.kernels.linear_skinny import SplitKScratch
+from tileinfer.kernels.norm_linear import (
     _launch_gemv,
     add_rms_norm_linear_reference,
     add_rms_norm_linear_triton,
 )
-from kernels.rmsnorm import add_rms_norm_reference
+from tileinfer.kernels.rmsnorm import add_rms_norm_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import qkv_epilogue as qkv_epilogue_module
-from kernels import rmsnorm as rmsnorm_module
-from kernels.embedding import embedding_reference, embedding_triton
-from kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
-from kernels.rmsnorm import add_rms_norm_reference, add_rms_norm_triton, rms_norm_reference, rms_norm_triton
+from tileinfer.kernels import qkv_epilogue as qkv_epilogue_module
+from tileinfer.kernels import rmsnorm as rmsnorm_module
+from tileinfer.kernels.embedding import embedding_reference, embedding_triton
+from tileinfer.kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
+from tileinfer.kernels.rmsnorm import (
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -137,7 +141,8 @@ def test_norms_loop_over_long_rows(monkeypatch: pytest.MonkeyPatch, dtype: torch
 
 
 def _rope_table(max_positions: int, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
-    """[max_positions, head_dim] fp32, cos in the first half of a row, sin in the second (engine/rope.py)."""
+    """[max_positions, head_dim] fp32, cos in the first half of a row, sin in the second
+    (engine/models/rope.py)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float().to(DEVICE)

@@ -13,15 +13,14 @@ import dataclasses
 import pytest
 import torch
 from paged_cases import paged_cache
-
-from kernels.attention import AttentionMetadata, paged_attention_reference
-from kernels.prefill_attention import (
+from tileinfer.kernels.decode_attention import AttentionMetadata, paged_attention_reference
+from tileinfer.kernels.prefill_attention import (
     allocate_prefill_workspace,
     paged_prefill_attention_triton,
     prefill_block_m,
     prefill_num_splits,
 )
-from kernels.triton_common import num_sms
+from tileinfer.kernels.triton_common import num_sms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -10,12 +10,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
-from engine.sampler import Sampler
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
-from kernels import sampling_triton
-from kernels.sampling import (
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.sampling.sampler import Sampler
+from tileinfer.engine.sequence import Sequence
+from tileinfer.kernels import sampling_triton
+from tileinfer.kernels.sampling import (
     ACCEPT_STREAM,
     TOKEN_STREAM,
     SamplingTensors,

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels.token_mask import apply_token_mask_reference, apply_token_mask_triton, bitmask_words
+from tileinfer.kernels.token_mask import apply_token_mask_reference, apply_token_mask_triton, bitmask_words
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

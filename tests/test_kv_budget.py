@@ -1,4 +1,4 @@
-"""The KV cache's size on a GPU (engine/kv_budget.py), checked on the CPU: the pure arithmetic."""
+"""The KV cache's size on a GPU (engine/kv/budget.py), checked on the CPU: the pure arithmetic."""
 
 from __future__ import annotations
 
@@ -7,21 +7,21 @@ import math
 
 import pytest
 import torch
-
-from bench.capacity import capacity
-from bench.model_shapes import QWEN3_0_6B, QWEN3_SIZES, TINY, random_weights
-from engine.errors import InvalidRequestError
-from engine.kv_budget import (
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.kv.budget import (
     dequant_buffer_bytes,
     kv_bytes_per_token,
     kv_cache_tokens_from_memory,
     largest_dequantized_linear,
     step_reserve_bytes,
 )
-from engine.model import Decoder, weight_shapes
-from engine.ops import TRITON_OPS
-from kernels.int8 import Int8Weight
-from kernels.linear_dequant import dequantized_at_prefill
+from tileinfer.engine.models.decoder import Decoder, weight_shapes
+from tileinfer.engine.ops import TRITON_OPS
+from tileinfer.kernels.int8 import Int8Weight
+from tileinfer.kernels.linear_dequant import dequantized_at_prefill
+
+from bench.capacity import capacity
+from bench.model_shapes import QWEN3_0_6B, QWEN3_SIZES, TINY, random_weights
 
 GIB = 1 << 30
 

@@ -9,21 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from bench.model_shapes import SMOLLM2_135M, random_weights
-from deployments.proposers import build_engine
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import LoadedModel
-from engine.rope import rope_cos_sin_cache
-from engine.sampling import SamplingParams
-from kernels.attention import (
+from tileinfer.deployments.replicas.proposer_build import build_engine
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.models.rope import rope_cos_sin_cache
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.kernels.decode_attention import (
     AttentionMetadata,
     paged_attention_reference,
     paged_decode_attention_reference,
     paged_decode_attention_triton,
 )
-from kernels.kv_cache import (
+from tileinfer.kernels.kv_cache import (
     Int8KVCache,
     copy_kv_blocks,
     gather_kv_reference,
@@ -32,8 +30,10 @@ from kernels.kv_cache import (
     smoothing_from_keys,
     write_kv_cache_reference,
 )
-from kernels.prefill_attention import paged_prefill_attention_triton
-from kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
+from tileinfer.kernels.prefill_attention import paged_prefill_attention_triton
+from tileinfer.kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
+
+from bench.model_shapes import SMOLLM2_135M, random_weights
 from tests.test_speculative_engine import run_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,8 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
-
-from deployments import cluster_security, haproxy, launch
+from tileinfer.deployments.launch import cluster_security, haproxy, launcher
 
 
 def test_haproxy_pages_move_off_ports_another_app_holds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,17 +21,17 @@ def test_haproxy_pages_move_off_ports_another_app_holds(monkeypatch: pytest.Monk
         holder.listen()
         taken = holder.getsockname()[1]
         monkeypatch.setattr(haproxy, "DEFAULT_PORTS", dict.fromkeys(haproxy.DEFAULT_PORTS, taken))
-        ports = launch._haproxy_ports({})
+        ports = launcher._haproxy_ports({})
         assert set(ports) == set(haproxy.DEFAULT_PORTS)
-        assert taken not in ports.values() and not any(launch.listening(port) for port in ports.values())
-        named = launch._haproxy_ports({"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(taken)})
+        assert taken not in ports.values() and not any(launcher.listening(port) for port in ports.values())
+        named = launcher._haproxy_ports({"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(taken)})
         assert named["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] == taken
 
 
 @pytest.mark.skipif(not haproxy.available(), reason="no HAProxy (ray[serve] brings it on Linux)")
 def test_haproxy_mode_unless_serve_proxy_is_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "token"))  # not the user's ~/.ray
-    env, folder = launch.cluster_env()
+    env, folder = launcher.cluster_env()
     try:
         assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
         script = Path(env["RAY_SERVE_HAPROXY_BINARY_PATH"])
@@ -43,7 +42,7 @@ def test_haproxy_mode_unless_serve_proxy_is_asked(tmp_path: Path, monkeypatch: p
         assert all(Path(env[f"RAY_SERVE_HAPROXY_{name}"]).parent == folder for name in files)
     finally:
         shutil.rmtree(folder)
-    env, folder = launch.cluster_env(serve_proxy=True)
+    env, folder = launcher.cluster_env(serve_proxy=True)
     assert folder is None and env.get("RAY_SERVE_ENABLE_HA_PROXY") != "1"
 
 
@@ -97,16 +96,16 @@ def test_a_stopped_cluster_is_no_longer_ray_s_latest(tmp_path: Path, monkeypatch
     record = tmp_path / "ray" / "ray_current_cluster"
     record.parent.mkdir()
     record.write_text("127.0.0.1:6379")
-    launch.forget_cluster("127.0.0.1:6380")
+    launcher.forget_cluster("127.0.0.1:6380")
     assert record.read_text() == "127.0.0.1:6379"
-    launch.forget_cluster("127.0.0.1:6379")
+    launcher.forget_cluster("127.0.0.1:6379")
     assert not record.exists()
-    launch.forget_cluster("127.0.0.1:6379")  # nothing to forget
+    launcher.forget_cluster("127.0.0.1:6379")  # nothing to forget
 
 
 def test_haproxy_starts_with_ray_s_configuration_made_safe(tmp_path: Path) -> None:
-    """Ray's own HAProxy configuration, rendered by Ray, as deployments/haproxy.py starts HAProxy with it:
-    every bind on an address (Ray binds the stats and Prometheus pages on every interface), the admin
+    """Ray's own HAProxy configuration, rendered by Ray, as deployments/launch/haproxy.py starts HAProxy with
+    it: every bind on an address (Ray binds the stats and Prometheus pages on every interface), the admin
     socket (level admin) its owner's alone (Ray: mode 666), a client's close reaching the ingress (no
     request splicing, abortonclose)."""
     from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
-PACKAGES = ("kernels", "engine", "proposers", "deployments", "bench", "tests")
+LAYERS = ("kernels", "engine", "proposers", "deployments")  # installed as tileinfer.<layer>
 
 
 def _lint(tree: Path) -> subprocess.CompletedProcess[str]:
@@ -26,10 +26,13 @@ def _lint(tree: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    """A copy of the repository's packages and pyproject.toml."""
+    """A copy of the repository's packages, the four layers laid out as they install (tileinfer/<layer>),
+    and pyproject.toml."""
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    for package in PACKAGES:
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    ignore = shutil.ignore_patterns("__pycache__")
+    for package in (*LAYERS, "bench", "tests"):
+        into = tmp_path / "tileinfer" / package if package in LAYERS else tmp_path / package
+        shutil.copytree(ROOT / package, into, ignore=ignore)
     return tmp_path
 
 
@@ -42,17 +45,17 @@ def test_the_tree_keeps_its_layers(tree: Path) -> None:
 @pytest.mark.parametrize(
     ("module", "statement"),
     [
-        ("kernels/rmsnorm.py", "from engine.errors import InvalidRequestError"),
-        ("engine/speculator.py", "from proposers.draft_ring import RingDrafts"),
-        ("proposers/ngram.py", "from deployments.proposers import build_proposer"),
+        ("kernels/rmsnorm.py", "from tileinfer.engine.errors import InvalidRequestError"),
+        ("engine/spec_decode/speculator.py", "from tileinfer.proposers.draft_ring import RingDrafts"),
+        ("proposers/ngram.py", "from tileinfer.deployments.replicas.proposer_build import build_proposer"),
         ("engine/config.py", "from bench.model_shapes import SMOLLM2_135M"),
     ],
 )
 def test_an_upward_import_breaks_the_check(tree: Path, module: str, statement: str) -> None:
-    path = tree / module
+    path = tree / ("tileinfer/" + module if module.split("/")[0] in LAYERS else module)
     path.write_text(path.read_text() + f"\n{statement}  # noqa: E402\n")
     result = _lint(tree)
     assert result.returncode != 0
     assert "one-way layers BROKEN" in result.stdout
-    importer = module.removesuffix(".py").replace("/", ".")
+    importer = "tileinfer." + module.removesuffix(".py").replace("/", ".")
     assert importer in result.stdout

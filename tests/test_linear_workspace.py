@@ -13,20 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.kv.block_manager import BlockManager
+from tileinfer.engine.models.decoder import Decoder
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.ops import TRITON_OPS
+from tileinfer.engine.runner import ModelRunner
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.sequence import Sequence
+from tileinfer.engine.step import ScheduledRow
+from tileinfer.kernels.int8 import Int8Weight
+from tileinfer.kernels.linear_dequant import INT8_DEQUANT_MIN_M
 
 from bench.model_shapes import SMOLLM2_135M, TINY, random_weights
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import LoadedModel
-from engine.model import Decoder
-from engine.ops import TRITON_OPS
-from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
-from engine.step import ScheduledRow
-from kernels.int8 import Int8Weight
-from kernels.linear_dequant import INT8_DEQUANT_MIN_M
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 384

@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from test_safetensors_loader import save_tiny_model
+from tileinfer.engine.errors import ModelLoadError
+from tileinfer.engine.models.default_model import DEFAULT_MODEL_ALIAS
+from tileinfer.engine.models.loader import load_model, resolve_model_source
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-
-from engine.default_model import DEFAULT_MODEL_ALIAS
-from engine.errors import ModelLoadError
-from engine.loader import load_model, resolve_model_source
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (

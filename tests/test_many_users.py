@@ -11,21 +11,20 @@ import dataclasses
 
 import pytest
 import torch
-
-from deployments.proposers import build_engine
-from deployments.request_to_engine import max_tokens_for
-from deployments.requests import ChatCompletionRequest
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine import Engine
-from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.interfaces import DraftRequest
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams
-from engine.scheduler import MAX_TIMES_PASSED_OVER, Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from proposers.draft_model import DraftModelProposer
+from tileinfer.deployments.openai_api.request_to_engine import max_tokens_for
+from tileinfer.deployments.openai_api.requests import ChatCompletionRequest
+from tileinfer.deployments.replicas.proposer_build import build_engine
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.errors import ContextLengthExceededError, InvalidRequestError
+from tileinfer.engine.kv.block_manager import BlockManager
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.scheduler import MAX_TIMES_PASSED_OVER, Scheduler
+from tileinfer.engine.sequence import Sequence, SequenceStatus
+from tileinfer.engine.spec_decode.proposer_interface import DraftRequest
+from tileinfer.engine.text.detokenizer import IncrementalDetokenizer
+from tileinfer.proposers.draft_model import DraftModelProposer
 
 MAX_STEPS = 400
 TEXTS = [

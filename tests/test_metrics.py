@@ -1,5 +1,5 @@
-"""deployments/metrics.py: two engines' snapshots and the router's counts in one exposition, each family
-once with every engine's samples, read back by prometheus_client's own parser."""
+"""deployments/replicas/metrics.py: two engines' snapshots and the router's counts in one exposition, each
+family once with every engine's samples, read back by prometheus_client's own parser."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import pickle
 from collections import Counter
 
 from prometheus_client.parser import text_string_to_metric_families
-
-from deployments.metrics import EngineMetrics, exposition, router_families
-from engine.speculator import SpeculationStats
+from tileinfer.deployments.replicas.metrics import EngineMetrics, exposition, router_families
+from tileinfer.engine.spec_decode.speculator import SpeculationStats
 
 GAUGES = {"num_requests_running": (3, "Sequences running."), "kv_cache_usage_ratio": (0.25, "Blocks in use.")}
 

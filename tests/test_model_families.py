@@ -8,15 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
-from engine.block_manager import BlockManager
-from engine.model import Decoder
-from engine.ops import ops_for
-from engine.runner import ModelRunner
-from engine.safetensors_loader import load_safetensors_folder
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
-from engine.step import ScheduledRow
+from tileinfer.engine.kv.block_manager import BlockManager
+from tileinfer.engine.models.decoder import Decoder
+from tileinfer.engine.models.safetensors_loader import load_safetensors_folder
+from tileinfer.engine.ops import ops_for
+from tileinfer.engine.runner import ModelRunner
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.sequence import Sequence
+from tileinfer.engine.step import ScheduledRow
 
 _COMMON = dict(
     vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -1,5 +1,5 @@
-"""The published OpenAPI schema (deployments/openapi.py): it declares every route's request body and
-responses, and the running app keeps to it. Schemathesis generates requests from the schema, valid and
+"""The published OpenAPI schema (deployments/openai_api/openapi.py): it declares every route's request body
+and responses, and the running app keeps to it. Schemathesis generates requests from the schema, valid and
 invalid, and sends them to the real application on the CPU with the default model, under its default
 checks: no response is a 5xx, a request the schema allows is served and one it does not is refused, and
 each response's status, content type and JSON body are what the schema says. Direct cases pin the
@@ -25,9 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from ingress_harness import INFO, MODEL, openapi_schema
 from schemathesis import GenerationMode
 from serving import Served
-
-from deployments.openapi import API_KEY_SCHEME
-from engine.loader import load_tokenizer
+from tileinfer.deployments.openai_api.openapi import API_KEY_SCHEME
+from tileinfer.engine.models.loader import load_tokenizer
 
 MAX_TOKENS = 3
 MAX_CHOICES = 2  # choices, and prompts in a batch

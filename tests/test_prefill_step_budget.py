@@ -10,18 +10,17 @@ import time
 
 import pytest
 from test_scheduler_partial_prefill import _run, _seq, _split  # the scheduler's tests' own steps
-
-from deployments.config import AppArgs, parse_app_args
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import InvalidRequestError
-from engine.graphs import step_sizes
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams
-from engine.scheduler import Batch, Scheduler
-from engine.step import StepWork
-from engine.step_cost import StepCostModel
+from tileinfer.deployments.launch.app_args import AppArgs, parse_app_args
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.graphs import step_sizes
+from tileinfer.engine.kv.block_manager import BlockManager
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.scheduler import Batch, Scheduler
+from tileinfer.engine.step import StepWork
+from tileinfer.engine.step_cost import StepCostModel
 
 BUDGET_S = 0.050
 

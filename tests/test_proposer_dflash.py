@@ -12,17 +12,16 @@ import random_dflash
 import torch
 import transformers
 from test_loader import save_tiny_tokenizer
-
-from deployments import proposer as proposer_actor
-from deployments.config import AppArgs
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.interfaces import DraftRequest, Proposer
-from engine.loader import LoadedModel, load_model
-from engine.sampling import SamplingParams
-from engine.spec import ModelSpec
-from proposers.dflash import DFlashDrafter, DFlashProposer, load_dflash_checkpoint
+from tileinfer.deployments.launch.app_args import AppArgs
+from tileinfer.deployments.replicas import proposer_actor
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.errors import InvalidRequestError, ModelLoadError
+from tileinfer.engine.models.loader import LoadedModel, load_model
+from tileinfer.engine.models.shape import ModelSpec
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.spec_decode.proposer_interface import DraftRequest, Proposer
+from tileinfer.proposers.dflash import DFlashDrafter, DFlashProposer, load_dflash_checkpoint
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 160, 64, 4, 2, 16, 96
 TARGET_LAYERS, DRAFT_LAYERS, TARGET_LAYER_IDS = 4, 2, [0, 2]
@@ -461,7 +460,7 @@ def test_a_block_drafted_ahead_is_used_only_when_the_engine_took_all_of_its_assu
 
 
 # ----------------------------------------------------------------------------------------------------------
-# (e) the proposer actor (deployments/proposer.py)
+# (e) the proposer actor (deployments/replicas/proposer_actor.py)
 # ----------------------------------------------------------------------------------------------------------
 
 

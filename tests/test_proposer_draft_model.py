@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.interfaces import DraftRequest, Proposer
-from engine.loader import LoadedModel, load_model
-from engine.sampling import SamplingParams
-from proposers.draft_model import DraftModelProposer
-from proposers.remote import ProposerServer, RemoteProposer
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.errors import InvalidRequestError, ModelLoadError
+from tileinfer.engine.models.loader import LoadedModel, load_model
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.spec_decode.proposer_interface import DraftRequest, Proposer
+from tileinfer.proposers.draft_model import DraftModelProposer
+from tileinfer.proposers.remote import ProposerServer, RemoteProposer
 
 CHATS = [
     [{"role": "user", "content": "Write a haiku about the sea."}],

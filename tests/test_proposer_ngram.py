@@ -7,11 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-
-from engine.errors import InvalidRequestError
-from engine.interfaces import DraftRequest, Proposer
-from engine.loader import load_tokenizer
-from proposers.ngram import NgramProposer
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.models.loader import load_tokenizer
+from tileinfer.engine.spec_decode.proposer_interface import DraftRequest, Proposer
+from tileinfer.proposers.ngram import NgramProposer
 
 
 def propose(

@@ -20,18 +20,27 @@ import pydantic
 import pytest
 from ingress_harness import MODEL as SERVED_MODEL
 from ingress_harness import build
-
-from deployments.errors import OpenAIError, openai_error_from
-from deployments.logprobs import chat_logprobs_content, completion_logprobs, token_text
-from deployments.request_parsing import parse_request
-from deployments.request_to_engine import chat_messages_for_template, max_tokens_for, sampling_params_for
-from deployments.requests import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
-from deployments.responses import ChatResponse, ChoiceResult, CompletionResponse, echo_text, usage
-from deployments.sse import SSE_DONE, sse
-from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.gguf_loader import read_gguf
-from engine.sampling import SamplingParams, TokenLogprob
-from engine.tokenizer import Tokenizer
+from tileinfer.deployments.openai_api.errors import OpenAIError, openai_error_from
+from tileinfer.deployments.openai_api.logprobs import chat_logprobs_content, completion_logprobs, token_text
+from tileinfer.deployments.openai_api.request_parsing import parse_request
+from tileinfer.deployments.openai_api.request_to_engine import (
+    chat_messages_for_template,
+    max_tokens_for,
+    sampling_params_for,
+)
+from tileinfer.deployments.openai_api.requests import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from tileinfer.deployments.openai_api.responses import (
+    ChatResponse,
+    ChoiceResult,
+    CompletionResponse,
+    echo_text,
+    usage,
+)
+from tileinfer.deployments.openai_api.sse import SSE_DONE, sse
+from tileinfer.engine.errors import ContextLengthExceededError, InvalidRequestError
+from tileinfer.engine.models.gguf_loader import read_gguf
+from tileinfer.engine.sampling.params import SamplingParams, TokenLogprob
+from tileinfer.engine.text.tokenizer import Tokenizer
 
 MODEL = "smollm2"
 HELLO = [{"role": "user", "content": "Hello"}]

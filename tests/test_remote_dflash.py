@@ -19,13 +19,12 @@ from test_proposer_dflash import (
     target_engine,
     write_checkpoint,
 )
-
-from engine.engine import Engine
-from engine.interfaces import DraftRequest
-from engine.sampling import SamplingParams
-from proposers.channel import ChannelCapacity, ChannelClient
-from proposers.dflash import DFlashProposer
-from proposers.remote import HiddenLayout, ProposerServer, RemoteProposer, hidden_layout
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.spec_decode.proposer_interface import DraftRequest
+from tileinfer.proposers.channel import ChannelCapacity, ChannelClient
+from tileinfer.proposers.dflash import DFlashProposer
+from tileinfer.proposers.remote import HiddenLayout, ProposerServer, RemoteProposer, hidden_layout
 
 CONTEXT = multiprocessing.get_context("spawn")
 

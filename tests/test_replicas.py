@@ -1,6 +1,6 @@
 """Engine replicas on a two-node Ray cluster on this machine: a head and a worker, each with its own
 resources, two SmolLM2 engine replicas, each with its n-gram proposer actor beside it (the pair reserves
-a node's one CPU, so one pair lands on each node), served by `serve run` (deployments/launch.py) over
+a node's one CPU, so one pair lands on each node), served by `serve run` (deployments/launch/launcher.py) over
 HTTP. Requests reach both, and both draft; a conversation's turns reach one replica, which its metrics
 show; an engine replica killed under load loses no request that had no token yet, hangs none, and new
 requests are served."""
@@ -79,8 +79,8 @@ def base_url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> It
         log = workdir / "serve.log"
         with log.open("w") as log_file:  # the launcher serves on the running cluster and leaves it running
             launcher = subprocess.Popen(
-                [sys.executable, "-m", "deployments.launch", str(config_path), f"--ray-port={ray_port}"],
-                env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                [sys.executable, "-m", "tileinfer.deployments.launch.launcher", str(config_path),
+                 f"--ray-port={ray_port}"], env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
             )  # fmt: skip
         url = f"http://127.0.0.1:{http_port}"
         try:

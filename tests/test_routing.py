@@ -1,5 +1,5 @@
-"""The choice of engine replica (deployments/routing.py): prefix affinity, the load guard, what engines
-report of their caches, and power of two choices; and that the ingress keys prompts by the very hashes
+"""The choice of engine replica (deployments/replicas/routing.py): prefix affinity, the load guard, what
+engines report of their caches, and power of two choices; and that the ingress keys prompts by the very hashes
 the engine's block manager registers."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import random
 import struct
 
-from deployments.routing import RoutingPolicy, block_keys, cached_block_keys
-from engine.block_manager import BlockManager
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
+from tileinfer.deployments.replicas.routing import RoutingPolicy, block_keys, cached_block_keys
+from tileinfer.engine.kv.block_manager import BlockManager
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.sequence import Sequence
 
 BLOCK = 16
 

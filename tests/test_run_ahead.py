@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from engine.config import EngineConfig
-from engine.engine import Engine, RequestOutput
-from engine.loader import LoadedModel, load_model
-from engine.sampling import SamplingParams
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine, RequestOutput
+from tileinfer.engine.models.loader import LoadedModel, load_model
+from tileinfer.engine.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

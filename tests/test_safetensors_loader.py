@@ -11,10 +11,9 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-
-from engine.errors import ModelLoadError
-from engine.model import weight_shapes
-from engine.safetensors_loader import load_safetensors_folder
+from tileinfer.engine.errors import ModelLoadError
+from tileinfer.engine.models.decoder import weight_shapes
+from tileinfer.engine.models.safetensors_loader import load_safetensors_folder
 
 TINY_SIZES: dict[str, Any] = dict(
     vocab_size=320,

@@ -1,4 +1,4 @@
-"""The sampler (engine/sampler.py; on the CPU the torch reference of kernels/sampling.py): parameter
+"""The sampler (engine/sampling/sampler.py; on the CPU the torch reference of kernels/sampling.py): parameter
 validation, penalties, the filtered distributions, seeds and positions, logprobs."""
 
 from __future__ import annotations
@@ -7,12 +7,11 @@ import math
 
 import pytest
 import torch
-
-from engine.errors import InvalidRequestError
-from engine.sampler import Sampler
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
-from kernels.sampling import (
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.sampling.sampler import Sampler
+from tileinfer.engine.sequence import Sequence
+from tileinfer.kernels.sampling import (
     SamplingTensors,
     apply_penalties_reference,
     filtered_probs_reference,

@@ -6,17 +6,16 @@ prompts are prefilled at once. The scheduler alone first, then the engine on the
 from __future__ import annotations
 
 import pytest
-
-from deployments.proposers import build_engine
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import InvalidRequestError
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams
-from engine.scheduler import MAX_TIMES_PASSED_OVER, Batch, Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.step import Drafts
+from tileinfer.deployments.replicas.proposer_build import build_engine
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.kv.block_manager import BlockManager
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.scheduler import MAX_TIMES_PASSED_OVER, Batch, Scheduler
+from tileinfer.engine.sequence import Sequence, SequenceStatus
+from tileinfer.engine.step import Drafts
 
 PARAMS = SamplingParams(max_tokens=8)
 

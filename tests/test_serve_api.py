@@ -16,9 +16,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving import API_KEY, BIN, Served
-
-from engine.gguf_loader import read_gguf
-from engine.tokenizer import Tokenizer
+from tileinfer.engine.models.gguf_loader import read_gguf
+from tileinfer.engine.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +149,8 @@ def test_models_health_and_metrics(client: openai.OpenAI, served: Served) -> Non
 
 
 def test_the_engine_logs_its_start_in_its_replica_log(served: Served) -> None:
-    """TileInfer's own INFO lines reach Serve's replica logs (deployments/serve_logs.py), as they come."""
+    """TileInfer's own INFO lines reach Serve's replica logs (deployments/replicas/serve_logs.py), as they
+    come."""
     logs = sorted((served.ray_dir / "session_latest/logs/serve").glob("replica_tileinfer_Engine_*.log"))
     assert any("engine built in" in path.read_text() for path in logs), logs
 

@@ -116,7 +116,7 @@ class _ByteTokenizer:
 
 
 def test_output_ids_read_back_from_their_logprobs_spellings() -> None:
-    from deployments.logprobs import token_text
+    from tileinfer.deployments.openai_api.logprobs import token_text
 
     table = serve_load.token_id_table(_ByteTokenizer())
     ids = [104, 256, 0xE2, 0x82, 0xAC, 10]  # "h", "ab", the three bytes of "€" as tokens of their own, "\n"

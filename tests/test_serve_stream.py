@@ -1,5 +1,5 @@
-"""How tokens stream through the served app (deployments/engine.py's outputs stream, the ingress's
-TextStream): stop strings cut at the ingress, usage counting only the tokens up to the stop, and the
+"""How tokens stream through the served app (deployments/replicas/engine_replica.py's outputs stream, the
+ingress's TextStream): stop strings cut at the ingress, usage counting only the tokens up to the stop, and the
 serve-load generator's HTTP mode."""
 
 from __future__ import annotations

@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
-import engine.sampler
-from deployments.proposers import build_engine
-from engine.config import EngineConfig
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams
-from engine.spec import ModelSpec
-from engine.speculative import verify_sampled
+from tileinfer.deployments.replicas.proposer_build import build_engine
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.models.shape import ModelSpec
+from tileinfer.engine.sampling import sampler
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.spec_decode.verification import verify_sampled
 
 VOCAB = 6
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so the n-gram proposer drafts
@@ -101,7 +100,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(tiny, monkeypatch: pytest.M
     def accept_every_draft(probs, draft_probs, drafts, num_drafts, accept_uniforms, final_uniforms):  # noqa: ANN001, ANN202
         return verify_sampled(probs, draft_probs, drafts, num_drafts, accept_uniforms * 0, final_uniforms)
 
-    monkeypatch.setattr(engine.sampler, "verify_sampled", accept_every_draft)
+    monkeypatch.setattr(sampler, "verify_sampled", accept_every_draft)
     model, reference = tiny
     counts, _ = sampled_counts(model)
     statistic = chi_square(counts, exact_joint(reference))

@@ -7,16 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from deployments.proposers import build_engine
-from engine import speculator as speculator_module
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.interfaces import DraftRequest, Proposer
-from engine.loader import LoadedModel
-from engine.sampling import SamplingParams
-from engine.speculator import Speculator
-from proposers.ngram import NgramProposer
+from tileinfer.deployments.replicas.proposer_build import build_engine
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.spec_decode import speculator as speculator_module
+from tileinfer.engine.spec_decode.proposer_interface import DraftRequest, Proposer
+from tileinfer.engine.spec_decode.speculator import Speculator
+from tileinfer.proposers.ngram import NgramProposer
 
 CODE_EDIT = (
     "Rename the variable `total` to `running_sum` in this function and return the whole function.\n\n"

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from deployments.proposers import draft_cost
-from engine.config import EngineConfig
-from engine.sampling import SamplingParams
-from engine.speculative import PAD_TOKEN_ID, DraftLengthController, Verified, verify_greedy, verify_sampled
-from kernels.sampling import SamplingTensors, race_scores_reference, sample_reference
+from tileinfer.deployments.replicas.proposer_build import draft_cost
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.spec_decode.verification import (
+    PAD_TOKEN_ID,
+    DraftLengthController,
+    Verified,
+    verify_greedy,
+    verify_sampled,
+)
+from tileinfer.kernels.sampling import SamplingTensors, race_scores_reference, sample_reference
 
 # --- greedy --------------------------------------------------------------------------------------------
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.block_manager import BlockManager
-from engine.sampler import Sampler
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
-from engine.step import ScheduledRow
-from engine.step_inputs import SAMPLING_FLOAT_FIELDS, StepInputs, StepInputsBuilder
-from kernels.sampling import seed_to_int64
+from tileinfer.engine.kv.block_manager import BlockManager
+from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.sampling.sampler import Sampler
+from tileinfer.engine.sequence import Sequence
+from tileinfer.engine.step import ScheduledRow
+from tileinfer.engine.step_inputs import SAMPLING_FLOAT_FIELDS, StepInputs, StepInputsBuilder
+from tileinfer.kernels.sampling import seed_to_int64
 
 BLOCK_SIZE = 4
 

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 from ingress_harness import make_ingress
-
-from deployments import ingress as ingress_module
-from deployments.engine_client import Inbox
-from engine.detokenizer import TextStream
-from engine.loader import load_tokenizer
-from engine.tokenizer import Tokenizer
+from tileinfer.deployments.openai_api import ingress as ingress_module
+from tileinfer.deployments.replicas.engine_client import Inbox
+from tileinfer.engine.models.loader import load_tokenizer
+from tileinfer.engine.text.detokenizer import TextStream
+from tileinfer.engine.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

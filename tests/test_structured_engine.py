@@ -1,7 +1,8 @@
-"""Structured output in the engine (engine/grammar.py, the runner's mask, run-ahead with masked samples, the
-speculator's draft check), on the real SmolLM2-135M-Instruct and its tokenizer: what a grammar allows is
-all that comes out, the sequence ends when the grammar is complete, a bad grammar is a request error, and
-neither n-gram speculation nor run-ahead changes a constrained output or holds the unconstrained rows back.
+"""Structured output in the engine (engine/sampling/grammar.py, the runner's mask, run-ahead with masked
+samples, the speculator's draft check), on the real SmolLM2-135M-Instruct and its tokenizer: what a grammar
+allows is all that comes out, the sequence ends when the grammar is complete, a bad grammar is a request
+error, and neither n-gram speculation nor run-ahead changes a constrained output or holds the unconstrained
+rows back.
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ import torch
 from assets import llama3_tokenizer_dir, qwen3_tokenizer_dir
 from llguidance import LLMatcher, LLTokenizer
 from llguidance._tokenizer import TokenizerWrapper
-
-from deployments.proposers import build_engine
-from engine import grammar, graphs
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import InvalidRequestError
-from engine.loader import LoadedModel, load_model
-from engine.sampling import GrammarSpec, SamplingParams
-from engine.tokenizer import Tokenizer
-from kernels.token_mask import apply_token_mask, bitmask_words
+from tileinfer.deployments.replicas.proposer_build import build_engine
+from tileinfer.engine import graphs
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.models.loader import LoadedModel, load_model
+from tileinfer.engine.sampling import grammar
+from tileinfer.engine.sampling.params import GrammarSpec, SamplingParams
+from tileinfer.engine.text.tokenizer import Tokenizer
+from tileinfer.kernels.token_mask import apply_token_mask, bitmask_words
 
 SCHEMA = {
     "type": "object",

@@ -1,8 +1,9 @@
-"""Constrained output is valid, or the response says it is not (engine/grammar.py's probe, the engine's
-finish_reason "error"), on the real SmolLM2-135M-Instruct and llguidance: a schema whose grammar cannot
-constrain (llguidance's limit of a row's items, a $ref that only recurses) is refused before generation;
-a grammar that fails while it constrains ends its request with an error, logged, never "stop"; and over a
-corpus of schemas, as response formats and as forced tool calls, every output that ends "stop" validates.
+"""Constrained output is valid, or the response says it is not (engine/sampling/grammar.py's probe, the
+engine's finish_reason "error"), on the real SmolLM2-135M-Instruct and llguidance: a schema whose grammar
+cannot constrain (llguidance's limit of a row's items, a $ref that only recurses) is refused before
+generation; a grammar that fails while it constrains ends its request with an error, logged, never "stop"; and
+over a corpus of schemas, as response formats and as forced tool calls, every output that ends "stop"
+validates.
 """
 
 from __future__ import annotations
@@ -15,15 +16,14 @@ from typing import Any
 import jsonschema
 import pytest
 from failing_schemas import ISSUE_SCHEMAS, NAMED, RECURSES, past_the_probe, properties
-
-from deployments.chat_output import ChatOutputPlan
-from deployments.request_parsing import parse_request
-from deployments.requests import ChatCompletionRequest
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import GrammarFailedError, InvalidRequestError
-from engine.loader import LoadedModel
-from engine.sampling import GrammarSpec, SamplingParams
+from tileinfer.deployments.openai_api.chat_output import ChatOutputPlan
+from tileinfer.deployments.openai_api.request_parsing import parse_request
+from tileinfer.deployments.openai_api.requests import ChatCompletionRequest
+from tileinfer.engine.config import EngineConfig
+from tileinfer.engine.engine import Engine
+from tileinfer.engine.errors import GrammarFailedError, InvalidRequestError
+from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.sampling.params import GrammarSpec, SamplingParams
 
 
 def _closed(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def test_a_grammar_that_fails_while_generating_ends_with_an_error(
         ),
         "too wide": (dataclasses.replace(greedy, grammar=_json(past_the_probe(properties(500)))), "too many"),
     }
-    with caplog.at_level(logging.WARNING, logger="engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="tileinfer.engine.engine"):
         results = _run(engine, prompt, {name: params for name, (params, _) in requests.items()})
     for name, (_, named) in requests.items():
         text, finish_reason, error = results[name]

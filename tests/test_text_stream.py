@@ -6,9 +6,8 @@ import random
 
 import pytest
 from assets import qwen3_tokenizer_dir
-
-from engine.detokenizer import TextStream
-from engine.tokenizer import Tokenizer
+from tileinfer.engine.text.detokenizer import TextStream
+from tileinfer.engine.text.tokenizer import Tokenizer
 
 TEXT = "The sea is calm. 🦙 Waves: crème brûlée, 你好！ END of story. More text after the end."
 

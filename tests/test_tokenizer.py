@@ -11,12 +11,11 @@ import gguf
 import pytest
 import tokenizers
 from assets import llama3_tokenizer_dir, llama_cpp_models_dir, qwen3_tokenizer_dir
+from tileinfer.engine.errors import InvalidRequestError, ModelLoadError
+from tileinfer.engine.models.gguf_loader import read_gguf
+from tileinfer.engine.text.tokenizer import Tokenizer
 from tokenizers import models, pre_tokenizers
 from transformers import AutoTokenizer
-
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.gguf_loader import read_gguf
-from engine.tokenizer import Tokenizer
 
 # Texts that exercise the pre-tokenizers: unicode, code, whitespace runs, special tokens, numbers.
 TEXTS = [

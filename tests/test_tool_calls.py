@@ -1,4 +1,4 @@
-"""Tool calls and Qwen3's thinking on the request side (deployments/tool_calls.py, reasoning.py,
+"""Tool calls and Qwen3's thinking on the request side (deployments/openai_api/tool_calls.py, reasoning.py,
 chat_output.py), with the real chat templates of each family (llama.cpp's models/templates) and the real
 Qwen3 and Llama 3 tokenizers: what a template writes for an assistant's call is what its parser reads, whole
 and as it streams, and what the forced-call grammar (compiled by llguidance with the model's tokenizer)
@@ -19,19 +19,18 @@ import pytest
 from assets import llama3_tokenizer_dir, llama_cpp_models_dir, qwen3_tokenizer_dir
 from ingress_harness import MODEL as SERVED_MODEL
 from ingress_harness import build
-
-from deployments.chat_output import ChatOutputPlan
-from deployments.errors import OpenAIError
-from deployments.reasoning import prompt_opens_thinking, split_reasoning
-from deployments.request_parsing import parse_request
-from deployments.request_to_engine import chat_template_input
-from deployments.requests import ChatCompletionRequest
-from deployments.tool_calls import format_for_template
-from engine.chat_template import load_chat_template, render_chat_template
-from engine.errors import InvalidRequestError
-from engine.loader import load_tokenizer
-from engine.sampling import GrammarSpec, SamplingParams
-from engine.tokenizer import Tokenizer
+from tileinfer.deployments.openai_api.chat_output import ChatOutputPlan
+from tileinfer.deployments.openai_api.errors import OpenAIError
+from tileinfer.deployments.openai_api.reasoning import prompt_opens_thinking, split_reasoning
+from tileinfer.deployments.openai_api.request_parsing import parse_request
+from tileinfer.deployments.openai_api.request_to_engine import chat_template_input
+from tileinfer.deployments.openai_api.requests import ChatCompletionRequest
+from tileinfer.deployments.openai_api.tool_calls import format_for_template
+from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.models.loader import load_tokenizer
+from tileinfer.engine.sampling.params import GrammarSpec, SamplingParams
+from tileinfer.engine.text.chat_template import load_chat_template, render_chat_template
+from tileinfer.engine.text.tokenizer import Tokenizer
 
 WEATHER_PARAMETERS = {
     "type": "object",

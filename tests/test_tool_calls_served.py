@@ -14,8 +14,7 @@ import jsonschema
 import openai
 import pytest
 from serving import Served
-
-from engine.loader import load_tokenizer
+from tileinfer.engine.models.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # triton first, then a kernel module; what Triton itself reports as its cache folder
-PROBE = "import triton; import kernels.sampling; from engine.default_model import cache_dir; "
+PROBE = "import triton; import tileinfer.kernels.sampling; "
+PROBE += "from tileinfer.engine.models.default_model import cache_dir; "
 PROBE += "print(triton.knobs.cache.dir); print(cache_dir())"
 
 

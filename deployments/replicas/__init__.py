@@ -1,0 +1,1 @@
+"""The engine and proposer replicas: the actors, their clients, routing, autoscaling, metrics."""

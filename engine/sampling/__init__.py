@@ -1,0 +1,1 @@
+"""A request's sampling parameters, the sampler, and structured output's grammars."""

@@ -1,0 +1,1 @@
+"""Speculative decoding in the engine: the proposer interface, the speculator, exact verification."""

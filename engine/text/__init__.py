@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer, chat templates and the streaming detokenizer."""
