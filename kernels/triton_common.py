@@ -36,11 +36,6 @@ def specialization_sizes(most: int) -> tuple[int, ...]:
     return tuple(size for size in (1, 2, 16) if size <= most)
 
 
-def autotune_configs(configs: list) -> list:
-    """The interpreter fails with more than one autotune config; keep the first there."""
-    return configs[:1] if INTERPRET else configs
-
-
 H200_SHARED_MEMORY_PER_BLOCK = 232448  # the most shared memory a block may take on sm_90 (227 KiB, opt-in)
 
 

@@ -30,7 +30,6 @@ from tileinfer.deployments.launch import cluster_security, haproxy
 from tileinfer.deployments.launch.app_args import API_KEY_ENV, parse_app_args
 from tileinfer.deployments.openai_api import ingress as ingress_module
 from tileinfer.deployments.openai_api.errors import RETRY_AFTER_S, OpenAIError
-from tileinfer.deployments.openai_api.request_parsing import json_body_of
 from tileinfer.engine.errors import CapacityError
 from tileinfer.engine.models.loader import load_tokenizer
 from tileinfer.engine.sampling.params import SamplingParams
@@ -165,9 +164,6 @@ def test_a_chunked_body_over_the_limit_gets_413(
 def test_handle_bodies_are_held_to_what_json_holds(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch, body: Any
 ) -> None:
-    with pytest.raises(OpenAIError) as raised:
-        json_body_of(body)
-    assert raised.value.status_code == 400
     ingress, _ = make_ingress(tokenizer, monkeypatch)
     with pytest.raises(OpenAIError) as raised:
         _run(ingress.complete(body))

@@ -29,12 +29,6 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def json_body_of(body: Any) -> dict[str, Any]:
-    """A Python handle's request dict held to what an HTTP body may be (parse_json_body): it goes through
-    JSON, so a lone surrogate, NaN, a non-JSON type or deep nesting gets the same 400."""
-    return parse_json_body(json_bytes_of(body))
-
-
 def json_bytes_of(body: Any) -> bytes:
     """A Python handle's request as the JSON body it stands for; 400 for what JSON cannot hold."""
     try:

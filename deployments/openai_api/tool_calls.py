@@ -133,13 +133,6 @@ def _written_value(text: str, position: int) -> tuple[Any, str] | None:
     return None if whole is None else (whole[0], text[_skip_whitespace(text, position) : whole[1]])
 
 
-def _loads_or_none(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
 def _before_marker(text: str, marker: str, final: bool) -> str:
     """Text that has no marker yet: all of it, less (while streaming) an end that may begin the marker."""
     if not final:
