@@ -34,7 +34,7 @@ from tileinfer.kernels.prefill_attention import paged_prefill_attention_triton
 from tileinfer.kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
 
 from bench.model_shapes import SMOLLM2_135M, random_weights
-from tests.test_speculative_engine import run_batch
+from tests.test_spec_decode_engine import run_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 16
