@@ -38,12 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tileinfer.engine.config import DTYPES, EngineConfig, torch_dtype  # noqa: E402
 from tileinfer.engine.engine import Engine  # noqa: E402
+from tileinfer.engine.kv.budget import kv_bytes_per_token  # noqa: E402
 from tileinfer.engine.models.loader import LoadedModel  # noqa: E402
+from tileinfer.engine.models.random_model import SHAPES, random_weights  # noqa: E402
 from tileinfer.engine.models.shape import ModelSpec  # noqa: E402
 from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
 
 from bench import limits  # noqa: E402
 from bench.bench_engine import (  # noqa: E402
+    DISPLAY_NAMES,
     attempt,
     free_memory,
     log,
@@ -51,7 +54,6 @@ from bench.bench_engine import (  # noqa: E402
     run_models,
     step_summary,
 )
-from bench.model_shapes import DISPLAY_NAMES, MODELS, kv_bytes_per_token, random_weights, weight_bytes  # noqa: E402
 from bench.peer import PeerModel, compile_greedy_step, greedy_step  # noqa: E402
 
 PEER_WARMUP_STEPS = 3  # the compiled step compiles on the 1st call; CUDA graph trees record on the 2nd/3rd
@@ -87,7 +89,7 @@ def batch_roofline(
 ) -> float:
     """Tokens per second if a step of `batch` sequences took only the time to read every weight once and
     each sequence's KV cache of `cached` positions (BENCH.md; limits.decode_roofline at batch 1)."""
-    weights = weight_bytes(spec, dtype, quantization)
+    weights = limits.weight_bytes(spec, dtype, quantization)
     return batch * bandwidth / (weights + batch * cached * kv_bytes_per_token(spec, dtype))
 
 
@@ -258,7 +260,7 @@ def bench_peer(
 
 def bench_model(record: dict[str, Any], name: str, settings: Settings, bandwidth: float) -> None:
     """Fill record (already in the results, so an interrupted run keeps what it measured)."""
-    spec = MODELS[name]
+    spec = SHAPES[name]
     cached = settings.prompt_len + settings.output_len // 2  # the mean cached length while decoding
     rooflines = {
         str(batch): batch_roofline(spec, bandwidth, batch, cached, settings.dtype, settings.quantization)
@@ -363,7 +365,7 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     parser.add_argument("--tiny", action="store_true", help="the tiny model and short runs (CPU smoke)")
-    parser.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(MODELS))
+    parser.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     parser.add_argument("--batches", type=sizes, default=None, help="default 1,2,4,...,256 (tiny: 1,2,4)")
     parser.add_argument("--peer-batches", type=sizes, default=None, help="default 1,8,64,256 (tiny: 1,4)")
     parser.add_argument("--prompt-len", type=int, default=None, help="default 512 (tiny: 32)")
@@ -386,9 +388,9 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
         models, batches, peer_batches = "qwen3-0.6b,qwen3-4b", [2**i for i in range(9)], [1, 8, 64, 256]
         prompt_len, output_len = 512, 128
     model_names = (args.models or models).split(",")
-    unknown = [name for name in model_names if name not in MODELS]
+    unknown = [name for name in model_names if name not in SHAPES]
     if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
     settings = Settings(
         device=torch.device(args.device),
         dtype=torch_dtype(args.dtype),

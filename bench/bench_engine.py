@@ -41,16 +41,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tileinfer.engine.config import DTYPES, EngineConfig, torch_dtype  # noqa: E402
 from tileinfer.engine.engine import Engine  # noqa: E402
 from tileinfer.engine.models.loader import LoadedModel  # noqa: E402
+from tileinfer.engine.models.random_model import SHAPES, random_weights  # noqa: E402
 from tileinfer.engine.models.shape import ModelSpec  # noqa: E402
 from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
 
 from bench import limits  # noqa: E402
-from bench.model_shapes import DISPLAY_NAMES, MODELS, random_weights  # noqa: E402
 from bench.peer import PeerModel, compile_greedy_step, greedy_step  # noqa: E402
 
 GREEDY = {"temperature": 0.0}
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 NUM_FIRST_TOKENS = 8  # greedy tokens kept from each side, to compare TileInfer with the peer
+# Display names for the result tables.
+DISPLAY_NAMES = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-4b": "Qwen3-4B", "smollm2-135m": "SmolLM2-135M"}
 
 
 @dataclasses.dataclass
@@ -361,7 +363,7 @@ def bench_model(
     record: dict[str, Any], name: str, settings: Settings, machine_limits: dict[str, float]
 ) -> None:
     """Fill record (already in the results, so an interrupted run keeps what it measured)."""
-    spec = MODELS[name]
+    spec = SHAPES[name]
     # prompts within the model's context only (SmolLM2-135M holds 8k positions, so no 16k prefill)
     settings = dataclasses.replace(
         settings, prefill_lens=[n for n in settings.prefill_lens if n < spec.max_position_embeddings]
@@ -476,7 +478,7 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     parser.add_argument("--tiny", action="store_true", help="the tiny model and short runs (CPU smoke)")
-    parser.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(MODELS))
+    parser.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     parser.add_argument("--long", action="store_true", help="also prefill 4k and 16k prompts")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 200)")
     parser.add_argument("--warmup", type=int, default=None, help="decode steps before timing (default 20)")
@@ -505,9 +507,9 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
         )
         long_lens = [4096, 16384]
     model_names = (args.models or models).split(",")
-    unknown = [name for name in model_names if name not in MODELS]
+    unknown = [name for name in model_names if name not in SHAPES]
     if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
     settings = Settings(
         device=torch.device(args.device),
         dtype=torch_dtype(args.dtype),

@@ -9,9 +9,10 @@ weights in INT8 or not, the bf16 embedding and LM head, and the KV at its own by
     python bench/bench_int8.py --device cpu --tiny   # a smoke run
 
 Modes: base (the dtype), int8 (INT8 weights), int8-kv (the INT8 KV cache), int8-both. Every engine
-takes the same random weights (bench/model_shapes.py); the INT8 ones quantize them at load. --gguf adds a
-row for a GGUF file of the (one) model's shape, loaded as the server loads it (a Q8_0 file's layer
-weights as INT8 with group-32 scales), against the bytes its weights load as. The table comes last.
+takes the same random weights (tileinfer.engine.models.random_model); the INT8 ones quantize them at
+load. --gguf adds a row for a GGUF file of the (one) model's shape, loaded as the server loads it (a
+Q8_0 file's layer weights as INT8 with group-32 scales), against the bytes its weights load as. The
+table comes last.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tileinfer.engine.config import DTYPES, torch_dtype  # noqa: E402
 from tileinfer.engine.kv.budget import kv_bytes_per_token  # noqa: E402
 from tileinfer.engine.models.loader import load_model  # noqa: E402
+from tileinfer.engine.models.random_model import SHAPES, random_weights  # noqa: E402
 from tileinfer.engine.models.shape import ModelSpec  # noqa: E402
 from tileinfer.kernels.int8 import Int8Weight  # noqa: E402
 
@@ -46,7 +48,6 @@ from bench.bench_engine import (  # noqa: E402
     free_memory,
     random_prompt,
 )
-from bench.model_shapes import MODELS, random_weights  # noqa: E402
 
 # mode -> (EngineConfig.quantization, EngineConfig.kv_cache_dtype)
 MODES = {
@@ -99,7 +100,7 @@ def bench_gguf(
     started = time.perf_counter()
     loaded = load_model(path, settings.dtype, settings.device)
     spec = loaded.spec  # the file's own, as the server runs it
-    assert spec.vocab_size == MODELS[name].vocab_size and spec.hidden_size == MODELS[name].hidden_size, path
+    assert spec.vocab_size == SHAPES[name].vocab_size and spec.hidden_size == SHAPES[name].hidden_size, path
     print(f"{name} {GGUF_MODE}: {path} loaded in {time.perf_counter() - started:.1f} s", flush=True)
     cached = settings.prompt_len - 1
     total = loaded_bytes(loaded.weights) + cached * kv_bytes_per_token(spec, settings.dtype)
@@ -111,7 +112,7 @@ def bench_gguf(
 def bench_model(
     name: str, settings: Settings, bandwidth: float, modes: list[str], gguf: str | None = None
 ) -> dict[str, Any]:
-    spec = MODELS[name]
+    spec = SHAPES[name]
     cached = settings.prompt_len - 1
     weights = random_weights(spec, settings.dtype, settings.device)
     prompt = random_prompt(torch.Generator().manual_seed(1234), spec.vocab_size, settings.prompt_len)

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tileinfer.engine.config import EngineConfig  # noqa: E402
 from tileinfer.engine.engine import Engine  # noqa: E402
 from tileinfer.engine.models.loader import LoadedModel  # noqa: E402
+from tileinfer.engine.models.random_model import SHAPES, random_weights  # noqa: E402
 from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
 
 from bench import limits  # noqa: E402
-from bench.model_shapes import MODELS, random_weights  # noqa: E402
 
 CHUNK = 2048
 
@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
     device = torch.device("cuda")
-    spec = MODELS[args.model]
+    spec = SHAPES[args.model]
     bandwidth = limits.copy_bandwidth(device)
     weights = random_weights(spec, torch.bfloat16, device)
     model = LoadedModel(name=args.model, source=Path("random"), spec=spec, weights=weights, tokenizer=None)

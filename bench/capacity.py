@@ -4,7 +4,7 @@ engine's own sizing (engine/kv/budget.py) applied to each shape, without loading
     python bench/capacity.py [--free-gib 139.0] [--sequences 64] [--context 4096] [--out DIR]
 
 For every Qwen3 dense size and mode (bench_int8.py's: base = bf16; INT8 weights; INT8 KV; both) it
-takes the weights' bytes (bench/model_shapes.weight_bytes: INT8 layer linears with their scales, the
+takes the weights' bytes (bench/limits.weight_bytes: INT8 layer linears with their scales, the
 embedding and any untied LM head in bf16), the free memory left after them, and the KV tokens the engine
 would allot there (kv_cache_tokens_from_memory with the default gpu_memory_utilization 0.9, the step
 reserve of max_num_batched_tokens 8192 and one logit row a sequence). A model "serves" the load when those
@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tileinfer.engine.errors import InvalidRequestError  # noqa: E402
 from tileinfer.engine.kv.budget import kv_bytes_per_token, kv_cache_tokens_from_memory, step_reserve_bytes  # noqa: E402
+from tileinfer.engine.models.random_model import QWEN3_SIZES  # noqa: E402
 
 from bench.bench_int8 import MODES  # noqa: E402
-from bench.model_shapes import QWEN3_SIZES, weight_bytes  # noqa: E402
+from bench.limits import weight_bytes  # noqa: E402
 
 GIB = 1 << 30
 BLOCK_SIZE = 16

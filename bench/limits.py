@@ -14,6 +14,7 @@ prefill_limit:  prompt tokens / the time their FLOPs take at matmul speed: 2 * (
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -24,14 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tileinfer.engine.kv.budget import kv_bytes_per_token  # noqa: E402
+from tileinfer.engine.models.decoder import is_layer_linear, weight_shapes  # noqa: E402
+from tileinfer.engine.models.random_model import SHAPES  # noqa: E402
 from tileinfer.engine.models.shape import ModelSpec  # noqa: E402
-
-from bench.model_shapes import (  # noqa: E402
-    MODELS,
-    kv_bytes_per_token,
-    prefill_matmul_params,
-    weight_bytes,
-)
 
 GIB = 2**30
 
@@ -84,6 +81,25 @@ def matmul_flops(
         torch.matmul(a, b, out=out)
     seconds = statistics.median(time_each(lambda: torch.matmul(a, b, out=out), repeats, device))
     return 2 * size**3 / seconds
+
+
+def weight_bytes(
+    spec: ModelSpec, dtype: torch.dtype = torch.bfloat16, quantization: str | None = None
+) -> int:
+    """Bytes of every weight, a tied LM head counted once (it is the embedding). quantization "int8":
+    the layers' linear weights at one byte an element and an fp32 scale a row (kernels/int8.py)."""
+    total = 0
+    for name, shape in weight_shapes(spec).items():
+        if quantization == "int8" and is_layer_linear(name):
+            total += math.prod(shape) + shape[0] * 4
+        else:
+            total += math.prod(shape) * dtype.itemsize
+    return total
+
+
+def prefill_matmul_params(spec: ModelSpec) -> int:
+    """Weights each prompt token multiplies: every linear inside the layers (norms are not matmuls)."""
+    return sum(math.prod(shape) for name, shape in weight_shapes(spec).items() if is_layer_linear(name))
 
 
 def decode_bytes_per_token(
@@ -145,7 +161,7 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="small buffers and the tiny model (CPU smoke)")
-    parser.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(MODELS))
+    parser.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     args = parser.parse_args()
     device = torch.device(args.device)
     models = (args.models or ("tiny" if args.tiny else "qwen3-0.6b,qwen3-4b,smollm2-135m")).split(",")
@@ -153,7 +169,7 @@ def main() -> None:
     bandwidth, flops = limits["copy_bandwidth_bytes_per_s"], limits["matmul_flops_per_s"]
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s, bf16 matmul {flops / 1e12:.1f} TFLOP/s ({device})")
     for name in models:
-        spec = MODELS[name]
+        spec = SHAPES[name]
         print(
             f"{name:13s} decode roofline {decode_roofline(spec, bandwidth):10,.0f} tok/s "
             f"({decode_bytes_per_token(spec, 1023, torch.bfloat16) / 1e9:.3f} GB/token at 1,023 positions)"

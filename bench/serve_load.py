@@ -30,8 +30,9 @@ again) and prints both, with HTTP/engine-direct ratios. The app starts as `make 
 --serve-proxy measures Serve's Python proxy instead, --ray-defaults the app as a plain `serve run
 serve_config.yaml` serves it (Serve's proxy in its default mode, its logs on stderr), and --ingress-replicas N
 overrides num_ingress_replicas: auto.
---model: a model_shapes name other than the default smollm2-135m becomes a folder of random weights of
-that shape with the real Qwen3 tokenizer (tests/assets.py); anything else is passed on as given.
+--model: a named shape (tileinfer.engine.models.random_model.SHAPES) other than the default smollm2-135m
+becomes a folder of random weights of that shape with the real Qwen3 tokenizer (tests/assets.py);
+anything else is passed on as given.
 --restart then starts the app once more (Triton's kernels cached by then) to time a restart; the first
 start's and the restart's times to a healthy app are in the JSON (ready_s), as are the TTFTs of the
 first 8 requests after ready and of the same 8 once warm (first_requests). --client-processes spreads a
@@ -652,13 +653,12 @@ def run_engine_direct(app_args: Any, args: argparse.Namespace, vocab: tuple[int,
 
 
 def model_source(name: str, dtype: str) -> str:
-    """A model_shapes shape (not the real default model) as a folder of random weights with the Qwen3
-    tokenizer, written once under the cache; anything else as given."""
+    """A named shape (not the real default model) as a folder of random weights with the Qwen3 tokenizer,
+    written once under the cache; anything else as given."""
     from tileinfer.engine.models.default_model import DEFAULT_MODEL_ALIAS, cache_dir
+    from tileinfer.engine.models.random_model import SHAPES, random_weights
 
-    from bench.model_shapes import MODELS, random_weights
-
-    if name == DEFAULT_MODEL_ALIAS or name not in MODELS:
+    if name == DEFAULT_MODEL_ALIAS or name not in SHAPES:
         return name
     import torch
     from safetensors.torch import save_file
@@ -666,7 +666,7 @@ def model_source(name: str, dtype: str) -> str:
     sys.path.insert(0, str(ROOT / "tests"))
     from assets import qwen3_tokenizer_dir
 
-    spec = MODELS[name]
+    spec = SHAPES[name]
     storage = "bfloat16" if dtype in ("auto", "bfloat16") else dtype
     folder = cache_dir() / "bench-models" / f"{name}-random-{storage}"
     if (folder / "model.safetensors").is_file():

@@ -5,7 +5,7 @@ through one served app (serve_load.py starts it, sends the requests and times th
         [--mixed-clients 64 --mixed-runs 3] [--client-processes 4] [--budget-s 420] [--out DIR]
 
 The app: serve_config.yaml (--serve-config) under `serve run` as serve_load.py starts it; --model as there
-(a model_shapes name such as qwen3-0.6b: random weights of that shape with the real Qwen3 tokenizer, so
+(a named shape such as qwen3-0.6b: random weights of that shape with the real Qwen3 tokenizer, so
 only the grammar keeps the output valid; default the config's smollm2-135m, real weights and tokenizer).
 
 The requests: streamed `/v1/completions` with --prompt-tokens random token ids (serve_load's prompts; no

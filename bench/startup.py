@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="qwen3-0.6b", help="a model_shapes shape or any model source")
+    parser.add_argument("--model", default="qwen3-0.6b", help="a named shape or any model source")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the app's on a GPU (256)")
     parser.add_argument("--cold", action="store_true", help="an empty Triton cache of its own")

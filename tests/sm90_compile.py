@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from tileinfer.engine.kv.block_manager import BlockManager  # noqa: E402
 from tileinfer.engine.models.decoder import Decoder  # noqa: E402
+from tileinfer.engine.models.random_model import QWEN3_0_6B, SMOLLM2_135M, random_weights  # noqa: E402
 from tileinfer.engine.ops import TRITON_OPS  # noqa: E402
 from tileinfer.engine.runner import ModelRunner  # noqa: E402
 from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
@@ -55,8 +56,6 @@ from tileinfer.kernels.triton_common import H200_SHARED_MEMORY_PER_BLOCK  # noqa
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
-
-from bench.model_shapes import QWEN3_0_6B, SMOLLM2_135M, random_weights  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl")

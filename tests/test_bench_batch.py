@@ -12,7 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.model_shapes import TINY, random_weights  # noqa: E402
+from tileinfer.engine.models.random_model import TINY, random_weights  # noqa: E402
+
 from bench.peer import PeerModel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,13 +14,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tileinfer.engine.kv.block_manager import BlockManager  # noqa: E402
 from tileinfer.engine.models.decoder import Decoder  # noqa: E402
+from tileinfer.engine.models.random_model import QWEN3_0_6B, QWEN3_4B, TINY, random_weights  # noqa: E402
 from tileinfer.engine.runner import ModelRunner  # noqa: E402
 from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
 from tileinfer.engine.sequence import Sequence  # noqa: E402
 from tileinfer.engine.step import ScheduledRow  # noqa: E402
 
 from bench import limits  # noqa: E402
-from bench.model_shapes import QWEN3_0_6B, QWEN3_4B, TINY, random_weights  # noqa: E402
 from bench.peer import PeerModel, compile_greedy_step, greedy_step  # noqa: E402
 
 SPECS = {

@@ -18,10 +18,9 @@ from tileinfer.deployments.replicas.metrics import exposition
 from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.engine import Engine
 from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.models.random_model import TINY, random_weights
 from tileinfer.engine.sampling.params import SamplingParams
 from tileinfer.engine.text.tokenizer import Tokenizer
-
-from bench.model_shapes import TINY, random_weights
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 

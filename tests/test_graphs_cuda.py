@@ -12,12 +12,11 @@ from tileinfer.deployments.replicas.proposer_build import build_engine
 from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.engine import Engine
 from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.models.random_model import SMOLLM2_135M, random_weights
 from tileinfer.engine.sampling.params import SamplingParams
 from tileinfer.engine.spec_decode.proposer_interface import DraftRequest, Proposer
 from tileinfer.engine.step import ScheduledRow
 from tileinfer.kernels.linear_dequant import INT8_DEQUANT_MIN_M
-
-from bench.model_shapes import SMOLLM2_135M, random_weights
 
 pytestmark = pytest.mark.gpu
 

@@ -16,12 +16,12 @@ from tileinfer.engine.kv.budget import (
     step_reserve_bytes,
 )
 from tileinfer.engine.models.decoder import Decoder, weight_shapes
+from tileinfer.engine.models.random_model import QWEN3_0_6B, QWEN3_SIZES, TINY, random_weights
 from tileinfer.engine.ops import TRITON_OPS
 from tileinfer.kernels.int8 import Int8Weight
 from tileinfer.kernels.linear_dequant import dequantized_at_prefill
 
 from bench.capacity import capacity
-from bench.model_shapes import QWEN3_0_6B, QWEN3_SIZES, TINY, random_weights
 
 GIB = 1 << 30
 

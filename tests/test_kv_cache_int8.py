@@ -13,6 +13,7 @@ from tileinfer.deployments.replicas.proposer_build import build_engine
 from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.engine import Engine
 from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.models.random_model import SMOLLM2_135M, random_weights
 from tileinfer.engine.models.rope import rope_cos_sin_cache
 from tileinfer.engine.sampling.params import SamplingParams
 from tileinfer.kernels.decode_attention import (
@@ -33,7 +34,6 @@ from tileinfer.kernels.kv_cache import (
 from tileinfer.kernels.prefill_attention import paged_prefill_attention_triton
 from tileinfer.kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
 
-from bench.model_shapes import SMOLLM2_135M, random_weights
 from tests.test_spec_decode_engine import run_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,6 +18,7 @@ from tileinfer.engine.engine import Engine
 from tileinfer.engine.kv.block_manager import BlockManager
 from tileinfer.engine.models.decoder import Decoder
 from tileinfer.engine.models.loader import LoadedModel
+from tileinfer.engine.models.random_model import SMOLLM2_135M, TINY, random_weights
 from tileinfer.engine.ops import TRITON_OPS
 from tileinfer.engine.runner import ModelRunner
 from tileinfer.engine.sampling.params import SamplingParams
@@ -25,8 +26,6 @@ from tileinfer.engine.sequence import Sequence
 from tileinfer.engine.step import ScheduledRow
 from tileinfer.kernels.int8 import Int8Weight
 from tileinfer.kernels.linear_dequant import INT8_DEQUANT_MIN_M
-
-from bench.model_shapes import SMOLLM2_135M, TINY, random_weights
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 384
