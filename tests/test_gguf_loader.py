@@ -638,51 +638,52 @@ def test_unknown_architecture(tmp_path: Path) -> None:
     assert "Qwen3ForCausalLM" in str(caught.value)
 
 
-def test_unsupported_quant_type_names_type_and_tensor(tmp_path: Path) -> None:
-    tiny = Tiny()
-    tensors = float_tensors(gguf_layout(tiny, hf_weights(tiny)))
-    block_size, type_size = gguf.GGML_QUANT_SIZES[QuantType.Q2_K]
-    rows = tiny.intermediate_size
-    raw = np.zeros((rows, tiny.hidden_size // block_size * type_size), np.uint8)
-    tensors["blk.1.ffn_up.weight"] = (raw, QuantType.Q2_K)
-    reader = read_gguf(write_gguf(tmp_path / "q2k.gguf", tiny, tensors))
-    with pytest.raises(ModelLoadError, match="'blk.1.ffn_up.weight' has type Q2_K.*supported types: .*Q6_K"):
+_TINY = Tiny()
+_Q2_K_BLOCK_SIZE, _Q2_K_TYPE_SIZE = gguf.GGML_QUANT_SIZES[QuantType.Q2_K]
+
+
+@pytest.mark.parametrize(
+    ("name", "tensor", "error"),
+    [
+        (
+            "blk.1.ffn_up.weight",
+            (
+                np.zeros(
+                    (_TINY.intermediate_size, _TINY.hidden_size // _Q2_K_BLOCK_SIZE * _Q2_K_TYPE_SIZE),
+                    np.uint8,
+                ),
+                QuantType.Q2_K,
+            ),
+            "'blk.1.ffn_up.weight' has type Q2_K.*supported types: .*Q6_K",
+        ),
+        ("blk.1.ffn_down.weight", None, r"lacks weights .*model\.layers\.1\.mlp\.down_proj\.weight"),
+        (
+            "blk.0.ffn_gate.weight",
+            (np.zeros((384, _TINY.hidden_size), np.float32), QuantType.F32),
+            r"'blk.0.ffn_gate.weight' .* has shape \(384, 256\), expected \(512, 256\)",
+        ),
+        (
+            "blk.0.ffn_gate_exps.weight",
+            (np.zeros((4, _TINY.hidden_size), np.float32), QuantType.F32),
+            "'blk.0.ffn_gate_exps.weight' is not part of a supported model",
+        ),
+        (
+            "rope_freqs.weight",
+            (np.full(_TINY.head_dim // 2, 2.0, np.float32), QuantType.F32),
+            "rope_freqs tensor does not match llama3 RoPE scaling",
+        ),
+    ],
+    ids=["unsupported quant type", "missing", "wrong shape", "unknown", "rope_freqs not llama3"],
+)
+def test_a_tensor_the_loader_cannot_take_is_named(
+    tmp_path: Path, name: str, tensor: tuple[np.ndarray, QuantType] | None, error: str
+) -> None:
+    """One tensor of the tiny model replaced (None: removed); the spec or the weights refuse it by name."""
+    tensors = float_tensors(gguf_layout(_TINY, hf_weights(_TINY)))
+    if tensor is None:
+        del tensors[name]
+    else:
+        tensors[name] = tensor
+    reader = read_gguf(write_gguf(tmp_path / "edited.gguf", _TINY, tensors))
+    with pytest.raises(ModelLoadError, match=error):
         load_gguf_weights(reader, spec_from_gguf(reader), torch.float32)
-
-
-def test_missing_tensor_is_named(tmp_path: Path) -> None:
-    tiny = Tiny()
-    tensors = float_tensors(gguf_layout(tiny, hf_weights(tiny)))
-    del tensors["blk.1.ffn_down.weight"]
-    reader = read_gguf(write_gguf(tmp_path / "short.gguf", tiny, tensors))
-    with pytest.raises(ModelLoadError, match=r"lacks weights .*model\.layers\.1\.mlp\.down_proj\.weight"):
-        load_gguf_weights(reader, spec_from_gguf(reader), torch.float32)
-
-
-def test_wrong_shape_is_named(tmp_path: Path) -> None:
-    tiny = Tiny()
-    tensors = float_tensors(gguf_layout(tiny, hf_weights(tiny)))
-    tensors["blk.0.ffn_gate.weight"] = (np.zeros((384, tiny.hidden_size), np.float32), QuantType.F32)
-    reader = read_gguf(write_gguf(tmp_path / "odd.gguf", tiny, tensors))
-    with pytest.raises(
-        ModelLoadError, match=r"'blk.0.ffn_gate.weight' .* has shape \(384, 256\), expected \(512, 256\)"
-    ):
-        load_gguf_weights(reader, spec_from_gguf(reader), torch.float32)
-
-
-def test_unknown_tensor_is_named(tmp_path: Path) -> None:
-    tiny = Tiny()
-    tensors = float_tensors(gguf_layout(tiny, hf_weights(tiny)))
-    tensors["blk.0.ffn_gate_exps.weight"] = (np.zeros((4, tiny.hidden_size), np.float32), QuantType.F32)
-    reader = read_gguf(write_gguf(tmp_path / "moe.gguf", tiny, tensors))
-    with pytest.raises(ModelLoadError, match="'blk.0.ffn_gate_exps.weight' is not part of a supported model"):
-        load_gguf_weights(reader, spec_from_gguf(reader), torch.float32)
-
-
-def test_rope_freqs_that_are_not_llama3_are_refused(tmp_path: Path) -> None:
-    tiny = Tiny()
-    tensors = float_tensors(gguf_layout(tiny, hf_weights(tiny)))
-    tensors["rope_freqs.weight"] = (np.full(tiny.head_dim // 2, 2.0, np.float32), QuantType.F32)
-    reader = read_gguf(write_gguf(tmp_path / "rope.gguf", tiny, tensors))
-    with pytest.raises(ModelLoadError, match="rope_freqs tensor does not match llama3 RoPE scaling"):
-        spec_from_gguf(reader)

@@ -11,6 +11,8 @@ import json
 
 import jsonschema
 import pytest
+from test_run_ahead import Arrivals, mixed_arrivals
+from test_structured_engine import JSON_SPEC, SCHEMA
 from tileinfer.deployments.replicas.proposer_build import build_engine
 from tileinfer.engine import graphs
 from tileinfer.engine.config import EngineConfig
@@ -55,9 +57,7 @@ def _with_graph_cache(engine: Engine) -> collections.Counter:
     return replays
 
 
-def _run(
-    engine: Engine, requests: dict[int, list[tuple[str, list[int], SamplingParams]]]
-) -> dict[str, list[int]]:
+def _run(engine: Engine, requests: Arrivals) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
     step = 0
     while step <= max(requests) or engine.has_unfinished():
@@ -71,7 +71,7 @@ def _run(
 
 
 def _graphed_and_eager(
-    model: LoadedModel, run_ahead: bool, requests: dict[int, list[tuple[str, list[int], SamplingParams]]]
+    model: LoadedModel, run_ahead: bool, requests: Arrivals
 ) -> tuple[collections.Counter, dict[str, list[int]], dict[str, list[int]]]:
     """The requests run by an engine with a CPU graph cache (48-token steps, 4 sequences) and by the same
     engine eager: the graphed one's replays by kind, then each one's tokens."""
@@ -90,20 +90,11 @@ def _graphed_and_eager(
 @pytest.mark.parametrize("run_ahead", [False, True], ids=["step-by-step", "run-ahead"])
 def test_graph_cache_steps_equal_eager_steps(model: LoadedModel, run_ahead: bool) -> None:
     """Prompts chunked by a 48-token budget beside decoding sequences (step buckets of 16-48 tokens, then
-    sampling), batches of 1-4 decoding sequences (decode buckets 1, 2, 4: padding rows), greedy, seeded
-    and penalized requests; with run-ahead, rows fed back from the launch before on the device."""
-    tokenizer = model.tokenizer
-    chat = tokenizer.encode_chat([{"role": "user", "content": "Name three rivers in Europe, and say why."}])
-    story = tokenizer.encode("Once upon a time, in a quiet village by the sea, there lived an old sailor")
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    requests = {
-        0: [("first", story, greedy)],
-        3: [("chat", chat, greedy), ("short", story, SamplingParams(max_tokens=2, temperature=0.0))],
-        5: [("sampled", chat, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=3))],
-        7: [("penalized", story, SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=1.0))],
-    }
-
-    replays, graphed_tokens, eager_tokens = _graphed_and_eager(model, run_ahead, requests)
+    sampling), batches of 1-4 decoding sequences (decode buckets 1, 2, 4: padding rows), greedy, seeded,
+    penalized and stopped requests; with run-ahead, rows fed back from the launch before on the device."""
+    replays, graphed_tokens, eager_tokens = _graphed_and_eager(
+        model, run_ahead, mixed_arrivals(model.tokenizer)
+    )
     assert graphed_tokens == eager_tokens
     assert replays["decode"] > 5 and replays["step"] > 3, replays
 
@@ -133,18 +124,13 @@ def test_constrained_rows_sample_from_masked_replays(
     every row, then masked-sampling replays of at most two rows (two of them here: padding rows) sample
     the constrained ones again. Outputs equal the eager engine's, and the JSON validates."""
     monkeypatch.setattr(graphs, "MAX_MASKED_ROWS", 2)
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "maximum": 99}},
-        "required": ["name", "n"],
-        "additionalProperties": False,
-    }
-    as_json = GrammarSpec("json", json.dumps(schema))
-    prompt = model.tokenizer.encode_chat([{"role": "user", "content": "Give a name and a number as JSON."}])
+    prompt = model.tokenizer.encode_chat(
+        [{"role": "user", "content": "Name a European river and its length in km, as JSON."}]
+    )
     requests = {
         0: [
-            ("json", prompt, SamplingParams(max_tokens=24, temperature=0.0, grammar=as_json)),
-            ("sampled", prompt, SamplingParams(max_tokens=24, temperature=0.8, seed=7, grammar=as_json)),
+            ("json", prompt, SamplingParams(max_tokens=24, temperature=0.0, grammar=JSON_SPEC)),
+            ("sampled", prompt, SamplingParams(max_tokens=24, temperature=0.8, seed=7, grammar=JSON_SPEC)),
             (
                 "digits",
                 prompt,
@@ -159,5 +145,5 @@ def test_constrained_rows_sample_from_masked_replays(
     assert replays["decode"] > 5 and replays["masked"] >= 2 * 5, replays
     for request_id in ("json", "sampled"):
         jsonschema.validate(
-            json.loads(model.tokenizer.decode(got[request_id], skip_special_tokens=True)), schema
+            json.loads(model.tokenizer.decode(got[request_id], skip_special_tokens=True)), SCHEMA
         )

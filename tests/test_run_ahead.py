@@ -14,6 +14,10 @@ from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.engine import Engine, RequestOutput
 from tileinfer.engine.models.loader import LoadedModel, load_model
 from tileinfer.engine.sampling.params import SamplingParams
+from tileinfer.engine.text.tokenizer import Tokenizer
+
+# step number -> the requests added before it: (request id, prompt, params)
+Arrivals = dict[int, list[tuple[str, list[int], SamplingParams]]]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,22 @@ def cuda_model(smollm2_gguf: Path) -> LoadedModel:
     return load_model(str(smollm2_gguf), device="cuda")  # fp32: graphs and eager agree exactly
 
 
-def _run(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
+def mixed_arrivals(tokenizer: Tokenizer) -> Arrivals:
+    """Prompts that arrive while others decode: a story from step 0; a chat prompt and a 2-token request at
+    step 3; a sampled request at 5, a penalized one at 7 and one with a stop string at 8."""
+    chat = tokenizer.encode_chat([{"role": "user", "content": "Name three rivers in Europe, and say why."}])
+    story = tokenizer.encode("Once upon a time, in a quiet village by the sea, there lived an old sailor")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    return {
+        0: [("first", story, greedy)],
+        3: [("chat", chat, greedy), ("short", story, SamplingParams(max_tokens=2, temperature=0.0))],
+        5: [("sampled", chat, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=3))],
+        7: [("penalized", story, SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=1.0))],
+        8: [("stop-string", story, SamplingParams(max_tokens=12, temperature=0.0, stop=(" the",)))],
+    }
+
+
+def _run(engine: Engine, arrivals: Arrivals,
          abort_at: dict[int, str]) -> tuple[dict[str, list[RequestOutput]], int]:  # fmt: skip
     """Add requests and abort them at given step numbers; step until done. Returns the outputs per
     request and the number of steps that left a launch in flight."""
@@ -122,16 +141,7 @@ def test_mixed_steps_run_ahead_and_equal_step_by_step(device: str, request: pyte
     step graph); a sequence that ends by length sits the next step out. Outputs equal step-by-step
     decoding exactly."""
     model: LoadedModel = request.getfixturevalue("model" if device == "cpu" else "cuda_model")
-    tokenizer = model.tokenizer
-    chat = tokenizer.encode_chat([{"role": "user", "content": "Name three rivers in Europe, and say why."}])
-    story = tokenizer.encode("Once upon a time, in a quiet village by the sea, there lived an old sailor")
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    arrivals = {
-        0: [("first", story, greedy)],
-        3: [("chat", chat, greedy), ("short", story, SamplingParams(max_tokens=2, temperature=0.0))],
-        6: [("sampled", chat, SamplingParams(max_tokens=10, temperature=0.9, seed=3))],
-        8: [("stop-string", story, SamplingParams(max_tokens=12, temperature=0.0, stop=(" the",)))],
-    }
+    arrivals = mixed_arrivals(model.tokenizer)
 
     def engine(run_ahead: bool) -> Engine:
         config = EngineConfig(device=device, run_ahead=run_ahead, max_num_batched_tokens=24, max_num_seqs=8)
