@@ -1,4 +1,4 @@
-"""Long contexts on the Qwen3-4B shape (issue 5): decode speed after 32k cached positions beside its
+"""Long contexts on the Qwen3-4B shape: decode speed after 32k cached positions beside its
 roofline, and the device memory a long prompt's prefill needs beyond the weights and the KV cache.
 
     python bench/bench_long_context.py [OUT_DIR] [--model qwen3-4b] [--context 32768]

@@ -1,4 +1,4 @@
-"""Where the draft-model proposer runs (issue 6): in a process of its own on the engine's GPU, or on a
+"""Where the draft-model proposer runs: in a process of its own on the engine's GPU, or on a
 second GPU; its drafts crossing in host memory or in the draft ring (proposers/draft_ring.py); with or
 without drafting ahead; each beside plain decoding in the same run.
 

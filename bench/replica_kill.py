@@ -5,7 +5,7 @@ Serves serve_config.yaml as `make run` does, with --engine-replicas replicas (2 
 SIGKILLs one engine replica's process --kill-after seconds into the load. Then it reports:
 
 - lost: requests that ended with an error and no token (a request with no token yet must move to
-  another replica unseen, issue #29);
+  another replica unseen);
 - in-band: requests that had streamed tokens and ended with OpenAI's error event (as they should);
 - hung: requests cut by the client's timeout;
 - resume: from the kill to the first token of the first request sent after it; and the longest

@@ -1,4 +1,4 @@
-"""serve-load (issue #15 item 6): closed-loop streaming load on an OpenAI-compatible server, against the
+"""serve-load: closed-loop streaming load on an OpenAI-compatible server, against the
 same engine driven in process (engine-direct).
 
     python bench/serve_load.py --url http://127.0.0.1:8000 [--concurrency 1,8,64,256]

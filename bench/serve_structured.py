@@ -1,4 +1,4 @@
-"""serve-structured (issue #31 item 7): structured output under load, beside the same load unconstrained,
+"""serve-structured: structured output under load, beside the same load unconstrained,
 through one served app (serve_load.py starts it, sends the requests and times them).
 
     python bench/serve_structured.py --model qwen3-0.6b --dtype bfloat16 [--concurrency 1,8,64,256]

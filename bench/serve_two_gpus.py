@@ -1,4 +1,4 @@
-"""The application on a two-GPU host with a DFlash proposer (issue 6), through Ray Serve and HTTP.
+"""The application on a two-GPU host with a DFlash proposer, through Ray Serve and HTTP.
 
     python bench/serve_two_gpus.py [OUT_DIR] [--max-tokens 48] [--device cpu]
 

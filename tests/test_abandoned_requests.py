@@ -115,7 +115,7 @@ def _idle(metrics: dict[str, float]) -> bool:
     [
         ("/v1/completions", {"prompt": "Tell me a story", "stream": True}, {}),
         ("/v1/chat/completions", {"messages": STORY, "n": 2, "stream": True}, {}),
-        ("/v1/completions", {"prompt": "Tell me a story"}, {}),  # the curl command
+        ("/v1/completions", {"prompt": "Tell me a story"}, {}),  # a bare curl command's request
         ("/v1/chat/completions", {"messages": STORY, "n": 2}, {}),
         # any client may ask Serve not to watch for its disconnect
         ("/v1/completions", {"prompt": "Tell me a story"}, {"x-request-disconnect-disabled": "?1"}),

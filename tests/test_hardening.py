@@ -1,4 +1,4 @@
-"""Issue #16's hardening of the ingress: bad inputs get a 4xx (never a 5xx), the API key comes from a file
+"""The ingress's hardening: bad inputs get a 4xx (never a 5xx), the API key comes from a file
 or the environment and never shows in the args' logs, what the key covers, 503s with Retry-After, and
 /health, /v1/models and /metrics answering at once while the engine replica restarts.
 
@@ -68,8 +68,7 @@ def _nested_list(depth: int) -> list:
 
 
 _MODEL = MODEL.encode()
-# (name, path, raw body): each got a 5xx before the fix (the first six are issue #16's), or is a bad input
-# of our own that must keep its 4xx
+# (name, path, raw body): inputs that once got a 5xx, and bad inputs that must keep their 4xx
 BAD_INPUTS = [
     ("lone surrogate in chat content", CHAT,
      b'{"model":"%s","messages":[{"role":"user","content":"\\ud800"}]}' % _MODEL),
@@ -471,7 +470,7 @@ NAMED_RANGES = (
 def test_the_readme_names_every_port_the_app_listens_on(served: Served) -> None:
     """Each port that the app's processes listen on is in the README's table of listeners (Security), but
     those the system picks (a bind to port 0: its ephemeral range) and Ray's workers'. Serve's HTTP proxy
-    beside HAProxy, on 8500, serving the whole API, was missing (issue #43)."""
+    beside HAProxy, on 8500, serving the whole API, was once missing."""
     low, high = (int(bound) for bound in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     after = readme[readme.index("**What listens where.**") :].splitlines()

@@ -30,7 +30,7 @@ def figures(smollm2_model: LoadedModel) -> dict[str, dict[str, float]]:
 
 def test_int8_weights_stay_close_to_the_float_weights(figures: dict[str, dict[str, float]]) -> None:
     weights = figures["weights"]
-    assert weights["perplexity_increase"] <= 0.01, weights  # the bound for INT8 weights
+    assert weights["perplexity_increase"] <= 0.01, weights  # INT8 weights cost at most 1 % in perplexity
     assert weights["top1_agreement"] >= 0.95, weights
     assert weights["max_logit_error"] <= 0.06, weights
     assert weights["greedy_common_prefix"] >= 6, weights
@@ -62,6 +62,6 @@ def test_loading_as_int8_equals_quantizing_after_the_load(
 
 def test_the_int8_kv_cache_stays_close_to_the_float_cache(figures: dict[str, dict[str, float]]) -> None:
     kv = figures["kv"]
-    assert abs(kv["perplexity_increase"]) <= 0.005, kv  # the bound for the INT8 KV cache
+    assert abs(kv["perplexity_increase"]) <= 0.005, kv  # the INT8 KV cache costs at most 0.5 % either way
     assert kv["top1_agreement"] >= 0.97, kv
     assert kv["max_logit_error"] <= 0.03, kv

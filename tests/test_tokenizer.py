@@ -41,7 +41,7 @@ TEXTS = [
 
 # ---- llama.cpp golden vectors ----------------------------------------------------------------------
 
-# The vocabularies the issue asks for, plus the cheap ones; each costs a second or more to read.
+# The supported families' vocabularies, plus the cheap ones; each costs a second or more to read.
 SUPPORTED_VOCABS = [
     "llama-bpe",
     "qwen2",

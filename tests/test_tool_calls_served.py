@@ -41,7 +41,7 @@ def _check_call(name: str, arguments: str) -> None:
     """A call of get_weather with valid arguments, written as a json_schema answer is: on one line."""
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), PARAMETERS)
-    assert arguments == json.dumps(json.loads(arguments)), arguments  # no newline, no indent (issue #43)
+    assert arguments == json.dumps(json.loads(arguments)), arguments  # no newline, no indent
 
 
 def test_a_forced_call(client: openai.OpenAI, served: Served) -> None:
