@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import serve_load  # noqa: E402
+from bench import load_client, serve_app, serve_load  # noqa: E402
 from bench.replica_kill import stream_request  # noqa: E402
 
 LONG_OUTPUT_TOKENS = 16
@@ -46,8 +46,8 @@ def _ttfts_ms(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "requests": len(records),
         "errors": sum(record["error"] is not None for record in records),
-        "ttft_p50_ms": serve_load._percentile(ttfts, 0.5),
-        "ttft_p99_ms": serve_load._percentile(ttfts, 0.99),
+        "ttft_p50_ms": load_client.percentile(ttfts, 0.5),
+        "ttft_p99_ms": load_client.percentile(ttfts, 0.99),
     }
 
 
@@ -61,21 +61,21 @@ async def phase(
 
     url = base_url.rstrip("/") + "/v1/completions"
     num_shorts = args.short_clients * args.requests_per_client if shorts else 0
-    short_prompts = iter(serve_load.make_prompts(num_shorts, args.short_tokens, vocab, name))
+    short_prompts = iter(load_client.make_prompts(num_shorts, args.short_tokens, vocab, name))
     records: dict[str, list[dict[str, Any]]] = {"short": [], "long": []}
     done = asyncio.Event()
     events: list[float] = []
 
     async def short_loop(client: httpx.AsyncClient) -> None:
         for prompt in short_prompts:
-            body = serve_load._completion_body(model, prompt, args.short_output_tokens)
+            body = load_client.completion_body(model, prompt, args.short_output_tokens)
             records["short"].append(await stream_request(client, url, body, events))
 
     async def long_loop(client: httpx.AsyncClient, index: int) -> None:
         count = 0
         while not done.is_set() if shorts else count < args.long_alone_requests:
-            prompt = serve_load.make_prompts(1, args.long_tokens, vocab, f"{name}:long:{index}:{count}")[0]
-            body = serve_load._completion_body(model, prompt, LONG_OUTPUT_TOKENS)
+            prompt = load_client.make_prompts(1, args.long_tokens, vocab, f"{name}:long:{index}:{count}")[0]
+            body = load_client.completion_body(model, prompt, LONG_OUTPUT_TOKENS)
             records["long"].append(await stream_request(client, url, body, events))
             count += 1
 
@@ -154,23 +154,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ])  # fmt: skip
     config, app_args = serve_load.app_args_for(load_args)
     if args.long_prefill_step_ms is not None:
-        config = serve_load.with_app_args(config, {"long_prefill_step_ms": args.long_prefill_step_ms})
+        config = serve_app.with_app_args(config, {"long_prefill_step_ms": args.long_prefill_step_ms})
     if args.http_port is not None:
         config = {**config, "http_options": {**(config.get("http_options") or {}), "port": args.http_port}}
-    vocab = serve_load._vocab(load_args, serve_load._model_vocab(app_args.model))
+    vocab = serve_load.vocab_for(load_args, app_args)
 
-    env = serve_load.make_run_env()
+    env = serve_app.make_run_env()
 
     def load(base_url: str) -> dict[str, Any]:
-        model = serve_load.served_model(base_url)
+        model = serve_app.served_model(base_url)
         asyncio.run(phase(base_url, model, args, vocab, "warm-up"))
         alone = asyncio.run(phase(base_url, model, args, vocab, "alone"))
         beside = asyncio.run(phase(base_url, model, args, vocab, "beside", longs=True))
         long_alone = asyncio.run(phase(base_url, model, args, vocab, "long-alone", shorts=False, longs=True))
         return {"alone": alone, "beside_long_prompts": beside, "long_alone": long_alone}
 
-    result, ready_s = serve_load.serve_and_load(
-        config, out / "long_prompts_config.yaml", out / "long_prompts_serve.log", load_args, env, load
+    result, ready_s = serve_app.serve_and_load(
+        config, out / "long_prompts_config.yaml", out / "long_prompts_serve.log", env, load
     )
     payload = {"args": vars(args), "ready_s": ready_s, "result": result}
     (out / "long_prompts.json").write_text(json.dumps(payload, indent=2))

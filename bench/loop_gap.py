@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import serve_load  # noqa: E402
+from bench import serve_app, serve_load  # noqa: E402
 
 STORY = "Tell me a story about a dragon. "  # 32 characters
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
 
     def load(base_url: str) -> dict[str, Any]:
-        return asyncio.run(measure(base_url, serve_load.served_model(base_url), args.repeats, args.alone_s))
+        return asyncio.run(measure(base_url, serve_app.served_model(base_url), args.repeats, args.alone_s))
 
     if args.url:
         result, setup = load(args.url.rstrip("/")), {"url": args.url}
@@ -152,11 +152,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = ["--model", args.model] if args.model else []
         load_args = serve_load.parse_args(["--serve-config", str(ROOT / "serve_config.yaml"), *model])
         config, app_args = serve_load.app_args_for(load_args)
-        env = serve_load.make_run_env()
-        result, _ = serve_load.serve_and_load(
-            config, out / "loop_gap_config.yaml", out / "loop_gap_serve.log", load_args, env, load
+        env = serve_app.make_run_env()
+        result, _ = serve_app.serve_and_load(
+            config, out / "loop_gap_config.yaml", out / "loop_gap_serve.log", env, load
         )
-        setup = serve_load.serve_setup(app_args, env)
+        setup = serve_app.serve_setup(app_args, env)
     payload = {"args": vars(args), "setup": setup, "result": result}
     (out / "loop_gap.json").write_text(json.dumps(payload, indent=2))
     print(table(result))

@@ -1,7 +1,7 @@
 """An engine replica killed under load: what the clients see.
 
 Serves serve_config.yaml as `make run` does, with --engine-replicas replicas (2 by default; on one GPU at
-1/N of it each), runs C streaming clients in a closed loop (serve_load.py's prompts and requests), and
+1/N of it each), runs C streaming clients in a closed loop (load_client.py's prompts and requests), and
 SIGKILLs one engine replica's process --kill-after seconds into the load. Then it reports:
 
 - lost: requests that ended with an error and no token (a request with no token yet must move to
@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import serve_load  # noqa: E402
+from bench import load_client, serve_app, serve_load  # noqa: E402
 
 REQUEST_TIMEOUT_S = 120.0  # a request still open after this long counts as hung
 
@@ -92,14 +92,14 @@ async def load_and_kill(
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         for prompt in pending:
-            body = serve_load._completion_body(model, prompt, args.output_tokens)
+            body = load_client.completion_body(model, prompt, args.output_tokens)
             records.append(await stream_request(client, url, body, events))
 
     async def kill() -> None:
         await asyncio.sleep(args.kill_after)
         killed["at"] = time.monotonic()
         os.kill(pids[0], signal.SIGKILL)
-        serve_load._log(f"killed engine replica process {pids[0]} ({len(events)} chunks so far)")
+        load_client.log(f"killed engine replica process {pids[0]} ({len(events)} chunks so far)")
 
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=60)
@@ -131,7 +131,7 @@ def summarize(records: list[dict[str, Any]], events: list[float], killed_at: flo
         "waiting_at_kill_completed": sum(record["error"] is None for record in no_token_at_kill),
         "resume_s": min(firsts_after) - killed_at if firsts_after else None,
         "longest_pause_after_kill_s": max(pauses) if pauses else None,
-        "ttft_p50_after_kill_ms": serve_load._percentile(
+        "ttft_p50_after_kill_ms": load_client.percentile(
             [(record["first"] - record["sent"]) * 1e3 for record in after if record["first"] is not None], 0.5
         ),
     }  # fmt: skip
@@ -160,21 +160,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--prompt-tokens", str(args.prompt_tokens), "--output-tokens", str(args.output_tokens),
     ])  # fmt: skip
     config, app_args = serve_load.app_args_for(load_args)
-    num_gpus = serve_load._num_gpus(app_args.device)
-    config = serve_load.with_app_args(config, serve_load.engine_replica_args(load_args, num_gpus, None))
-    vocab = serve_load._vocab(load_args, serve_load._model_vocab(app_args.model))
-    prompts = serve_load.make_prompts(
+    num_gpus = serve_app.num_gpus(app_args.device)
+    config = serve_app.with_app_args(config, serve_load.engine_replica_args(load_args, num_gpus, None))
+    vocab = serve_load.vocab_for(load_args, app_args)
+    prompts = load_client.make_prompts(
         args.clients * args.requests_per_client, args.prompt_tokens, vocab, "kill"
     )
 
-    env = serve_load.make_run_env()
+    env = serve_app.make_run_env()
 
     def load(base_url: str) -> dict[str, Any]:
-        model = serve_load.served_model(base_url)
+        model = serve_app.served_model(base_url)
         return asyncio.run(load_and_kill(base_url, model, prompts, args))
 
-    result, ready_s = serve_load.serve_and_load(
-        config, out / "replica_kill_config.yaml", out / "replica_kill_serve.log", load_args, env, load
+    result, ready_s = serve_app.serve_and_load(
+        config, out / "replica_kill_config.yaml", out / "replica_kill_serve.log", env, load
     )
     payload = {"args": vars(args), "ready_s": ready_s, "result": result}
     (out / "replica_kill.json").write_text(json.dumps(payload, indent=2))

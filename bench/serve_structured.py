@@ -1,14 +1,14 @@
 """serve-structured: structured output under load, beside the same load unconstrained,
-through one served app (serve_load.py starts it, sends the requests and times them).
+through one served app (serve_app.py starts it, load_client.py sends the requests and times them).
 
     python bench/serve_structured.py --model qwen3-0.6b --dtype bfloat16 [--concurrency 1,8,64,256]
         [--mixed-clients 64 --mixed-runs 3] [--client-processes 4] [--budget-s 420] [--out DIR]
 
-The app: serve_config.yaml (--serve-config) under `serve run` as serve_load.py starts it; --model as there
+The app: serve_config.yaml (--serve-config) under `serve run` as serve_app.py starts it; --model as there
 (a named shape such as qwen3-0.6b: random weights of that shape with the real Qwen3 tokenizer, so
 only the grammar keeps the output valid; default the config's smollm2-135m, real weights and tokenizer).
 
-The requests: streamed `/v1/completions` with --prompt-tokens random token ids (serve_load's prompts; no
+The requests: streamed `/v1/completions` with --prompt-tokens random token ids (load_client's prompts; no
 chat template, so no think block: Qwen3's thinking is off), temperature 0, no ignore_eos, and max_tokens
 the longest output the schema allows plus the end-of-sequence token. A constrained request adds
 `response_format: {"type": "json_schema", ...}` with SCHEMA: 20 fields, nested, every string bounded by
@@ -41,9 +41,10 @@ R x --mixed-clients. --budget-s: phases not begun within it (from the start) are
 Results as JSON in --out (serve_structured.json, written after each phase), tables printed last.
 
 --engine-direct: no app; the same phases but the schema probes through an Engine built in this process
-with the serve config's engine settings (as serve_load's engine-direct), its requests added with
-Engine.add_request (a constrained one with the schema as its grammar) and stepped in the same closed loop;
-TTFT from add_request to the step that returned the first token. What the engine costs, without HTTP.
+with the serve config's engine settings (engine_direct.py, as serve_load's engine-direct), its requests
+added with Engine.add_request (a constrained one with the schema as its grammar) and stepped in the same
+closed loop; TTFT from add_request to the step that returned the first token. What the engine costs,
+without HTTP.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import serve_load  # noqa: E402
+from bench import engine_direct, load_client, serve_app, serve_load  # noqa: E402
 
 TEXT = "^[A-Za-z0-9 .,-]*$"  # ASCII that JSON writes as is: no quote, backslash or control character
 
@@ -145,7 +146,7 @@ def request_body(
     model: str, prompt: list[int], max_tokens: int, client: int, schema: dict[str, Any], constrained: int
 ) -> dict[str, Any]:
     """serve_load's completion without ignore_eos; clients below `constrained` ask for the schema."""
-    body = serve_load._completion_body(model, prompt, max_tokens, ignore_eos=False)
+    body = load_client.completion_body(model, prompt, max_tokens, ignore_eos=False)
     if client < constrained:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "order", "schema": schema}}
     return body
@@ -172,7 +173,7 @@ def kind_summary(records: list[dict[str, Any]], wall_s: float, validator: Any | 
     """serve_load's summary of one kind's requests (tok/s over the phase's wall time), their mean output
     tokens and how many ran to max_tokens; with a validator, how many outputs validate and the first
     invalid ones."""
-    summary = serve_load.summarize(records, wall_s)
+    summary = load_client.summarize(records, wall_s)
     good = [record for record in records if record["error"] is None]
     summary["mean_output_tokens"] = statistics.fmean(r["tokens"] for r in good) if good else None
     summary["finish_length"] = sum(record["finish_reason"] == "length" for record in good)
@@ -218,7 +219,7 @@ class Load:
         if budget is None or time.monotonic() - self.started < budget:
             return True
         self.results["skipped"].append(name)
-        serve_load._log(f"{name}: skipped, past --budget-s {budget:g}")
+        load_client.log(f"{name}: skipped, past --budget-s {budget:g}")
         return False
 
     def phase(
@@ -229,10 +230,10 @@ class Load:
         and all together."""
         schema = SCHEMA if schema is None else schema
         seed = f"{self.args.seed}:{name}"
-        prompts = serve_load.make_prompts(requests, self.args.prompt_tokens, self.vocab, seed)
+        prompts = load_client.make_prompts(requests, self.args.prompt_tokens, self.vocab, seed)
         records, wall_s = self.records(prompts, clients, constrained, schema)
         result = {"clients": clients, "constrained_clients": constrained}
-        result["all"] = serve_load.summarize(records, wall_s)
+        result["all"] = load_client.summarize(records, wall_s)
         for kind, validator in (("unconstrained", None), ("constrained", self.validator)):
             mine = [
                 record for record in records if (record["client"] < constrained) == (validator is not None)
@@ -245,7 +246,7 @@ class Load:
             if kind in result:
                 row = result[kind]
                 valid = f", valid {row['valid']}/{row['requests']}" if "valid" in row else ""
-                serve_load._log(f"{name}, {kind}: {serve_load._brief(row)}{valid}")
+                load_client.log(f"{name}, {kind}: {load_client.brief(row)}{valid}")
         return result
 
     def records(
@@ -253,7 +254,7 @@ class Load:
     ) -> tuple[list[dict[str, Any]], float]:
         """The prompts' records from `clients` closed-loop clients over HTTP, and the wall time."""
         body_for = functools.partial(request_body, schema=schema, constrained=constrained)
-        return serve_load.http_level_records(
+        return load_client.http_level_records(
             self.base_url, self.model, prompts, clients, self.max_tokens, self.args.client_processes, body_for
         )
 
@@ -261,7 +262,7 @@ class Load:
         return max(self.args.requests_per_client * clients, self.args.min_requests)
 
     def run(self, base_url: str) -> None:
-        self.base_url, self.model = base_url, serve_load.served_model(base_url)
+        self.base_url, self.model = base_url, serve_app.served_model(base_url)
         self.phases(schema_probes=True)
 
     def phases(self, schema_probes: bool) -> None:
@@ -317,7 +318,7 @@ class EngineLoad(Load):
 
         free = SamplingParams(max_tokens=self.max_tokens, temperature=0.0)
         bound = dataclasses.replace(free, grammar=GrammarSpec("json", json.dumps(schema)))
-        return serve_load.engine_records(
+        return engine_direct.engine_records(
             self.engine, prompts, clients, lambda client: bound if client < constrained else free
         )
 
@@ -333,7 +334,7 @@ def compile_in_process(model: str, probes: int) -> dict[str, Any]:
     from tileinfer.engine.sampling.params import GrammarSpec
     from tileinfer.kernels.token_mask import bitmask_words
 
-    tokenizer, spec = load_tokenizer(model), serve_load.model_spec(model)
+    tokenizer, spec = load_tokenizer(model), serve_app.model_spec(model)
     vocab = min(tokenizer.vocab_size, spec.vocab_size)
     grammars = Grammars(tokenizer, vocab, tokenizer.eos_token_ids | frozenset(spec.eos_token_ids))
 
@@ -431,11 +432,11 @@ def _header(cells: list[str]) -> str:
 
 
 def print_tables(results: dict[str, Any]) -> None:
-    ms, schema, args = serve_load._ms, results["schema"], results["args"]
+    ms, schema, args = load_client.ms, results["schema"], results["args"]
     if results["serve"] is None:
         print(f"engine-direct: {results['model']} (an Engine in the bench's process, no HTTP)")
     else:
-        serve = serve_load.describe_serve(results["serve"])
+        serve = serve_app.describe_serve(results["serve"])
         print(f"served: {results['model']}; {serve}; ready in {results.get('ready_s', 0):.1f} s")
     print(
         f"schema: {schema['fields']} fields, longest output {schema['longest_output_chars']} characters, "
@@ -486,7 +487,7 @@ def print_tables(results: dict[str, Any]) -> None:
             f"(p50 of {http['probes']})"
         )
     valid = results["validity"]
-    share = serve_load._percent(valid["valid_share"])
+    share = load_client.percent(valid["valid_share"])
     print(f"\nvalid: {valid['valid']}/{valid['constrained_requests']} constrained requests ({share})")
     for example in valid["first_invalid"]:
         print(f"  invalid: {example['reason']}: {example['text'][:200]!r}")
@@ -540,14 +541,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--ray-port", str(args.ray_port),
     ])  # fmt: skip
     config, app_args = serve_load.app_args_for(load_args)
-    vocab = serve_load._vocab(load_args, serve_load._model_vocab(app_args.model))
-    env = serve_load.make_run_env()
-    device = "cuda" if serve_load._num_gpus(app_args.device) else "cpu"
+    vocab = serve_load.vocab_for(load_args, app_args)
+    env = serve_app.make_run_env()
+    device = "cuda" if serve_app.num_gpus(app_args.device) else "cpu"
     results: dict[str, Any] = {
         "args": vars(args), "model": app_args.model_name, "app_args": app_args.model_dump(),
         "serve": None
         if args.engine_direct
-        else serve_load.serve_setup(app_args.for_device(device, os.cpu_count() or 1), env),
+        else serve_app.serve_setup(app_args.for_device(device, os.cpu_count() or 1), env),
         "vocab": vocab,
         "schema": {"fields": count_fields(SCHEMA), "longest_output_chars": longest, "max_tokens": max_tokens,
                    "schema": SCHEMA},
@@ -565,17 +566,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save()
     if args.engine_direct:
         EngineLoad(args, vocab, max_tokens, started, results, save).run_engine(
-            serve_load.build_engine(app_args, device)
+            engine_direct.build_engine(app_args, device)
         )
     else:
         load = Load(args, vocab, max_tokens, started, results, save)
-        config_path, log = out / "serve_structured_config.yaml", out / "serve_structured_serve.log"
-        _, results["ready_s"] = serve_load.serve_and_load(config, config_path, log, load_args, env, load.run)
+        config_path, log_path = out / "serve_structured_config.yaml", out / "serve_structured_serve.log"
+        _, results["ready_s"] = serve_app.serve_and_load(
+            config, config_path, log_path, env, load.run, args.ray_port
+        )
     save()
     print_tables(results)
     return results
 
 
 if __name__ == "__main__":
-    serve_load._exit_on_sigterm()
+    serve_app.exit_on_sigterm()
     main()

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tileinfer.engine.models.loader import load_model
     from tileinfer.kernels.triton_common import cache_root
 
-    from bench.serve_load import model_source
+    from bench.serve_app import model_source
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     source = model_source(args.model, args.dtype)

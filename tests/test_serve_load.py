@@ -1,6 +1,7 @@
-"""bench/serve_load.py, briefly: the engine-direct closed loop on a tiny random model (fast, no timing
-assertions), and the pure parts of the HTTP side (prompts, conversations, token ids read back, /metrics
-sums, the median of runs); its HTTP mode runs against the served app in tests/test_serve_stream.py."""
+"""bench/serve_load.py and its clients (load_client.py, shared_prefix.py, server_metrics.py), briefly: the
+engine-direct closed loop on a tiny random model (fast, no timing assertions), and the pure parts of the
+HTTP side (prompts, conversations, token ids read back, /metrics sums, the median of runs); its HTTP mode
+runs against the served app in tests/test_serve_stream.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import serve_load
+from bench import load_client, serve_load, server_metrics, shared_prefix
 
 
 def test_engine_direct_smoke(tmp_path: Path) -> None:
@@ -46,14 +47,14 @@ def test_runs_of_a_level_have_prompts_of_their_own() -> None:
 
 def test_the_median_run_counts() -> None:
     runs = [{"output_tok_s": value, "run": index} for index, value in enumerate([300.0, 100.0, 200.0])]
-    median = serve_load.median_run(runs)
+    median = load_client.median_run(runs)
     assert median["run"] == 2 and median["output_tok_s"] == 200.0
     assert median["runs"] == 3 and median["output_tok_s_runs"] == [300.0, 100.0, 200.0]
-    assert serve_load.median_run(runs[:2])["run"] == 1  # even: the lower middle one
+    assert load_client.median_run(runs[:2])["run"] == 1  # even: the lower middle one
 
 
 def test_summary_table_takes_the_median_run(capsys) -> None:  # noqa: ANN001
-    http = serve_load.median_run([{"output_tok_s": value} for value in (900.0, 600.0, 800.0)])
+    http = load_client.median_run([{"output_tok_s": value} for value in (900.0, 600.0, 800.0)])
     results = {"http": {64: http}, "engine-direct": {64: {"output_tok_s": 1000.0}}}
     serve = {"engine_replicas": 2, "engine_num_gpus": 0.5, "ingress_replicas": 4, "engine_router": "prefix",
              "serve_mode": "throughput-optimized"}  # fmt: skip
@@ -94,7 +95,7 @@ def test_a_turn_holds_the_conversation_so_far() -> None:
         ["--url", "http://x", "--model", "m", "--workload", "shared-prefix", "--conversations", "3",
          "--context-tokens", "20", "--turn-tokens", "5"]
     )  # fmt: skip
-    conversations = serve_load.make_conversations(args, (0, 1000))
+    conversations = shared_prefix.make_conversations(args, (0, 1000))
     assert len({tuple(conversation.history) for conversation in conversations}) == 3  # contexts of their own
     first = conversations[0]
     context, user = list(first.history), first.user_turns
@@ -102,7 +103,7 @@ def test_a_turn_holds_the_conversation_so_far() -> None:
     assert first.prompt(0) == context + user[0]
     first.answered(0, [7, 8, 9])
     assert first.prompt(1) == context + user[0] + [7, 8, 9] + user[1]  # turn 1's prompt is its prefix
-    assert serve_load.make_conversations(args, (0, 1000))[1] == conversations[1]  # seeded
+    assert shared_prefix.make_conversations(args, (0, 1000))[1] == conversations[1]  # seeded
 
 
 class _ByteTokenizer:
@@ -118,15 +119,15 @@ class _ByteTokenizer:
 def test_output_ids_read_back_from_their_logprobs_spellings() -> None:
     from tileinfer.deployments.openai_api.logprobs import token_text
 
-    table = serve_load.token_id_table(_ByteTokenizer())
+    table = shared_prefix.token_id_table(_ByteTokenizer())
     ids = [104, 256, 0xE2, 0x82, 0xAC, 10]  # "h", "ab", the three bytes of "€" as tokens of their own, "\n"
     spellings = [token_text(_ByteTokenizer().token_bytes(token_id)) for token_id in ids]  # as the server's
     assert spellings[2] == "bytes:\\xe2"
-    assert serve_load.output_token_ids(spellings, table, len(ids)) == ids
+    assert shared_prefix.output_token_ids(spellings, table, len(ids)) == ids
     with pytest.raises(ValueError, match="usage"):
-        serve_load.output_token_ids(spellings, table, len(ids) + 1)
+        shared_prefix.output_token_ids(spellings, table, len(ids) + 1)
     with pytest.raises(ValueError, match="<x>"):  # two ids share it: which one is unknown
-        serve_load.output_token_ids(["<x>"], table, 1)
+        shared_prefix.output_token_ids(["<x>"], table, 1)
 
 
 def _metrics(hits: dict[str, int], prompts: dict[str, int], decisions: dict[str, int]) -> str:
@@ -149,7 +150,7 @@ def test_prefix_hits_between_two_reads_of_metrics() -> None:
         {"0": 1000, "1": 300, "10": 0}, {"0": 2000, "1": 1500, "10": 100},
         {"affinity/a": 10, "affinity/b": 4, "least_loaded/a": 2},
     )  # fmt: skip
-    hits = serve_load.prefix_hits(before, after)
+    hits = server_metrics.prefix_hits(before, after)
     assert (hits["prompt_tokens"], hits["hit_tokens"]) == (2100, 1200)
     assert hits["hit_share"] == 1200 / 2100
     assert list(hits["per_engine"]) == ["0", "1", "10"]  # a replica that came up in between counts too
@@ -157,12 +158,12 @@ def test_prefix_hits_between_two_reads_of_metrics() -> None:
     assert hits["per_engine"]["10"]["hit_share"] == 0.0
     assert hits["router_decisions"] == {"affinity": 10, "least_loaded": 2}  # summed over the label sets
     # a server of one engine without the label, and one without /metrics
-    plain = serve_load.prefix_hits(
+    plain = server_metrics.prefix_hits(
         "tileinfer_prefix_cache_hit_tokens_total 5\ntileinfer_prompt_tokens_total 10\n",
         "tileinfer_prefix_cache_hit_tokens_total 15\ntileinfer_prompt_tokens_total 30\n",
     )
     assert plain["hit_share"] == 0.5 and list(plain["per_engine"]) == [""]
-    assert serve_load.prefix_hits("", "")["hit_share"] is None
+    assert server_metrics.prefix_hits("", "")["hit_share"] is None
 
 
 def test_a_refused_request_is_a_record_with_its_error() -> None:
@@ -175,7 +176,7 @@ def test_a_refused_request_is_a_record_with_its_error() -> None:
     async def one() -> dict:
         refuse = httpx.MockTransport(lambda request: httpx.Response(400, json={"error": {"message": "no"}}))
         async with httpx.AsyncClient(transport=refuse) as client:
-            return await serve_load._stream_one(client, "http://test/v1/completions", {})
+            return await load_client.stream_one(client, "http://test/v1/completions", {})
 
     record = asyncio.run(one())
     assert record["error"].startswith("HTTP 400") and record["tokens"] == 0
