@@ -1,5 +1,6 @@
 """Sampling: penalties, greedy, temperature, top-k, top-p, min-p and the exponential race, as a torch
-reference (the CPU's sampler) and the launches of its Triton kernels (kernels/sampling_triton.py, a GPU's).
+reference (the CPU's sampler) and the launches of its Triton kernels (a GPU's: kernels/sampling_triton.py
+has their plan).
 
 Every sampling parameter is held per row in a tensor (SamplingTensors), so a decode step's sampling is
 captured in its CUDA graph: no host sync, no shape that depends on the data. Order: repetition penalty ->
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 import numpy
 import torch
 import triton
-from tileinfer.kernels import sampling_triton
+from tileinfer.kernels import sampling_finish, sampling_search, sampling_stream, sampling_triton
 from tileinfer.kernels.triton_common import num_sms
 
 TOKEN_STREAM = 0  # the race's noise
@@ -400,14 +401,14 @@ def sample_triton(
         vocab_size=vocab_size, num_chunks=num_chunks, chunk_size=chunk_size,
         HAS_NOISE=uniform_noise is not None, CHUNKS_POW2=_chunks_pow2(vocab_size, device), LEVELS=levels,
     )  # fmt: skip
-    stream_kernel = sampling_triton.sample_stream_kernel
+    stream_kernel = sampling_stream.sample_stream_kernel
     stream_kernel[(batch, num_chunks)](
         **args.for_kernel(stream_kernel, BLOCK=sampling_triton.STREAM_BLOCK),
         num_warps=sampling_triton.STREAM_WARPS,
         enable_fp_fusion=False,  # logit - penalty * count rounded twice, as torch does
     )
     shifts = sampling_triton.LEVEL_SHIFTS
-    bracket_kernel = sampling_triton.sample_bracket_kernel
+    bracket_kernel = sampling_search.sample_bracket_kernel
     for level in range(1, levels + 2):
         bracket_kernel[(batch, num_chunks)](
             **args.for_kernel(
@@ -420,7 +421,7 @@ def sample_triton(
             num_warps=sampling_triton.BRACKET_WARPS,
             enable_fp_fusion=False,  # the buckets and masses are recomputed bit for bit in every pass
         )
-    finish_kernel = sampling_triton.sample_finish_kernel
+    finish_kernel = sampling_finish.sample_finish_kernel
     finish_kernel[(batch,)](
         **args.for_kernel(finish_kernel, BLOCK=sampling_triton.SEARCH_BLOCK),
         num_warps=sampling_triton.FINISH_WARPS,

@@ -152,7 +152,7 @@ def _race_noise_probe_kernel(seeds_ptr, positions_ptr, out_ptr, width, BLOCK: tl
     """The noise the sampling kernels race with."""
     row = tl.program_id(0)
     offsets = tl.arange(0, BLOCK)
-    uniform = sampling_triton._uniform_noise(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), offsets)
+    uniform = sampling_triton.token_noise(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), offsets)
     tl.store(out_ptr + row * width + offsets, uniform, mask=offsets < width)
 
 
