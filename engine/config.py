@@ -1,8 +1,10 @@
 """The engine's settings: the values each may take, the defaults that depend on the device, EngineConfig,
 and one check of them all (EngineConfig.validate).
 
-The command line's choices (deployments/launch/cli.py), the app's args (deployments/launch/app_args.py) and
-the API's schema (deployments/openai_api/openapi.py) read the allowed values from here. This module imports no
+Each EngineConfig field carries its default, its help and its bounds (a Setting), written here once: the
+command line's flags (deployments/launch/cli.py) and the app's args (deployments/launch/app_args.py) are
+made from them, and they, with the API's schema (deployments/openai_api/openapi.py), read the allowed values
+from here. This module imports no
 torch, so that `tileinfer --help` answers at once; the methods that make torch objects import it.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from tileinfer.engine.errors import InvalidRequestError
 
@@ -66,62 +68,127 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One EngineConfig field as a user meets it: its default, the help the command line's flags and the
+    app's args show (deployments/launch/), and the bounds of a number, which EngineConfig.validate, the
+    flags and the args all check."""
+
+    default: Any
+    help: str
+    ge: float | None = None  # at least
+    gt: float | None = None  # more than
+    le: float | None = None  # at most
+
+    def holds(self, value: float) -> bool:
+        # `not value >= ge` rather than `value < ge`, so that NaN is refused
+        return not (
+            (self.ge is not None and not value >= self.ge)
+            or (self.gt is not None and not value > self.gt)
+            or (self.le is not None and not value <= self.le)
+        )
+
+    def bounds(self) -> str:
+        """The bounds in words ("at least 1 and at most 16"); empty for a setting without any."""
+        parts = [
+            f"{words} {bound}"
+            for words, bound in (("at least", self.ge), ("more than", self.gt), ("at most", self.le))
+            if bound is not None
+        ]
+        return " and ".join(parts)
+
+
+def setting(
+    default: Any, help: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None
+) -> Any:
+    """An EngineConfig field whose default, help and bounds are written here once."""
+    return dataclasses.field(default=default, metadata={"setting": Setting(default, help, ge, gt, le)})
+
+
 @dataclasses.dataclass
 class EngineConfig:
-    block_size: int = 16
-    # KV cache capacity in tokens; default: on a GPU what gpu_memory_utilization of the free memory holds
-    # (engine/kv/budget.py), on the CPU max_model_len
-    kv_cache_tokens: int | None = None
-    # default: the model's max_position_embeddings; never more than the KV cache holds
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9  # of the device memory free once the weights are loaded
-    # The share of its GPU this engine owns (Ray's fractional num_gpus: engine replicas that share a GPU);
-    # its KV cache is sized within that share of the memory (kv_budget.engine_free_bytes).
-    gpu_memory_share: float = 1.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    # A prompt with more tokens than this left to compute is long: it takes at most this many of a step
-    # until the step's other prompts have had theirs, so a prompt sent during a long prefill starts in the
-    # next step (engine/scheduler.py). What they leave goes back to it, so steps are as full as without
-    # the cap. None: a quarter of the step budget (512 of 2,048), which leaves three quarters of a step to
-    # the prompts beside a long one, whatever the context. vLLM's default, 4 % of max_model_len, would
-    # tie it to the context instead: 1,638 tokens of 2,048 for a 40k context, 82 for a 2k one.
-    long_prefill_token_threshold: int | None = None
-    # How many long prompts are prefilled at once; more wait, and short ones start past them. (vLLM's
-    # max_long_partial_prefills. Its max_num_partial_prefills, which counts short prompts too, has no
-    # knob here: a short prompt is prefilled in one step whenever the budget holds it.)
-    max_long_partial_prefills: int = 1
-    # The time a step that carries a long prompt's chunk is planned to take, in ms: the chunk is cut to
-    # what the engine's step-cost model (engine/step_cost.py, fitted to its own measured steps) predicts
-    # fits, for a step's cost grows with its tokens' context as well as their number. A request sent
-    # during a long prefill waits for the step in flight, then gets its first token from its own step, so
-    # its TTFT stays near two of these. A cut chunk still costs at least what its step costs anyway (half
-    # its best speed), so a long prompt's own TTFT pays about twice where the budget is near a step's fixed
-    # cost (the CPU: 1.6-2.7x, BENCHMARKS.md), and a long prompt alone keeps whole-budget chunks while they
-    # fit. None or 0: no time budget, steps by tokens only (one request at a time, as the command line
-    # runs, gains nothing from it); the app's args give the device's default (DeviceDefaults).
-    long_prefill_step_ms: float | None = None
-    dtype: Dtype = "float32"
-    device: str = "cpu"  # cpu, cuda or cuda:N
-    quantization: Quantization | None = None  # None: the weights' dtype
-    kv_cache_dtype: KVCacheDtype = "auto"
-    cuda_graphs: bool = True  # on a GPU, replay decode steps from CUDA graphs
-    # On a GPU, also replay prefill, mixed and verify steps from CUDA graphs (one per token-count bucket).
-    step_graphs: bool = True
-    # Launch step n+1 before reading step n's tokens (the host works while the GPU runs): decode steps,
-    # and mixed ones (prompt chunks beside decoding sequences) that step graphs run.
-    # None: on a GPU only; on the CPU it only delays each token by a step, but exercises the same path.
-    run_ahead: bool | None = None
-    # Speculative decoding: the proposer (draft_model: the draft model, or DFlash's checkpoint folder); at
-    # most num_draft drafts a step.
-    proposer: ProposerName | None = None
-    draft_model: str | None = None
-    draft_layers: int | None = None
-    num_draft: int = 4
-    # False: outputs carry token ids only (new_text ""), and stop strings are the caller's to find: the
-    # engine deployment, whose ingress replicas detokenize. EOS, stop token ids and max_tokens still end
-    # requests here.
-    detokenize: bool = True
+    block_size: int = setting(16, "tokens per KV cache block", ge=1, le=1024)
+    # default: on a GPU what gpu_memory_utilization of the free memory holds (engine/kv/budget.py), on the
+    # CPU max_model_len; the app's args take the device's (DeviceDefaults)
+    kv_cache_tokens: int | None = setting(None, "KV cache capacity in tokens", ge=16)
+    # at least 2, a prompt's token and a generated one; 0 is refused rather than read as unset
+    max_model_len: int | None = setting(
+        None, "the context in tokens (prompt + generated); default: the model's own limit; never more than "
+        "the KV cache holds", ge=2,
+    )  # fmt: skip
+    gpu_memory_utilization: float = setting(
+        0.9, "on a GPU, the share of the memory free after loading the weights that the engine takes (for "
+        "the KV cache, less a reserve for the steps)", gt=0, le=1,
+    )  # fmt: skip
+    # Ray's fractional num_gpus: engine replicas that share a GPU (kv_budget.engine_free_bytes)
+    gpu_memory_share: float = setting(
+        1.0, "the share of its GPU this engine owns; its KV cache is sized within that share of the memory"
+    )
+    # the CPU's, as the device is; the app's args and the command line take the device's (DeviceDefaults)
+    max_num_seqs: int = setting(CPU_DEFAULTS.max_num_seqs, "sequences decoded together", ge=1)
+    max_num_batched_tokens: int = setting(2048, "tokens computed in one step", ge=1)
+    # A long prompt takes at most this many tokens of a step until the step's other prompts have had
+    # theirs, so a prompt sent during a long prefill starts in the next step (engine/scheduler.py). What
+    # they leave goes back to it, so steps are as full as without the cap. None: a quarter of the step
+    # budget (512 of 2,048), which leaves three quarters of a step to the prompts beside a long one,
+    # whatever the context. vLLM's default, 4 % of max_model_len, would tie it to the context instead:
+    # 1,638 tokens of 2,048 for a 40k context, 82 for a 2k one.
+    long_prefill_token_threshold: int | None = setting(
+        None, "a prompt with more tokens to compute is long: it takes at most this many of a step until the "
+        "prompts beside it have had theirs; default: a quarter of max_num_batched_tokens", ge=1,
+    )  # fmt: skip
+    # More long prompts wait, and short ones start past them. (vLLM's max_long_partial_prefills. Its
+    # max_num_partial_prefills, which counts short prompts too, has no knob here: a short prompt is
+    # prefilled in one step whenever the budget holds it.) 0 would keep every long prompt waiting.
+    max_long_partial_prefills: int = setting(1, "long prompts prefilled at once, at most", ge=1)
+    # The chunk is cut to what the engine's step-cost model (engine/step_cost.py, fitted to its own
+    # measured steps) predicts fits, for a step's cost grows with its tokens' context as well as their
+    # number. A request sent during a long prefill waits for the step in flight, then gets its first token
+    # from its own step, so its TTFT stays near two of these. A cut chunk still costs at least what its step
+    # costs anyway (half its best speed), so a long prompt's own TTFT pays about twice where the budget is
+    # near a step's fixed cost (the CPU: 1.6-2.7x, BENCHMARKS.md), and a long prompt alone keeps
+    # whole-budget chunks while they fit. None or 0: no time budget, steps by tokens only (one request at a
+    # time, as the command line runs, gains nothing from it); the app's args take the device's default
+    # (DeviceDefaults).
+    long_prefill_step_ms: float | None = setting(
+        None, "ms a step that carries a long prompt's chunk is planned to take (the engine cuts the chunk by "
+        "its measured step costs), so a request sent during a long prefill gets its first token within "
+        "about two of these; 0: steps limited by tokens only", ge=0,
+    )  # fmt: skip
+    dtype: Dtype = setting("float32", "the dtype the model computes in")
+    device: str = setting("cpu", "where the engine runs")  # cpu, cuda or cuda:N
+    quantization: Quantization | None = setting(
+        None, "int8: weight-only INT8 linears, quantized at load; default: the weights' dtype"
+    )
+    kv_cache_dtype: KVCacheDtype = setting(
+        "auto", "int8: keys and values in int8 with a scale per token and head; auto: the dtype"
+    )
+    cuda_graphs: bool = setting(True, "on a GPU, replay decode steps from CUDA graphs")
+    step_graphs: bool = setting(
+        True, "on a GPU, also replay prefill, mixed and verify steps from CUDA graphs (one per token-count "
+        "bucket)",
+    )  # fmt: skip
+    # Decode steps, and mixed ones (prompt chunks beside decoding sequences) that step graphs run. On the
+    # CPU it only delays each token by a step, but exercises the same path.
+    run_ahead: bool | None = setting(
+        None, "launch step n+1 before reading step n's tokens (the host works while the GPU runs); default: "
+        "on a GPU only",
+    )  # fmt: skip
+    proposer: ProposerName | None = setting(
+        None, "speculative decoding: ngram (prompt lookup), draft (a draft model, by default the target's "
+        "own first layers) or dflash (a DFlash checkpoint)",
+    )  # fmt: skip
+    draft_model: str | None = setting(None, "draft: the draft model; dflash: the DFlash checkpoint folder")
+    draft_layers: int | None = setting(
+        None, "self-draft: the target's first N layers; default: a quarter of them", ge=1
+    )
+    num_draft: int = setting(4, "drafts verified per step, at most", ge=1, le=16)
+    # The engine deployment turns it off: its ingress replicas detokenize. EOS, stop token ids and
+    # max_tokens still end requests here.
+    detokenize: bool = setting(
+        True, "outputs carry their text; off: token ids only (new_text empty), and stop strings are the "
+        "caller's to find",
+    )  # fmt: skip
 
     def validate(self) -> None:
         """Raise InvalidRequestError for a setting the engine cannot run with (a device cuda on a machine
@@ -133,18 +200,10 @@ class EngineConfig:
         check_one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.proposer is not None:
             check_one_of("proposer", self.proposer, PROPOSERS)
-        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
-            raise InvalidRequestError(
-                f"long_prefill_token_threshold must be at least 1, got {self.long_prefill_token_threshold}"
-            )
-        if self.long_prefill_step_ms is not None and not self.long_prefill_step_ms >= 0:
-            raise InvalidRequestError(
-                f"long_prefill_step_ms must be at least 0, got {self.long_prefill_step_ms}"
-            )
-        if self.max_long_partial_prefills < 1:  # 0 would keep every long prompt waiting
-            raise InvalidRequestError(
-                f"max_long_partial_prefills must be at least 1, got {self.max_long_partial_prefills}"
-            )
+        for name, spec in ENGINE_SETTINGS.items():
+            value = getattr(self, name)
+            if value is not None and not spec.holds(value):
+                raise InvalidRequestError(f"{name} must be {spec.bounds()}, got {value}")
 
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
@@ -162,3 +221,10 @@ class EngineConfig:
         if device.type not in DEVICES:
             raise unknown
         return device
+
+
+# Each EngineConfig field's Setting, in the fields' order: what the command line's flags and the app's args
+# are made from.
+ENGINE_SETTINGS: dict[str, Setting] = {
+    field.name: field.metadata["setting"] for field in dataclasses.fields(EngineConfig)
+}

@@ -10,8 +10,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from tileinfer.engine.config import (
     CPU_DEFAULTS,
+    ENGINE_SETTINGS,
     GPU_DEFAULTS,
     Device,
+    DeviceDefaults,
     Dtype,
     EngineConfig,
     KVCacheDtype,
@@ -29,6 +31,32 @@ MAX_AUTO_INGRESS = 4
 # neither api_key nor api_key_file.
 API_KEY_ENV = "TILEINFER_API_KEY"
 
+# The engine's settings whose default depends on the device: null in the args, for for_device to fill.
+_DEVICE_DEFAULTED = frozenset(field.name for field in dataclasses.fields(DeviceDefaults))
+
+
+def _on_each_device(name: str) -> str:
+    """The device's defaults of one setting in words: "256 on a GPU, 64 on the CPU"."""
+
+    def shown(value: float | None) -> str:
+        if value is None:  # the engine sizes it from the free memory (the KV cache)
+            return "from the free memory"
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    return f"{shown(getattr(GPU_DEFAULTS, name))} on a GPU, {shown(getattr(CPU_DEFAULTS, name))} on the CPU"
+
+
+def engine_arg(name: str, auto: str | None = None) -> Any:
+    """The AppArgs field of EngineConfig's setting `name`: its default, bounds and help; null where the
+    default depends on the device; "auto" where `auto` says what that takes."""
+    setting = ENGINE_SETTINGS[name]
+    default, description = setting.default, setting.help
+    if name in _DEVICE_DEFAULTED:
+        default, description = None, f"{description}; default: {_on_each_device(name)}"
+    if auto is not None:
+        default, description = "auto", f"{description}; auto: {auto}"
+    return Field(default, ge=setting.ge, gt=setting.gt, le=setting.le, description=description)
+
 
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -39,42 +67,20 @@ class AppArgs(BaseModel):
         None, min_length=1, description="a jinja chat template in place of the model's: a file (read where "
         "the ingress runs) or the template itself; rendered in a sandbox, as the model's own",
     )  # fmt: skip
-    dtype: Literal["auto", Dtype] = "auto"  # auto: bfloat16 on a GPU, else float32
-    device: Literal["auto", Device] = "auto"  # auto: the GPU when the Ray cluster has one
-    quantization: Quantization | None = Field(
-        None, description="int8: weight-only INT8 linears, quantized at load; default: the weights' dtype"
-    )
-    kv_cache_dtype: KVCacheDtype = Field(
-        "auto", description="int8: keys and values in int8 with a scale per token and head; auto: the dtype"
-    )
-    max_model_len: int | None = Field(
-        None, ge=2, description="context length; default: the model's; never more than the KV cache holds"
-    )
-    kv_cache_tokens: int | None = Field(
-        None, ge=16, description="KV cache capacity; default: from the free memory on a GPU, "
-        f"{CPU_DEFAULTS.kv_cache_tokens} on the CPU",
-    )  # fmt: skip
-    gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="on a GPU, the share of the memory free after loading the weights that "
-        "the engine takes (for the KV cache, less a reserve for the steps)",
-    )  # fmt: skip
-    block_size: int = Field(16, ge=1, le=1024)
-    max_num_seqs: int | None = Field(
-        None, ge=1, description="sequences decoded together; default: "
-        f"{GPU_DEFAULTS.max_num_seqs} on a GPU, {CPU_DEFAULTS.max_num_seqs} on the CPU",
-    )  # fmt: skip
-    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed in one step")
-    long_prefill_token_threshold: int | None = Field(
-        None, ge=1, description="a prompt with more tokens to compute is long: it takes at most this many "
-        "of a step until the prompts beside it have had theirs; default: a quarter of max_num_batched_tokens",
-    )  # fmt: skip
-    max_long_partial_prefills: int = Field(1, ge=1, description="long prompts prefilled at once, at most")
-    long_prefill_step_ms: float | None = Field(
-        None, ge=0, description="ms a step that carries a long prompt's chunk is planned to take (the "
-        "engine cuts the chunk by its measured step costs), so a request sent during a long prefill gets "
-        f"its first token within about two of these; default: {GPU_DEFAULTS.long_prefill_step_ms:g} on a "
-        f"GPU, {CPU_DEFAULTS.long_prefill_step_ms:g} on the CPU; 0: steps limited by tokens only",
-    )  # fmt: skip
+    # The engine's settings (EngineConfig's fields): their defaults, bounds and help are engine/config.py's.
+    dtype: Literal["auto", Dtype] = engine_arg("dtype", auto="bfloat16 on a GPU, else float32")
+    device: Literal["auto", Device] = engine_arg("device", auto="the GPU when the Ray cluster has one")
+    quantization: Quantization | None = engine_arg("quantization")
+    kv_cache_dtype: KVCacheDtype = engine_arg("kv_cache_dtype")
+    max_model_len: int | None = engine_arg("max_model_len")
+    kv_cache_tokens: int | None = engine_arg("kv_cache_tokens")
+    gpu_memory_utilization: float = engine_arg("gpu_memory_utilization")
+    block_size: int = engine_arg("block_size")
+    max_num_seqs: int | None = engine_arg("max_num_seqs")
+    max_num_batched_tokens: int = engine_arg("max_num_batched_tokens")
+    long_prefill_token_threshold: int | None = engine_arg("long_prefill_token_threshold")
+    max_long_partial_prefills: int = engine_arg("max_long_partial_prefills")
+    long_prefill_step_ms: float | None = engine_arg("long_prefill_step_ms")
     max_queue_len: int = Field(256, ge=0, description="requests that may wait beyond max_num_seqs; then 503")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get 413")
     # Serve logs the args as given (its controller's "Importing application ... with arguments"), so a key
@@ -117,10 +123,10 @@ class AppArgs(BaseModel):
     )  # fmt: skip
     # Speculative decoding: the proposer runs as its own deployment beside the engine (or in the engine's
     # process with proposer_in_process) and hands its drafts over through shared memory.
-    proposer: ProposerName | None = None
-    draft_model: str | None = Field(None, description="draft: a smaller model; dflash: a DFlash checkpoint")
-    draft_layers: int | None = Field(None, ge=1, description="self-draft: the target's first layers")
-    num_draft: int = Field(4, ge=1, le=16, description="drafts verified per step, at most")
+    proposer: ProposerName | None = engine_arg("proposer")
+    draft_model: str | None = engine_arg("draft_model")
+    draft_layers: int | None = engine_arg("draft_layers")
+    num_draft: int = engine_arg("num_draft")
     proposer_in_process: bool = False
     proposer_timeout_s: float = Field(0.5, gt=0, description="a step waits this long for drafts, at most")
     # BENCHMARKS.md: DFlash 1.5-2x faster with it (its steps then eager), a draft model within the noise
@@ -200,28 +206,17 @@ class AppArgs(BaseModel):
         return self.model_copy(update=unset) if unset else self
 
     def engine_config(self, device: str, dtype: str, gpu_memory_share: float = 1.0) -> EngineConfig:
-        """The engine's settings, proposer included (the engine or its proposer actor builds it)."""
+        """The engine's settings, proposer included (the engine or its proposer actor builds it): the
+        args' own, the device's defaults where they are null, and the resolved device and dtype."""
         args = self.for_device(device)
-        return EngineConfig(
-            gpu_memory_share=gpu_memory_share,
-            block_size=self.block_size,
-            kv_cache_tokens=args.kv_cache_tokens,
-            max_model_len=self.max_model_len,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_long_partial_prefills=self.max_long_partial_prefills,
-            long_prefill_step_ms=args.long_prefill_step_ms,
-            dtype=dtype,
-            device=device,
-            quantization=self.quantization,
-            kv_cache_dtype=self.kv_cache_dtype,
-            proposer=self.proposer,
-            draft_model=self.draft_model,
-            draft_layers=self.draft_layers,
-            num_draft=self.num_draft,
-        )
+        given = {name: getattr(args, name) for name in _ENGINE_ARGS}
+        return EngineConfig(**given, dtype=dtype, device=device, gpu_memory_share=gpu_memory_share)
+
+
+# The args that go to EngineConfig as they are (dtype and device go resolved: engine_config's arguments).
+_ENGINE_ARGS = tuple(
+    name for name in AppArgs.model_fields if name in ENGINE_SETTINGS and name not in {"dtype", "device"}
+)
 
 
 def parse_app_args(args: dict | None) -> AppArgs:

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING
 from tileinfer.engine.config import (
     DEVICES,
     DTYPES,
+    ENGINE_SETTINGS,
     KV_CACHE_DTYPES,
     PROPOSERS,
     QUANTIZATIONS,
     EngineConfig,
+    Setting,
     device_defaults,
 )
 from tileinfer.engine.errors import InvalidRequestError, TileInferError
@@ -38,66 +40,55 @@ MODEL_HELP = (
 )
 
 
-def _context_length(text: str) -> int:
-    # The engine reads 0 as "the model's own limit", so it is refused here rather than ignored.
-    if not text.isdigit() or int(text) < 2:
-        raise argparse.ArgumentTypeError(f"must be an integer of at least 2, got {text!r}")
-    return int(text)
+def _bounded_count(setting: Setting) -> Callable[[str], int]:
+    """The flag's type for a count within the setting's bounds (the command line's bounded settings are
+    all counts). A bad one is argparse's usage error, before the model loads."""
+
+    def parse(text: str) -> int:
+        if not text.isdigit() or not setting.holds(int(text)):
+            raise argparse.ArgumentTypeError(f"must be an integer of {setting.bounds()}, got {text!r}")
+        return int(text)
+
+    return parse
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {text!r}")
-    return int(text)
+def _add_engine_argument(
+    parser: argparse._ActionsContainer,  # the parser or one of its groups
+    name: str,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+) -> None:
+    """--name for EngineConfig's setting `name`, with its default, help and bounds."""
+    setting = ENGINE_SETTINGS[name]
+    shown = "" if setting.default is None else f" (default: {setting.default})"
+    parser.add_argument(
+        f"--{name.replace('_', '-')}",
+        type=_bounded_count(setting) if setting.bounds() else None,
+        choices=choices,
+        default=setting.default,
+        metavar=metavar,
+        help=setting.help + shown,
+    )
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="(default: float32)")
-    parser.add_argument("--device", choices=DEVICES, default="cpu", help="(default: cpu)")
-    parser.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default=None,
-        help="int8: weight-only INT8 linears, quantized at load (default: the weights' dtype)",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="int8: keys and values in int8, a scale per token and head (default auto: the dtype)",
-    )
+    _add_engine_argument(parser, "dtype", DTYPES)
+    _add_engine_argument(parser, "device", DEVICES)
+    _add_engine_argument(parser, "quantization", QUANTIZATIONS)
+    _add_engine_argument(parser, "kv_cache_dtype", KV_CACHE_DTYPES)
     parser.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE_OR_TEXT",
         help="a jinja chat template (a file, or the template itself) in place of the model's",
     )
-    parser.add_argument(
-        "--max-model-len",
-        type=_context_length,
-        default=None,
-        metavar="N",
-        help="cap the context (prompt + generated tokens) at N tokens (default: the model's own limit)",
-    )
+    _add_engine_argument(parser, "max_model_len", metavar="N")
     group = parser.add_argument_group("speculative decoding (the output is what plain decoding gives)")
-    group.add_argument(
-        "--proposer",
-        choices=PROPOSERS,
-        help="prompt lookup, a draft model (default: the model's own first layers), or DFlash",
-    )
-    group.add_argument(
-        "--draft-model", metavar="M", help="the draft model (draft) or DFlash checkpoint folder (dflash)"
-    )
-    group.add_argument(
-        "--draft-layers",
-        type=_positive,
-        metavar="N",
-        help="self-draft: the first N layers (default: 1/4)",
-    )
-    group.add_argument(
-        "--num-draft", type=_positive, default=4, metavar="K", help="most drafts a step (default: 4)"
-    )
+    _add_engine_argument(group, "proposer", PROPOSERS)
+    _add_engine_argument(group, "draft_model", metavar="M")
+    _add_engine_argument(group, "draft_layers", metavar="N")
+    _add_engine_argument(group, "num_draft", metavar="K")
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,14 +173,11 @@ def _load_engine(args: argparse.Namespace) -> Engine:
     from tileinfer.deployments.replicas.proposer_build import build_engine
     from tileinfer.engine.models.loader import load_model
 
-    # Serving's device defaults for the sequences decoded together (256 on a GPU); the KV cache holds the
-    # model's context (one request at a time), where a CPU server's holds 16384 tokens for all its users.
-    config = EngineConfig(
-        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        max_num_seqs=device_defaults(args.device).max_num_seqs, proposer=args.proposer,
-        draft_model=args.draft_model, draft_layers=args.draft_layers, num_draft=args.num_draft,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-    )  # fmt: skip
+    # The flags' settings, and serving's device defaults for the sequences decoded together (256 on a GPU);
+    # the KV cache holds the model's context (one request at a time), where a CPU server's holds 16384
+    # tokens for all its users.
+    flags = {name: value for name, value in vars(args).items() if name in ENGINE_SETTINGS}
+    config = EngineConfig(**flags, max_num_seqs=device_defaults(args.device).max_num_seqs)
     chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     print(f"loading {args.model} ({args.dtype}, {args.device})", file=sys.stderr, flush=True)
     model = load_model(args.model, config.torch_dtype(), config.torch_device(), config.quantization)
