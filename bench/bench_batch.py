@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,7 @@ from tileinfer.engine.config import DTYPES, EngineConfig, torch_dtype  # noqa: E
 from tileinfer.engine.engine import Engine  # noqa: E402
 from tileinfer.engine.kv.budget import kv_bytes_per_token  # noqa: E402
 from tileinfer.engine.models.loader import LoadedModel  # noqa: E402
-from tileinfer.engine.models.random_model import SHAPES, random_weights  # noqa: E402
+from tileinfer.engine.models.random_model import SHAPES  # noqa: E402
 from tileinfer.engine.models.shape import ModelSpec  # noqa: E402
 from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
 
@@ -50,9 +52,12 @@ from bench.bench_engine import (  # noqa: E402
     attempt,
     free_memory,
     log,
+    model_weights,
     random_prompt,
     run_models,
     step_summary,
+    tileinfer_then_peer,
+    timed_build,
 )
 from bench.peer import PeerModel, compile_greedy_step, greedy_step  # noqa: E402
 
@@ -91,6 +96,21 @@ def batch_roofline(
     each sequence's KV cache of `cached` positions (BENCH.md; limits.decode_roofline at batch 1)."""
     weights = limits.weight_bytes(spec, dtype, quantization)
     return batch * bandwidth / (weights + batch * cached * kv_bytes_per_token(spec, dtype))
+
+
+def each_batch(
+    record: dict[str, Any],
+    batches: list[int],
+    settings: Settings,
+    measure: Callable[[int], dict[str, Any]],
+    line: Callable[[int, dict[str, Any]], str],
+) -> None:
+    """record["batches"][batch] = measure(batch) for each batch size, under attempt, and line(batch, result)
+    logged for each that measured."""
+    record["batches"] = {}
+    for batch in batches:
+        if result := attempt(record["batches"], str(batch), settings, functools.partial(measure, batch)):
+            log(line(batch, result))
 
 
 # --- TileInfer ----------------------------------------------------------------------------------
@@ -170,23 +190,18 @@ def engine_batch(engine: Engine, spec: ModelSpec, batch: int, settings: Settings
 def bench_tileinfer(
     record: dict[str, Any], name: str, spec: ModelSpec, weights: dict[str, torch.Tensor], settings: Settings
 ) -> None:
-    started = time.perf_counter()
-    engine = attempt(record, "build", settings, lambda: build_engine(name, spec, weights, settings))
+    engine = timed_build(record, settings, lambda: build_engine(name, spec, weights, settings))
     if engine is None:
         return
-    built_s = time.perf_counter() - started
+    built_s = record["build"]["seconds"]
     warm_up_s = engine.warm_up()  # compiles the eager paths (prefill sampling) before anything is timed
-    config = dataclasses.asdict(engine.config)
-    record["build"] = {"seconds": built_s, "warm_up_s": warm_up_s, "config": config}
+    record["build"].update(warm_up_s=warm_up_s, config=dataclasses.asdict(engine.config))
     log(f"  TileInfer engine built in {built_s:.1f} s, warmed up in {warm_up_s:.1f} s")
-    record["batches"] = {}
-    for batch in settings.batches:
-        measure = lambda batch=batch: engine_batch(engine, spec, batch, settings)
-        if result := attempt(record["batches"], str(batch), settings, measure):
-            log(
-                f"  TileInfer batch {batch:4d}  decode {result['decode_tok_s']:10,.0f} tok/s (median step "
-                f"{result['median_decode_step_ms']:.2f} ms)  e2e {result['e2e_tok_s']:10,.0f} tok/s"
-            )
+    each_batch(
+        record, settings.batches, settings, lambda batch: engine_batch(engine, spec, batch, settings),
+        lambda batch, result: f"  TileInfer batch {batch:4d}  decode {result['decode_tok_s']:10,.0f} tok/s "
+        f"(median step {result['median_decode_step_ms']:.2f} ms)  e2e {result['e2e_tok_s']:10,.0f} tok/s",
+    )  # fmt: skip
     # the engine is freed when this returns (bench_model then empties the CUDA cache)
 
 
@@ -242,17 +257,20 @@ def bench_peer(
     if peer is None:
         return
     record["build"] = {"compiled": settings.peer_compiled, "backend": settings.compile_backend}
-    record["batches"] = {}
-    for batch in settings.peer_batches:
-        measure = lambda batch=batch: peer_batch(peer, spec, batch, settings)
-        if result := attempt(record["batches"], str(batch), settings, measure):
-            log(
-                f"  peer batch {batch:4d}  {result['tok_s']:10,.0f} tok/s (median step "
-                f"{result['median_step_ms']:.2f} ms, first step {result['first_step_s']:.1f} s)"
-            )
-        peer.setup_cache(batch=1, max_len=64)  # drop this batch's cache before the next one's
-        torch._dynamo.reset()
-        free_memory()
+
+    def measure(batch: int) -> dict[str, Any]:
+        try:
+            return peer_batch(peer, spec, batch, settings)
+        finally:
+            peer.setup_cache(batch=1, max_len=64)  # drop this batch's cache before the next one's
+            torch._dynamo.reset()
+            free_memory()
+
+    each_batch(
+        record, settings.peer_batches, settings, measure,
+        lambda batch, result: f"  peer batch {batch:4d}  {result['tok_s']:10,.0f} tok/s (median step "
+        f"{result['median_step_ms']:.2f} ms, first step {result['first_step_s']:.1f} s)",
+    )  # fmt: skip
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -274,19 +292,13 @@ def bench_model(record: dict[str, Any], name: str, settings: Settings, bandwidth
         peer={},
     )
     log(f"\n== {name}")
-    weights = attempt(
-        record, "weights", settings, lambda: random_weights(spec, settings.dtype, settings.device)
-    )
+    weights = model_weights(record, spec, settings)
     if weights is None:
         return
-    record["weights"] = {"seed": 0, "num_tensors": len(weights)}
-    try:
-        bench_tileinfer(record["tileinfer"], name, spec, weights, settings)
-        free_memory()
-        bench_peer(record["peer"], spec, weights, settings)
-    finally:
-        torch._dynamo.reset()
-        free_memory()
+    tileinfer_then_peer(
+        lambda: bench_tileinfer(record["tileinfer"], name, spec, weights, settings),
+        lambda: bench_peer(record["peer"], spec, weights, settings),
+    )
 
 
 def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:

@@ -109,6 +109,39 @@ def attempt(record: dict[str, Any], key: str, settings: Settings, measure: Calla
         return None
 
 
+def timed_build(record: dict[str, Any], settings: Any, build: Callable[[], Engine]) -> Engine | None:
+    """The engine build() makes, under attempt: record["build"] holds the seconds it took; None when it
+    failed or the time budget was spent."""
+    started = time.perf_counter()
+    engine = attempt(record, "build", settings, build)
+    if engine is not None:
+        record["build"] = {"seconds": time.perf_counter() - started}  # not the engine itself (JSON)
+    return engine
+
+
+def model_weights(record: dict[str, Any], spec: ModelSpec, settings: Any) -> dict[str, torch.Tensor] | None:
+    """The model's random weights (seed 0) on the settings' device and dtype, under attempt; None when
+    drawing them failed or the time budget was spent."""
+    weights = attempt(
+        record, "weights", settings, lambda: random_weights(spec, settings.dtype, settings.device)
+    )
+    if weights is not None:
+        record["weights"] = {"seed": 0, "num_tensors": len(weights)}
+    return weights
+
+
+def tileinfer_then_peer(bench_tileinfer: Callable[[], None], bench_peer: Callable[[], None]) -> None:
+    """TileInfer's part, then the peer's on the same weights: memory freed between them, and the peer's
+    compiled graphs and memory after, also when a part raised."""
+    try:
+        bench_tileinfer()
+        free_memory()
+        bench_peer()
+    finally:
+        torch._dynamo.reset()
+        free_memory()
+
+
 def random_prompt(generator: torch.Generator, vocab_size: int, length: int) -> list[int]:
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
 
@@ -230,11 +263,10 @@ def bench_tileinfer(
     settings: Settings,
 ) -> None:
     """Fill record with TileInfer's decode (greedy, sampled) and prefill figures, part by part."""
-    started = time.perf_counter()
-    engine = attempt(record, "build", settings, lambda: build_engine(name, spec, weights, settings))
+    engine = timed_build(record, settings, lambda: build_engine(name, spec, weights, settings))
     if engine is None:
         return
-    record["build"] = {"seconds": time.perf_counter() - started, "cuda_graphs": engine.config.cuda_graphs}
+    record["build"]["cuda_graphs"] = engine.config.cuda_graphs
     log(f"  TileInfer engine built in {record['build']['seconds']:.1f} s")
     generator = torch.Generator().manual_seed(7)
     if attempt(record, "decode_greedy", settings, lambda: engine_decode(engine, prompt, settings, GREEDY)):
@@ -386,20 +418,14 @@ def bench_model(
         peer={},
     )
     log(f"\n== {name}: decode roofline {record['limits']['decode_roofline_tok_s']:,.0f} tok/s")
-    weights = attempt(
-        record, "weights", settings, lambda: random_weights(spec, settings.dtype, settings.device)
-    )
+    weights = model_weights(record, spec, settings)
     if weights is None:
         return
-    record["weights"] = {"seed": 0, "num_tensors": len(weights)}
     prompt = random_prompt(torch.Generator().manual_seed(1234), spec.vocab_size, settings.prompt_len)
-    try:
-        bench_tileinfer(record["tileinfer"], name, spec, weights, prompt, settings)
-        free_memory()
-        bench_peer(record["peer"], spec, weights, prompt, settings)
-    finally:
-        torch._dynamo.reset()
-        free_memory()
+    tileinfer_then_peer(
+        lambda: bench_tileinfer(record["tileinfer"], name, spec, weights, prompt, settings),
+        lambda: bench_peer(record["peer"], spec, weights, prompt, settings),
+    )
     ours = record["tileinfer"].get("decode_greedy", {}).get("first_tokens")
     theirs = record["peer"].get("decode_eager", {}).get("first_tokens")
     if ours and theirs:

@@ -47,6 +47,7 @@ from bench.bench_engine import (  # noqa: E402
     engine_prefill,
     free_memory,
     random_prompt,
+    timed_build,
 )
 
 # mode -> (EngineConfig.quantization, EngineConfig.kv_cache_dtype)
@@ -72,11 +73,9 @@ def bench_mode(
     key: str,
 ) -> None:
     """Build one engine (settings.quantization), time its decode and a prefill into part."""
-    started = time.perf_counter()
-    engine = attempt(part, "build", settings, lambda: build_engine(name, spec, weights, settings))
+    engine = timed_build(part, settings, lambda: build_engine(name, spec, weights, settings))
     if engine is None:
         return
-    part["build"] = {"seconds": time.perf_counter() - started}  # not the engine itself (JSON)
     if attempt(part, "decode", settings, lambda: engine_decode(engine, prompt, settings, GREEDY)):
         print(f"{name} {key}: decode {part['decode']['tok_s']:,.1f} tok/s", flush=True)
     generator = torch.Generator().manual_seed(7)
