@@ -23,7 +23,6 @@ is printed last, also when --budget-s runs out or SIGTERM arrives.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import os
@@ -38,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tileinfer.engine.config import DTYPES, EngineConfig, torch_dtype  # noqa: E402
+from tileinfer.engine.config import EngineConfig, torch_dtype  # noqa: E402
 from tileinfer.engine.engine import Engine  # noqa: E402
 from tileinfer.engine.kv.budget import kv_bytes_per_token  # noqa: E402
 from tileinfer.engine.models.loader import LoadedModel  # noqa: E402
@@ -50,8 +49,10 @@ from bench import limits  # noqa: E402
 from bench.bench_engine import (  # noqa: E402
     DISPLAY_NAMES,
     attempt,
+    chosen_models,
     free_memory,
     log,
+    model_parser,
     model_weights,
     random_prompt,
     run_models,
@@ -367,17 +368,11 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def parse_settings() -> tuple[Settings, list[str], Path]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = model_parser(__doc__)
 
     def sizes(text: str) -> list[int]:  # "" (or "none"): no sizes, e.g. no peer
         return [int(size) for size in text.split(",") if size and size != "none"]
 
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    parser.add_argument("--tiny", action="store_true", help="the tiny model and short runs (CPU smoke)")
-    parser.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(SHAPES))
     parser.add_argument("--batches", type=sizes, default=None, help="default 1,2,4,...,256 (tiny: 1,2,4)")
     parser.add_argument("--peer-batches", type=sizes, default=None, help="default 1,8,64,256 (tiny: 1,4)")
     parser.add_argument("--prompt-len", type=int, default=None, help="default 512 (tiny: 32)")
@@ -399,10 +394,7 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
     else:
         models, batches, peer_batches = "qwen3-0.6b,qwen3-4b", [2**i for i in range(9)], [1, 8, 64, 256]
         prompt_len, output_len = 512, 128
-    model_names = (args.models or models).split(",")
-    unknown = [name for name in model_names if name not in SHAPES]
-    if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    model_names = chosen_models(parser, args, models)
     settings = Settings(
         device=torch.device(args.device),
         dtype=torch_dtype(args.dtype),

@@ -497,14 +497,29 @@ def print_table(results: dict[str, Any]) -> None:
         log(f"| {workload} | {model} | {rate(ours)} | {rate(theirs)} | {ratio} | {percent} |")
 
 
-def parse_settings() -> tuple[Settings, list[str], Path]:
+def model_parser(description: str | None) -> argparse.ArgumentParser:
+    """A parser with the flags the engine benchmarks share: --device, --dtype, --tiny and --models."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     parser.add_argument("--tiny", action="store_true", help="the tiny model and short runs (CPU smoke)")
     parser.add_argument("--models", default=None, help="comma-separated subset of " + ",".join(SHAPES))
+    return parser
+
+
+def chosen_models(parser: argparse.ArgumentParser, args: argparse.Namespace, default: str) -> list[str]:
+    """--models (else default, comma-separated) as a list; a name not in SHAPES is a usage error."""
+    model_names = (args.models or default).split(",")
+    unknown = [name for name in model_names if name not in SHAPES]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    return model_names
+
+
+def parse_settings() -> tuple[Settings, list[str], Path]:
+    parser = model_parser(__doc__)
     parser.add_argument("--long", action="store_true", help="also prefill 4k and 16k prompts")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 200)")
     parser.add_argument("--warmup", type=int, default=None, help="decode steps before timing (default 20)")
@@ -532,10 +547,7 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
             10,
         )
         long_lens = [4096, 16384]
-    model_names = (args.models or models).split(",")
-    unknown = [name for name in model_names if name not in SHAPES]
-    if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    model_names = chosen_models(parser, args, models)
     settings = Settings(
         device=torch.device(args.device),
         dtype=torch_dtype(args.dtype),
