@@ -159,8 +159,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         config = {**config, "http_options": {**(config.get("http_options") or {}), "port": args.http_port}}
     vocab = serve_load.vocab_for(load_args, app_args)
 
-    env = serve_app.make_run_env()
-
     def load(base_url: str) -> dict[str, Any]:
         model = serve_app.served_model(base_url)
         asyncio.run(phase(base_url, model, args, vocab, "warm-up"))
@@ -169,13 +167,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         long_alone = asyncio.run(phase(base_url, model, args, vocab, "long-alone", shorts=False, longs=True))
         return {"alone": alone, "beside_long_prompts": beside, "long_alone": long_alone}
 
-    result, ready_s = serve_app.serve_and_load(
-        config, out / "long_prompts_config.yaml", out / "long_prompts_serve.log", env, load
-    )
-    payload = {"args": vars(args), "ready_s": ready_s, "result": result}
-    (out / "long_prompts.json").write_text(json.dumps(payload, indent=2))
-    print(json.dumps(result, indent=2))
-    print(table(result))
+    payload = serve_app.serve_and_record("long_prompts", args, config, out, load)
+    print(json.dumps(payload["result"], indent=2))
+    print(table(payload["result"]))
     return payload
 
 

@@ -167,17 +167,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.clients * args.requests_per_client, args.prompt_tokens, vocab, "kill"
     )
 
-    env = serve_app.make_run_env()
-
     def load(base_url: str) -> dict[str, Any]:
         model = serve_app.served_model(base_url)
         return asyncio.run(load_and_kill(base_url, model, prompts, args))
 
-    result, ready_s = serve_app.serve_and_load(
-        config, out / "replica_kill_config.yaml", out / "replica_kill_serve.log", env, load
-    )
-    payload = {"args": vars(args), "ready_s": ready_s, "result": result}
-    (out / "replica_kill.json").write_text(json.dumps(payload, indent=2))
+    payload = serve_app.serve_and_record("replica_kill", args, config, out, load)
     print(json.dumps(payload["result"], indent=2))
     return payload
 

@@ -262,6 +262,20 @@ def serve_and_load(
         stop_serve(processes)
 
 
+def serve_and_record(
+    name: str, args: Any, config: dict[str, Any], out: Path, load: Callable[[str], T]
+) -> dict[str, Any]:
+    """serve_and_load under make run's environment, its config and log at out/<name>_config.yaml and
+    out/<name>_serve.log; the bench's args, the seconds to a healthy app and what load returned are
+    written to out/<name>.json and returned."""
+    result, ready_s = serve_and_load(
+        config, out / f"{name}_config.yaml", out / f"{name}_serve.log", make_run_env(), load
+    )
+    payload = {"args": vars(args), "ready_s": ready_s, "result": result}
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    return payload
+
+
 def served_model(base_url: str) -> str:
     """The name the server serves its model under (its /v1/models' first)."""
     import httpx
