@@ -38,6 +38,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -325,6 +326,36 @@ def run_record(bandwidth: float, replays: int) -> dict:
     }
 
 
+def case_row(case: Case, **measured: float) -> dict[str, Any]:
+    """A row of the results: the case's model, layer, shape and M, what was measured, then the bytes it
+    moves, its weight copies and the tile config picked."""
+    return {
+        "model": case.model,
+        "layer": case.layer,
+        "shape": f"{case.n_rows}x{case.k}",
+        "M": case.m,
+        **measured,
+        "bytes": case.bytes,
+        "weight_copies": case.copies,
+        "config": case.heuristic()._asdict(),
+    }
+
+
+def write_results(out_dir: str, name: str, result: dict[str, Any]) -> Path:
+    """result as out_dir/name (the folder made if need be); the path written."""
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return path
+
+
+def print_table_header(columns: tuple[str, ...]) -> None:
+    """A Markdown table's header row and its rule, each column as wide as its title."""
+    header = "| " + " | ".join(columns) + " |"
+    print(header)
+    print("|" + "|".join("-" * len(part) for part in header.split("|")[1:-1]) + "|")
+
+
 def tuned_rows(sweeps: list[dict], int8: bool = False) -> list[dict]:
     """The fastest candidate of each swept shape, in kernels/linear_tuned.py's table format."""
     rows = []
@@ -401,22 +432,15 @@ def main() -> None:
                 error = case.relative_error()
                 ours = time_in_graph(case.triton_call(), case.copies, args.replays)
                 theirs = time_in_graph(case.cublas_call(), case.copies, args.replays)
-                row = {
-                    "model": model,
-                    "layer": layer,
-                    "shape": f"{n_rows}x{k}",
-                    "M": m,
-                    "triton_us": ours * 1e6,
-                    "cublas_us": theirs * 1e6,
-                    "speedup": theirs / ours,
-                    "triton_pct_copy_bw": 100 * case.bytes / ours / bandwidth,
-                    "cublas_pct_copy_bw": 100 * case.bytes / theirs / bandwidth,
-                    "bytes": case.bytes,
-                    "weight_copies": case.copies,
-                    "config": case.heuristic()._asdict(),
-                    "kernel": KINDS[type(case.heuristic())],
-                    "relative_error_vs_cublas": error,
-                }
+                row = case_row(
+                    case,
+                    triton_us=ours * 1e6,
+                    cublas_us=theirs * 1e6,
+                    speedup=theirs / ours,
+                    triton_pct_copy_bw=100 * case.bytes / ours / bandwidth,
+                    cublas_pct_copy_bw=100 * case.bytes / theirs / bandwidth,
+                )
+                row.update(kernel=KINDS[type(case.heuristic())], relative_error_vs_cublas=error)
                 if args.fp8:
                     row["fp8_cublaslt_us"] = time_in_graph(case.fp8_call(), case.copies, args.replays) * 1e6
                 rows.append(row)
@@ -440,10 +464,8 @@ def main() -> None:
                 del case
                 torch.cuda.empty_cache()
 
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     result = {**run_record(bandwidth, args.replays), "rows": rows, "sweeps": sweeps}
-    (out_dir / "bench_linear.json").write_text(json.dumps(result, indent=2))
+    out_path = write_results(args.out_dir, "bench_linear.json", result)
 
     if args.write_tuned and sweeps:
         merged = merge_tuned(Path(args.write_tuned), tuned_rows(sweeps, args.int8))
@@ -461,13 +483,11 @@ def main() -> None:
     print(
         f"\nlinear kernels vs cuBLAS, CUDA graphs, bf16{' (ours: INT8 weights)' if args.int8 else ''}, "
         f"{torch.cuda.get_device_name()}, "
-        f"copy bw {bandwidth / 1e12:.2f} TB/s; results in {out_dir / 'bench_linear.json'}"
+        f"copy bw {bandwidth / 1e12:.2f} TB/s; results in {out_path}"
     )
     columns = ("shape".ljust(30), "M".rjust(4), "triton µs", "cuBLAS µs", "speedup", "% copy bw")
     columns += ("FP8 µs",) if args.fp8 else ()
-    header = "| " + " | ".join(columns) + " |"
-    print(header)
-    print("|" + "|".join("-" * (len(part)) for part in header.split("|")[1:-1]) + "|")
+    print_table_header(columns)
     for row in rows:
         shape = f"{row['model']} {row['layer']} {row['shape']}"
         print(

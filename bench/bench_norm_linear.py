@@ -19,7 +19,6 @@ OUT_DIR/bench_norm_linear.json (OUT_DIR: the argument, else $OUT, else ./bench_o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -41,10 +40,13 @@ from bench.bench_linear import (  # noqa: E402
     DTYPE,
     MODELS,
     Case,
+    case_row,
     copy_bandwidth,
+    print_table_header,
     run_record,
     sweep_configs,
     time_in_graph,
+    write_results,
 )
 
 LAYERS = ("qkv", "gate_up", "lm_head")  # the linears that follow a norm
@@ -144,20 +146,14 @@ def main() -> None:
                 error = case.relative_error()
                 fused = time_in_graph(case.fused_call(), case.copies, args.replays)
                 unfused = time_in_graph(case.unfused_call(), case.copies, args.replays)
-                row = {
-                    "model": model,
-                    "layer": layer,
-                    "shape": f"{n_rows}x{k}",
-                    "M": m,
-                    "fused_us": fused * 1e6,
-                    "unfused_us": unfused * 1e6,
-                    "saved_us": (unfused - fused) * 1e6,
-                    "fused_pct_copy_bw": 100 * case.bytes / fused / bandwidth,
-                    "bytes": case.bytes,
-                    "weight_copies": case.copies,
-                    "config": case.heuristic()._asdict(),
-                    "relative_error_vs_reference": error,
-                }
+                row = case_row(
+                    case,
+                    fused_us=fused * 1e6,
+                    unfused_us=unfused * 1e6,
+                    saved_us=(unfused - fused) * 1e6,
+                    fused_pct_copy_bw=100 * case.bytes / fused / bandwidth,
+                )
+                row["relative_error_vs_reference"] = error
                 if args.sweep:
                     row["sweep"] = sweep_configs(
                         case.candidates(args.near), case.fused_call, case.copies, max(10, args.replays // 3)
@@ -175,15 +171,13 @@ def main() -> None:
                 del case
                 torch.cuda.empty_cache()
 
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     result = {**run_record(bandwidth, args.replays), "rows": rows}
-    (out_dir / "bench_norm_linear.json").write_text(json.dumps(result, indent=2))
+    out_path = write_results(args.out_dir, "bench_norm_linear.json", result)
 
     print(
         f"\nadd + RMSNorm + linear, fused vs unfused, CUDA graphs, bf16{' (INT8 weights)' * args.int8}, "
         f"{torch.cuda.get_device_name()}, "
-        f"copy bw {bandwidth / 1e12:.2f} TB/s; results in {out_dir / 'bench_norm_linear.json'}"
+        f"copy bw {bandwidth / 1e12:.2f} TB/s; results in {out_path}"
     )
     columns = (
         "shape".ljust(30),
@@ -194,9 +188,7 @@ def main() -> None:
         "fused % bw",
         "best sweep µs",
     )
-    header = "| " + " | ".join(columns) + " |"
-    print(header)
-    print("|" + "|".join("-" * len(part) for part in header.split("|")[1:-1]) + "|")
+    print_table_header(columns)
     for row in rows:
         shape = f"{row['model']} {row['layer']} {row['shape']}"
         best = f"{row['sweep'][0]['us']:.2f}" if row.get("sweep") else "-"
