@@ -30,8 +30,23 @@ INT8_MAX = 127
 MMA_CHUNK = 64  # inputs a row's MMA order permutes within (four k16 steps)
 
 
+class Int8Values:
+    """What an INT8 store shows of its int8 values where a caller takes it for the float tensor it
+    replaces: the shape and the device (Int8Weight here, Int8KVCache in kernels/kv_cache.py)."""
+
+    values: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+
 @dataclasses.dataclass(frozen=True)
-class Int8Weight:
+class Int8Weight(Int8Values):
     """values [N, K] int8 (rows contiguous) and scale fp32, [N] (per row) or [N, K // group_size];
     mma_order: each row's values in the MMA order (K a multiple of MMA_CHUNK, a scale per row), else in
     input order."""
@@ -60,14 +75,6 @@ class Int8Weight:
     def group_size(self) -> int:
         """Inputs that share a scale: K for a per-row scale."""
         return self.values.shape[1] if self.scale.dim() == 1 else self.values.shape[1] // self.scale.shape[1]
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
 
     def nbytes(self) -> int:
         return self.values.numel() + self.scale.numel() * self.scale.element_size()

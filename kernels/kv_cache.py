@@ -15,10 +15,11 @@ import dataclasses
 from collections.abc import Iterator
 
 import torch
+from tileinfer.kernels.int8 import Int8Values
 
 
 @dataclasses.dataclass
-class Int8KVCache:
+class Int8KVCache(Int8Values):
     """INT8 keys and values with their scales; indexing the leading axis (a layer) gives its views."""
 
     values: torch.Tensor  # int8 [..., 2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -36,14 +37,6 @@ class Int8KVCache:
 
     def __iter__(self) -> Iterator[Int8KVCache]:  # the layers, as a float cache tensor iterates
         return (self[layer] for layer in range(len(self)))
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
 
     @staticmethod
     def allocate(
