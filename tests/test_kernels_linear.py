@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_graph import captured
 from tileinfer.kernels import linear_gemm, linear_gemv, linear_skinny
 from tileinfer.kernels.linear import (
     LinearWorkspace,
@@ -269,11 +270,7 @@ def test_cuda_graph_replay_gpu(m: int, workspace: LinearWorkspace) -> None:
         linear_triton(x, weight, out=out, workspace=workspace)
         gate_up_silu_triton(x, gate_up_weight, out=mlp_out, workspace=workspace)
 
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     x.copy_(torch.randn(m, k, device="cuda", generator=gen).bfloat16())
     graph.replay()
     torch.cuda.synchronize()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_graph import captured
 from tileinfer.kernels import qkv_epilogue as qkv_epilogue_module
 from tileinfer.kernels import rmsnorm as rmsnorm_module
 from tileinfer.kernels.embedding import embedding_reference, embedding_triton
@@ -361,14 +362,7 @@ def test_kernels_replay_in_a_cuda_graph() -> None:
             out=query,
         )
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles the kernels before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
 
     for seed in range(3):
         step_generator = _generator(100 + seed)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from cuda_graph import captured
 from tileinfer.engine.sampling.params import SamplingParams
 from tileinfer.engine.sampling.sampler import Sampler
 from tileinfer.engine.sequence import Sequence
@@ -417,11 +418,7 @@ def test_gpu_sampling_replays_in_a_cuda_graph() -> None:
     logits, tensors, *_ = random_batch(5, batch, vocab_size, scale=4.0)
     out = torch.empty(batch, dtype=torch.int64, device="cuda")
     workspace = SamplingWorkspace.allocate(batch, vocab_size, "cuda")
-    sample_triton(logits, tensors, out=out, workspace=workspace)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sample_triton(logits, tensors, out=out, workspace=workspace)
+    graph = captured(lambda: sample_triton(logits, tensors, out=out, workspace=workspace))
     for step in range(3):
         tensors.positions.fill_(step)
         expected = sample_reference(logits, tensors)
@@ -591,11 +588,7 @@ def test_gpu_real_vocab_takes_the_fast_path(batch: int) -> None:
             assert (search_statuses(workspace, rows)[:, -1] != sampling_triton.FALLBACK).all()
     # The last group again, in a graph, over a few steps.
     out = torch.empty(rows, dtype=torch.int64, device="cuda")
-    sample_triton(logits, tensors, out=out, workspace=workspace)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sample_triton(logits, tensors, out=out, workspace=workspace)
+    graph = captured(lambda: sample_triton(logits, tensors, out=out, workspace=workspace))
     for step in range(3):
         tensors.positions.fill_(step)
         graph.replay()
