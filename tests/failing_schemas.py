@@ -1,5 +1,5 @@
-"""JSON schemas whose grammars llguidance cannot follow (engine/sampling/grammar.py): issue 43's, which its
-compile's probe finds, and ones that fail only off the probe's path, where a model goes."""
+"""JSON schemas whose grammars llguidance cannot follow (engine/sampling/grammar.py): those its compile's
+probe finds, and ones that fail only off the probe's path, where a model goes."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def properties(count: int, required: list[str] | None = None) -> dict[str, Any]:
     return schema if required is None else {**schema, "required": required}
 
 
-# what issue 43 saw end "stop" with output that does not parse, and what the 400 that refuses each names
-ISSUE_SCHEMAS = {
+# schemas that once ended "stop" with output that does not parse, and what the 400 that refuses each names
+PROBED_SCHEMAS = {
     "500 optional properties": properties(500),
     "1,000 properties, p0 required": properties(1000, required=["p0"]),
     "a recursive $ref": {"$defs": DEFS, "type": "object", "properties": {"x": RECURSES}, "required": ["x"]},

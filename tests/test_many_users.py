@@ -1,4 +1,4 @@
-"""Serving many users on the real SmolLM2-135M with tiny KV caches (issue #15): no request stalls the
+"""Serving many users on the real SmolLM2-135M with tiny KV caches: no request stalls the
 others, no head-of-line blocking, preempted requests resume first, and only the tokenizer's ids ever
 come out of a model whose embedding has padding rows beyond them.
 
@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 import torch
+from tileinfer.deployments.openai_api.chat_request import ChatCompletionRequest
 from tileinfer.deployments.openai_api.request_to_engine import max_tokens_for
-from tileinfer.deployments.openai_api.requests import ChatCompletionRequest
 from tileinfer.deployments.replicas.proposer_build import build_engine
 from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.engine import Engine
@@ -89,7 +89,7 @@ def test_max_model_len_is_clamped_to_what_the_kv_cache_holds(model: LoadedModel)
 
 
 def test_a_request_the_cache_cannot_hold_is_refused_no_one_stalls(model: LoadedModel, roomy: Engine) -> None:
-    """The stall of issue #15, scaled down: 1,720 + 400 tokens, ignore_eos, in a 2,048-token cache span
+    """A stall once seen, scaled down: 1,720 + 400 tokens, ignore_eos, in a 2,048-token cache span
     the cache; it used to be preempted forever, every later request waiting behind it."""
     engine = Engine(model, EngineConfig(block_size=4, kv_cache_tokens=48))
     big = prompt(model, 0, 36)

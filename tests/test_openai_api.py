@@ -20,7 +20,10 @@ import pydantic
 import pytest
 from ingress_harness import MODEL as SERVED_MODEL
 from ingress_harness import build
+from tileinfer.deployments.openai_api.chat_request import ChatCompletionRequest
+from tileinfer.deployments.openai_api.completion_request import CompletionRequest
 from tileinfer.deployments.openai_api.errors import OpenAIError, openai_error_from
+from tileinfer.deployments.openai_api.generation_request import MAX_CHOICES
 from tileinfer.deployments.openai_api.logprobs import chat_logprobs_content, completion_logprobs, token_text
 from tileinfer.deployments.openai_api.request_parsing import parse_request
 from tileinfer.deployments.openai_api.request_to_engine import (
@@ -28,7 +31,6 @@ from tileinfer.deployments.openai_api.request_to_engine import (
     max_tokens_for,
     sampling_params_for,
 )
-from tileinfer.deployments.openai_api.requests import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from tileinfer.deployments.openai_api.responses import (
     ChatResponse,
     ChoiceResult,

@@ -2,7 +2,7 @@
 event on its own, so all streams together get at most that many a second, and a stream's tokens that
 arrive between two of its events go out together. The first output never waits, nor does the one that
 ends the request; stop strings are found as the tokens arrive. Driven through the ingress's own merge of
-a request's Deltas (OpenAIIngress._merged), with the real tokenizer."""
+a request's Deltas (ChoiceRunner.merged, deployments/openai_api/choices.py), with the real tokenizer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from ingress_harness import make_ingress
-from tileinfer.deployments.openai_api import ingress as ingress_module
+from tileinfer.deployments.openai_api.choices import Choice, PreparedRequest
 from tileinfer.deployments.replicas.engine_client import Inbox
 from tileinfer.engine.models.loader import load_tokenizer
 from tileinfer.engine.text.detokenizer import TextStream
@@ -23,11 +23,11 @@ def tokenizer(smollm2_gguf: Path) -> Tokenizer:
     return load_tokenizer("smollm2-135m")
 
 
-def _prepared(tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> ingress_module._Prepared:
-    choice = ingress_module._Choice(0, 0, 3, TextStream(tokenizer, stop), engine_request_id="r0")
+def _prepared(tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> PreparedRequest:
+    choice = Choice(0, 0, 3, TextStream(tokenizer, stop), engine_request_id="r0")
     outputs = Inbox()
-    outputs.eager = bool(stop)  # as the ingress's _submit sets it: stop strings are looked for on arrival
-    return ingress_module._Prepared("cmpl-test", 0, [[1, 2, 3]], [choice], outputs)
+    outputs.eager = bool(stop)  # as ChoiceRunner.submit sets it: stop strings are looked for on arrival
+    return PreparedRequest("cmpl-test", 0, [[1, 2, 3]], [choice], outputs)
 
 
 def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -40,12 +40,12 @@ def test_tokens_between_events_go_together_and_the_first_and_last_never_wait(
     async def scenario() -> None:
         ingress, _ = make_ingress(tokenizer, monkeypatch, max_stream_events_per_s=0.001)  # 1000 s apart
         prepared = _prepared(tokenizer)
-        merged = ingress._merged(prepared, paced=True)
+        merged = ingress.runner.merged(prepared, paced=True)
         one, two, three, four = _ids(tokenizer, " one two three four")
         prepared.outputs.put_nowait((prepared.choices[0], ("r0", [one], None, None, None)))
         _, first = await asyncio.wait_for(anext(merged), 30)
         assert first.new_token_ids == [one] and first.new_text == " one"
-        assert ingress._event_interval_s() == pytest.approx(1000.0)  # one open stream, one replica
+        assert ingress.runner.event_interval_s() == pytest.approx(1000.0)  # one open stream, one replica
         prepared.outputs.put_nowait((prepared.choices[0], ("r0", [two], None, None, None)))
         prepared.outputs.put_nowait((prepared.choices[0], ("r0", [three], None, None, None)))
         second = asyncio.ensure_future(anext(merged))
@@ -56,7 +56,7 @@ def test_tokens_between_events_go_together_and_the_first_and_last_never_wait(
         assert last.new_text == " two three four"
         with pytest.raises(StopAsyncIteration):
             await anext(merged)
-        assert ingress._open_streams == 0
+        assert ingress.runner.open_streams == 0
 
     asyncio.run(scenario())
 
@@ -73,10 +73,10 @@ def test_a_stop_string_stops_its_engine_request_at_once_while_the_next_event_wai
         monkeypatch.setattr(ingress.client, "abort", lambda request_id, reason="abort": aborted.append(
             (request_id, reason)))  # fmt: skip
         prepared = _prepared(tokenizer, stop=(" three",))
-        running = ingress_module._Choice(1, 0, 3, TextStream(tokenizer, ()), engine_request_id="r1")
+        running = Choice(1, 0, 3, TextStream(tokenizer, ()), engine_request_id="r1")
         prepared.choices.append(running)
         stopping = prepared.choices[0]
-        merged = ingress._merged(prepared, paced=True)
+        merged = ingress.runner.merged(prepared, paced=True)
         one, two, three, four = _ids(tokenizer, " one two three four")
         prepared.outputs.put_nowait((stopping, ("r0", [one], None, None, None)))
         _, first = await asyncio.wait_for(anext(merged), 30)  # its text may wait: a stop could begin there
@@ -103,7 +103,7 @@ def test_without_a_limit_every_arrival_is_its_own_event(
     async def scenario() -> None:
         ingress, _ = make_ingress(tokenizer, monkeypatch, max_stream_events_per_s=0)
         prepared = _prepared(tokenizer)
-        merged = ingress._merged(prepared, paced=True)
+        merged = ingress.runner.merged(prepared, paced=True)
         one, two = _ids(tokenizer, " one two")
         prepared.outputs.put_nowait((prepared.choices[0], ("r0", [one], None, None, None)))
         assert (await asyncio.wait_for(anext(merged), 30))[1].new_token_ids == [one]
@@ -118,5 +118,5 @@ def test_the_interval_grows_with_the_streams_of_every_replica(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ingress, _ = make_ingress(tokenizer, monkeypatch, max_stream_events_per_s=2000, num_ingress_replicas=4)
-    ingress._open_streams = 64  # this replica's share of 256 streams
-    assert ingress._event_interval_s() == pytest.approx(64 * 4 / 2000)
+    ingress.runner.open_streams = 64  # this replica's share of 256 streams
+    assert ingress.runner.event_interval_s() == pytest.approx(64 * 4 / 2000)

@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from failing_schemas import ISSUE_SCHEMAS, RECURSES, past_the_probe
+from failing_schemas import PROBED_SCHEMAS, RECURSES, past_the_probe
 from serving import Served
 
 pytestmark = pytest.mark.slow
@@ -127,13 +127,13 @@ BAD_CONSTRAINTS = {  # name: (fields, what the message names)
         {
             "response_format": {
                 "type": "json_schema",
-                "json_schema": {"name": "x", "schema": ISSUE_SCHEMAS["500 optional properties"]},
+                "json_schema": {"name": "x", "schema": PROBED_SCHEMAS["500 optional properties"]},
             }
         },
         "too many alternatives",
     ),
     "recursion with no base case": (
-        {"structured_outputs": {"json": ISSUE_SCHEMAS["a recursive $ref"]}},
+        {"structured_outputs": {"json": PROBED_SCHEMAS["a recursive $ref"]}},
         "no base case",
     ),
 }

@@ -15,10 +15,10 @@ from typing import Any
 
 import jsonschema
 import pytest
-from failing_schemas import ISSUE_SCHEMAS, NAMED, RECURSES, past_the_probe, properties
+from failing_schemas import NAMED, PROBED_SCHEMAS, RECURSES, past_the_probe, properties
 from tileinfer.deployments.openai_api.chat_output import ChatOutputPlan
+from tileinfer.deployments.openai_api.chat_request import ChatCompletionRequest
 from tileinfer.deployments.openai_api.request_parsing import parse_request
-from tileinfer.deployments.openai_api.requests import ChatCompletionRequest
 from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.engine import Engine
 from tileinfer.engine.errors import GrammarFailedError, InvalidRequestError
@@ -96,14 +96,14 @@ def _run(
     return results
 
 
-@pytest.mark.parametrize("name", ISSUE_SCHEMAS)
+@pytest.mark.parametrize("name", PROBED_SCHEMAS)
 def test_a_schema_that_cannot_constrain_is_refused_before_generation(
     engine: Engine, prompt: list[int], smollm2_model: LoadedModel, name: str
 ) -> None:
     """As a response format and as a forced call's parameters (a Lark grammar that embeds the schema)."""
-    plan = _forced_call_plan(smollm2_model, ISSUE_SCHEMAS[name])
+    plan = _forced_call_plan(smollm2_model, PROBED_SCHEMAS[name])
     refused = f"cannot constrain generation: after the output .*{NAMED[name]}"
-    for params in (SamplingParams(grammar=_json(ISSUE_SCHEMAS[name])), plan.constrain(SamplingParams())):
+    for params in (SamplingParams(grammar=_json(PROBED_SCHEMAS[name])), plan.constrain(SamplingParams())):
         with pytest.raises(InvalidRequestError, match=refused):
             engine.add_request(prompt, params, "refused")
             engine.abort("refused")  # not refused (the test fails): the next tests need the engine idle
@@ -138,24 +138,24 @@ def test_a_grammar_that_fails_while_generating_ends_with_an_error(
 def test_every_output_that_ends_stop_validates(
     engine: Engine, prompt: list[int], smollm2_model: LoadedModel
 ) -> None:
-    """The corpus and the issue's schemas, as response formats and forced calls, sampled: each ends "stop"
-    with output that validates, or "length"; the issue's schemas are refused or validate too; nothing
+    """The corpus and the probed schemas, as response formats and forced calls, sampled: each ends "stop"
+    with output that validates, or "length"; the probed schemas are refused or validate too; nothing
     else is refused."""
     sampled = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95)
     calling = dataclasses.replace(sampled, max_tokens=40)
     requests: dict[str, SamplingParams] = {}
     plans: dict[str, ChatOutputPlan] = {}
-    schemas = {**CORPUS, **TOOL_CORPUS, **ISSUE_SCHEMAS}
-    for seed, (name, schema) in enumerate({**CORPUS, **ISSUE_SCHEMAS}.items()):
+    schemas = {**CORPUS, **TOOL_CORPUS, **PROBED_SCHEMAS}
+    for seed, (name, schema) in enumerate({**CORPUS, **PROBED_SCHEMAS}.items()):
         requests[name] = dataclasses.replace(sampled, seed=seed, grammar=_json(schema))
-    for seed, (name, schema) in enumerate({**TOOL_CORPUS, **ISSUE_SCHEMAS}.items()):
+    for seed, (name, schema) in enumerate({**TOOL_CORPUS, **PROBED_SCHEMAS}.items()):
         plans[f"call: {name}"] = plan = _forced_call_plan(smollm2_model, schema)
         requests[f"call: {name}"] = plan.constrain(dataclasses.replace(calling, seed=seed))
     results = _run(engine, prompt, requests)
     ran = stopped = 0
     for name, (text, finish_reason, error) in results.items():
         schema = schemas[name.removeprefix("call: ")]
-        if name.removeprefix("call: ") in ISSUE_SCHEMAS and isinstance(error, InvalidRequestError):
+        if name.removeprefix("call: ") in PROBED_SCHEMAS and isinstance(error, InvalidRequestError):
             continue
         ran += 1
         assert error is None and finish_reason in ("stop", "length"), (name, results[name])

@@ -20,11 +20,11 @@ from assets import llama3_tokenizer_dir, llama_cpp_models_dir, qwen3_tokenizer_d
 from ingress_harness import MODEL as SERVED_MODEL
 from ingress_harness import build
 from tileinfer.deployments.openai_api.chat_output import ChatOutputPlan
+from tileinfer.deployments.openai_api.chat_request import ChatCompletionRequest
 from tileinfer.deployments.openai_api.errors import OpenAIError
 from tileinfer.deployments.openai_api.reasoning import prompt_opens_thinking, split_reasoning
 from tileinfer.deployments.openai_api.request_parsing import parse_request
 from tileinfer.deployments.openai_api.request_to_engine import chat_template_input
-from tileinfer.deployments.openai_api.requests import ChatCompletionRequest
 from tileinfer.deployments.openai_api.tool_calls import format_for_template
 from tileinfer.engine.errors import InvalidRequestError
 from tileinfer.engine.models.loader import load_tokenizer
@@ -171,6 +171,14 @@ def _accepts(tokenizer_dir: Path, grammar: GrammarSpec | None, text: str) -> boo
     return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
 
 
+def _grammar(name: str, tokenizer_dir: Path, params: SamplingParams, **fields: Any) -> GrammarSpec | None:
+    """The grammar that a chat request with these fields decodes under, for the model whose template and
+    tokenizer these are."""
+    tokenizer, _ = _tokenizers(tokenizer_dir)
+    plan = ChatOutputPlan.for_request(request(**fields), template(name), tokenizer.single_token_id)
+    return plan.constrain(params).grammar
+
+
 @pytest.mark.parametrize(
     ("name", "tokenizer_dir", "tool_choice"),
     [("Qwen-Qwen3-0.6B", qwen3_tokenizer_dir, "required"),
@@ -181,11 +189,9 @@ def _accepts(tokenizer_dir: Path, grammar: GrammarSpec | None, text: str) -> boo
 def test_the_forced_call_grammar_takes_the_written_call_and_refuses_bad_arguments(
     name: str, tokenizer_dir: Any, tool_choice: Any
 ) -> None:
-    tokenizer, _ = _tokenizers(tokenizer_dir())
-    plan = ChatOutputPlan.for_request(
-        request(tools=[WEATHER, TIME], tool_choice=tool_choice), template(name), tokenizer.single_token_id
+    grammar = _grammar(
+        name, tokenizer_dir(), SamplingParams(), tools=[WEATHER, TIME], tool_choice=tool_choice
     )
-    grammar = plan.constrain(SamplingParams()).grammar
     assert grammar is not None and grammar.kind == "lark" and "%json" in grammar.source
     text = written_call(name)  # Qwen3's begins with its (empty) think block
     assert _accepts(tokenizer_dir(), grammar, text)
@@ -195,49 +201,40 @@ def test_the_forced_call_grammar_takes_the_written_call_and_refuses_bad_argument
 
 
 def test_one_call_or_several_as_parallel_tool_calls_says() -> None:
-    tokenizer, _ = _tokenizers(qwen3_tokenizer_dir())
     one = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     for parallel in (True, False):
-        plan = ChatOutputPlan.for_request(
-            request(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=parallel,
-                    chat_template_kwargs={"enable_thinking": False}),
-            template("Qwen-Qwen3-0.6B"), tokenizer.single_token_id,
+        grammar = _grammar(
+            "Qwen-Qwen3-0.6B", qwen3_tokenizer_dir(), SamplingParams(), tools=[WEATHER, TIME],
+            tool_choice="required", parallel_tool_calls=parallel,
+            chat_template_kwargs={"enable_thinking": False},
         )  # fmt: skip
-        grammar = plan.constrain(SamplingParams()).grammar
         assert _accepts(qwen3_tokenizer_dir(), grammar, one)
         assert _accepts(qwen3_tokenizer_dir(), grammar, one + "\n" + one) == parallel
 
 
 def test_a_forced_call_and_a_schema_beside_it_are_json_on_one_line() -> None:
     """A forced call's object, and a response format's schema after a think block or beside a call, are laid
-    out as a json_schema answer is: ", " and ": " between items, no newline or indent (issue #43: a forced
-    call's arguments took indented lines, tokens that a call cut off by max_tokens lost)."""
-    tokenizer, _ = _tokenizers(qwen3_tokenizer_dir())
+    out as a json_schema answer is: ", " and ": " between items, no newline or indent (indented lines cost
+    a forced call's arguments tokens, which a call cut off by max_tokens lost)."""
     compact = '{"city": "Paris", "days": 3}'
     indented = json.dumps(ARGUMENTS, indent=2)
     call = '<tool_call>\n{"name": "get_weather", "arguments": %s}\n</tool_call>'
     no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
-    forced = ChatOutputPlan.for_request(
-        request(tool_choice="required", **no_thinking), template("Qwen-Qwen3-0.6B"), tokenizer.single_token_id
-    ).constrain(SamplingParams())
+    qwen3 = ("Qwen-Qwen3-0.6B", qwen3_tokenizer_dir())
+    forced = _grammar(*qwen3, SamplingParams(), tool_choice="required", **no_thinking)
     schema = SamplingParams(grammar=GrammarSpec("json", json.dumps(WEATHER_PARAMETERS)))
-    beside_a_call = ChatOutputPlan.for_request(
-        request(**no_thinking), template("Qwen-Qwen3-0.6B"), tokenizer.single_token_id
-    ).constrain(schema)
-    after_thinking = ChatOutputPlan.for_request(
-        request(tools=[]), template("Qwen-Qwen3-0.6B"), tokenizer.single_token_id
-    ).constrain(schema)
-    for params, spelled in ((forced, call), (beside_a_call, call), (beside_a_call, "%s"),
-                            (after_thinking, "<think>\nParis.\n</think>\n\n%s")):  # fmt: skip
-        assert _accepts(qwen3_tokenizer_dir(), params.grammar, spelled % compact), spelled
+    beside_a_call = _grammar(*qwen3, schema, **no_thinking)
+    after_thinking = _grammar(*qwen3, schema, tools=[])
+    for grammar, spelled in ((forced, call), (beside_a_call, call), (beside_a_call, "%s"),
+                             (after_thinking, "<think>\nParis.\n</think>\n\n%s")):  # fmt: skip
+        assert _accepts(qwen3_tokenizer_dir(), grammar, spelled % compact), spelled
         for other in (indented, compact.replace(", ", ","), compact.replace(": ", ":")):
-            assert not _accepts(qwen3_tokenizer_dir(), params.grammar, spelled % other), (spelled, other)
+            assert not _accepts(qwen3_tokenizer_dir(), grammar, spelled % other), (spelled, other)
 
 
 def test_a_schema_constrains_only_the_answer_after_the_thinking() -> None:
     """Qwen3 thinking: a response format's grammar (as the structured-output side sets it) after any think
     block, and with tool_choice auto a call instead; with thinking off no think block."""
-    tokenizer, _ = _tokenizers(qwen3_tokenizer_dir())
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
     constrained = SamplingParams(grammar=GrammarSpec("json", json.dumps(schema)))
     answer = '<think>\nThe user wants x. Maybe {"x": "a"}? No.\n</think>\n\n{"x": 7}'
@@ -250,11 +247,10 @@ def test_a_schema_constrains_only_the_answer_after_the_thinking() -> None:
         ([WEATHER], True, written_call("Qwen-Qwen3-0.6B"), True),
         ([WEATHER], True, answer, True),
     ):
-        plan = ChatOutputPlan.for_request(
-            request(tools=tools, chat_template_kwargs={"enable_thinking": thinking}),
-            template("Qwen-Qwen3-0.6B"), tokenizer.single_token_id,
+        grammar = _grammar(
+            "Qwen-Qwen3-0.6B", qwen3_tokenizer_dir(), constrained, tools=tools,
+            chat_template_kwargs={"enable_thinking": thinking},
         )  # fmt: skip
-        grammar = plan.constrain(constrained).grammar
         assert _accepts(qwen3_tokenizer_dir(), grammar, text) == accepted, (tools, thinking, text)
 
 
@@ -266,11 +262,7 @@ def test_a_schema_constrains_only_the_answer_after_the_thinking() -> None:
 def test_a_regex_or_a_choice_follows_the_thinking_too(
     grammar: GrammarSpec, answer: str, refused: str
 ) -> None:
-    tokenizer, _ = _tokenizers(qwen3_tokenizer_dir())
-    plan = ChatOutputPlan.for_request(
-        request(tools=[]), template("Qwen-Qwen3-0.6B"), tokenizer.single_token_id
-    )
-    wrapped = plan.constrain(SamplingParams(grammar=grammar)).grammar
+    wrapped = _grammar("Qwen-Qwen3-0.6B", qwen3_tokenizer_dir(), SamplingParams(grammar=grammar), tools=[])
     assert _accepts(qwen3_tokenizer_dir(), wrapped, f"<think>\nSo: {refused}?\n</think>\n\n{answer}")
     assert not _accepts(qwen3_tokenizer_dir(), wrapped, f"<think>\nSo.\n</think>\n\n{refused}")
 

@@ -13,9 +13,9 @@ import json
 import re
 from typing import Any
 
+from tileinfer.deployments.openai_api.chat_request import ChatCompletionRequest, NamedToolChoice
 from tileinfer.deployments.openai_api.errors import OpenAIError
 from tileinfer.deployments.openai_api.reasoning import OPEN, split_reasoning, thinking_rules, thinks
-from tileinfer.deployments.openai_api.requests import ChatCompletionRequest, NamedToolChoice
 from tileinfer.deployments.openai_api.tool_calls import (
     Function,
     PartialCall,

@@ -1,12 +1,12 @@
 """ASGI middleware: a request whose client has gone is cancelled at once, whatever it waits for.
 
-The generation routes abort their engine requests when cancelled (OpenAIIngress._submit and _merged), so a
-client that gives up frees its sequences and KV blocks within an engine step. Nothing else guarantees the
-cancel: Serve cancels a request whose client closed, but not one that sent `x-request-disconnect-disabled:
-?1` (any client may); Starlette notices a streamed response's client only when it next writes to it (ASGI
-2.4: a long prefill writes nothing), and a plain response's not at all. So this watches the connection
-itself, from when the app has read the whole body (until then its messages are the app's) to the end of
-the response.
+The generation routes abort their engine requests when cancelled (ChoiceRunner.submit and merged,
+deployments/openai_api/choices.py), so a client that gives up frees its sequences and KV blocks within an
+engine step. Nothing else guarantees the cancel: Serve cancels a request whose client closed, but not one
+that sent `x-request-disconnect-disabled: ?1` (any client may); Starlette notices a streamed response's
+client only when it next writes to it (ASGI 2.4: a long prefill writes nothing), and a plain response's not
+at all. So this watches the connection itself, from when the app has read the whole body (until then its
+messages are the app's) to the end of the response.
 """
 
 from __future__ import annotations

@@ -5,17 +5,15 @@ one engine request per choice (a chat's with the grammar that forces its tool ca
 deployments/openai_api/chat_output.py, which also reads reasoning and tool calls out of the answer's text).
 Token ids come back through this replica's one outputs stream from the engine
 (deployments/replicas/engine_replica.py, EngineClient), once per engine step; this replica detokenizes them
-and finds stop strings (tileinfer.engine.text.detokenizer.TextStream: the same code the engine runs in
+and finds stop strings (deployments/openai_api/choices.py: TextStream, the same code the engine runs in
 process). A body over OFF_LOOP_BYTES is parsed, validated, rendered and tokenized on a worker thread, so that
 the streams this replica sends meanwhile keep their pace, and a prompt too long for any context is refused
 before it is tokenized (Tokenizer.fewest_tokens). A client that goes away cancels its request, which aborts
 its engine requests (deployments/openai_api/disconnects.py).
 
-A stop string ends its choice at once (finish_reason "stop"): no text, token or logprob past the
-token that completed it is returned or counted, and the engine request is aborted (it stops within
-a step). Each SSE event carries everything of a choice that is ready when it is written: the first
-token goes out at once (no batching timer), and a client or step that outpaces the writer gets the
-tokens that piled up in one event rather than one event each.
+Each SSE event carries everything of a choice that is ready when it is written: the first token goes out
+at once (no batching timer), and a client or step that outpaces the writer gets the tokens that piled up in
+one event rather than one event each.
 
 The API key (AppArgs.resolve_api_key: args, a file or TILEINFER_API_KEY, read here) guards the
 completions and /v1/models. /health and /openapi.json answer without it, and so does /metrics unless
@@ -26,11 +24,8 @@ metrics_require_key (vLLM's convention). Calls to the engine beyond requests (/h
 import asyncio
 import collections
 import copy
-import dataclasses
 import hmac
-import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -43,36 +38,26 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 from tileinfer.deployments.launch.app_args import AppArgs
 from tileinfer.deployments.openai_api import openapi
+from tileinfer.deployments.openai_api.body_size_limit import BodySizeLimit
 from tileinfer.deployments.openai_api.chat_output import ChatOutputPlan
+from tileinfer.deployments.openai_api.chat_request import ChatCompletionRequest
+from tileinfer.deployments.openai_api.choices import Choice, ChoiceRunner, PreparedRequest
+from tileinfer.deployments.openai_api.completion_request import CompletionRequest
 from tileinfer.deployments.openai_api.disconnects import CancelOnDisconnect
 from tileinfer.deployments.openai_api.errors import OpenAIError, openai_error_from, original_exception
+from tileinfer.deployments.openai_api.generation_request import GenerationRequest, RequestT
 from tileinfer.deployments.openai_api.reasoning import prompt_opens_thinking
 from tileinfer.deployments.openai_api.request_parsing import json_bytes_of, parse_body
-from tileinfer.deployments.openai_api.request_to_engine import (
-    chat_template_input,
-    max_tokens_for,
-    prompt_too_long,
-    sampling_params_for,
-)
-from tileinfer.deployments.openai_api.requests import ChatCompletionRequest, CompletionRequest
-from tileinfer.deployments.openai_api.responses import (
-    ChatResponse,
-    ChoiceResult,
-    CompletionResponse,
-    echo_text,
-    usage,
-)
+from tileinfer.deployments.openai_api.request_to_engine import chat_template_input, prompt_too_long
+from tileinfer.deployments.openai_api.responses import ChatResponse, CompletionResponse, echo_text, usage
 from tileinfer.deployments.openai_api.sse import SSE_DONE, sse
-from tileinfer.deployments.replicas.engine_client import EngineClient, Inbox
-from tileinfer.deployments.replicas.engine_loop import Delta
+from tileinfer.deployments.replicas.engine_client import EngineClient
 from tileinfer.deployments.replicas.engine_replica import EngineInfo
 from tileinfer.deployments.replicas.metrics import exposition, router_families
-from tileinfer.deployments.replicas.routing import ROUTE_KWARG, RoutingPolicy, block_keys, policy_for
+from tileinfer.deployments.replicas.routing import ROUTE_KWARG, RoutingPolicy, policy_for
 from tileinfer.deployments.replicas.serve_logs import route_to_serve
-from tileinfer.engine.engine import RequestOutput
 from tileinfer.engine.models.loader import load_tokenizer
 from tileinfer.engine.text.chat_template import load_chat_template
-from tileinfer.engine.text.detokenizer import TextStream
 
 HEALTH_TIMEOUT_S = 1.0  # /health: the engine answers its health check within this, or is not healthy
 # A request body larger than this is parsed, validated, rendered and tokenized on a worker thread, so that the
@@ -82,70 +67,6 @@ OFF_LOOP_BYTES = 8 * 1024
 PREPARE_THREADS = 2  # larger requests prepared at once; more wait their turn
 T = TypeVar("T")
 CONTROL_CALL_TIMEOUT_S = 2.0  # /v1/models and /metrics: 503 when the engine does not answer within this
-
-
-@dataclasses.dataclass(eq=False)
-class _Choice:
-    index: int
-    prompt_index: int
-    num_prompt_tokens: int
-    text: TextStream
-    engine_request_id: str = ""
-    finished: bool = False
-
-
-@dataclasses.dataclass
-class _Prepared:
-    """A validated request, tokenized, with one engine request per choice; their Deltas arrive on
-    `outputs` as (choice, delta)."""
-
-    request_id: str
-    created: int
-    prompts: list[list[int]]
-    choices: list[_Choice]
-    outputs: Inbox
-    plan: ChatOutputPlan | None = None  # a chat's: the reasoning and tool calls its answers may hold
-
-
-class BodySizeLimit:
-    """ASGI middleware: a request body over max_bytes gets 413, whether or not it declares its length.
-
-    A declared Content-Length over the limit is refused before the app runs. A chunked body is counted as
-    the app reads it: receive raises the 413 OpenAIError, which the app's own handler turns into the
-    response (an exception of another type came out as a 500: FastAPI's catch-all handler answered it
-    before it reached this middleware).
-    """
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send)
-            return
-        received = 0
-
-        async def counting_receive() -> dict:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise OpenAIError.request_too_large(self.max_bytes)
-            return message
-
-        await self.app(scope, counting_receive, send)
-
-    async def _reject(self, send: Callable) -> None:
-        error = OpenAIError.request_too_large(self.max_bytes)
-        body = json.dumps(error.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -161,9 +82,9 @@ class OpenAIIngress:
         if args.chat_template is not None:  # the user's template in place of the model's
             self.tokenizer = copy.copy(self.tokenizer)
             self.tokenizer.chat_template = load_chat_template(args.chat_template)
+        self.runner = ChoiceRunner(self.client, self.tokenizer, args)
         self.info: EngineInfo | None = None
         self.created = int(time.time())
-        self._open_streams = 0  # streamed responses being sent (paced: _merged)
         self._preparing = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")  # _off_loop
 
     def __del__(self) -> None:  # Serve calls it when it stops this replica
@@ -183,26 +104,21 @@ class OpenAIIngress:
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """A chat completion, as the HTTP API returns it (stream is ignored)."""
-        raw = json_bytes_of(body)
-        request = await self._parse(ChatCompletionRequest, raw, stream=False)
-        return await self._chat_response(await self._prepare_chat(request, len(raw)), request)
+        request, prepared = await self._from_handle(ChatCompletionRequest, body, stream=False)
+        return await self._chat_response(prepared, request)
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The chunks of a streamed chat completion (call with handle.options(stream=True))."""
-        raw = json_bytes_of(body)
-        request = await self._parse(ChatCompletionRequest, raw, stream=True)
-        async for chunk in self._chat_chunks(await self._prepare_chat(request, len(raw)), request):
+        request, prepared = await self._from_handle(ChatCompletionRequest, body, stream=True)
+        async for chunk in self._chat_chunks(prepared, request):
             yield chunk
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        raw = json_bytes_of(body)
-        request = await self._parse(CompletionRequest, raw, stream=False)
-        return await self._completion_response(await self._prepare_completion(request, len(raw)), request)
+        request, prepared = await self._from_handle(CompletionRequest, body, stream=False)
+        return await self._completion_response(prepared, request)
 
     async def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        raw = json_bytes_of(body)
-        request = await self._parse(CompletionRequest, raw, stream=True)
-        prepared = await self._prepare_completion(request, len(raw))
+        request, prepared = await self._from_handle(CompletionRequest, body, stream=True)
         async for chunk in self._completion_chunks(prepared, request):
             yield chunk
 
@@ -234,9 +150,7 @@ class OpenAIIngress:
             ),
         )
         async def chat_completions(request: Request) -> Response:
-            body = await self._read_body(request)
-            parsed = await self._parse(ChatCompletionRequest, body)
-            prepared = await self._prepare_chat(parsed, len(body))
+            parsed, prepared = await self._from_http(ChatCompletionRequest, request)
             if parsed.stream:
                 return self._sse_response(self._chat_chunks(prepared, parsed))
             return JSONResponse(await self._chat_response(prepared, parsed))
@@ -248,9 +162,7 @@ class OpenAIIngress:
             ),
         )
         async def completions(request: Request) -> Response:
-            body = await self._read_body(request)
-            parsed = await self._parse(CompletionRequest, body)
-            prepared = await self._prepare_completion(parsed, len(body))
+            parsed, prepared = await self._from_http(CompletionRequest, request)
             if parsed.stream:
                 return self._sse_response(self._completion_chunks(prepared, parsed))
             return JSONResponse(await self._completion_response(prepared, parsed))
@@ -353,9 +265,12 @@ class OpenAIIngress:
         if not hmac.compare_digest(key.encode("latin-1"), self.api_key.encode("utf-8")):
             raise OpenAIError.invalid_api_key()
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _from_http(self, model: type[RequestT], request: Request) -> tuple[RequestT, PreparedRequest]:
+        """An HTTP request, authorized, validated and prepared."""
         self._authorize(request)
-        return await request.body()
+        body = await request.body()
+        parsed = await self._parse(model, body)
+        return parsed, await self._prepare(parsed, len(body))
 
     @staticmethod
     def _sse_response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -373,6 +288,14 @@ class OpenAIIngress:
 
     # --- shared by HTTP and handles -------------------------------------------------------------
 
+    async def _from_handle(
+        self, model: type[RequestT], body: dict[str, Any], stream: bool
+    ) -> tuple[RequestT, PreparedRequest]:
+        """A Python handle's request, validated as the JSON body it stands for, and prepared."""
+        raw = json_bytes_of(body)
+        request = await self._parse(model, raw, stream)
+        return request, await self._prepare(request, len(raw))
+
     async def _off_loop(self, num_bytes: int, work: Callable[..., T], *args: Any) -> T:
         """work(*args) for a request of num_bytes: here for a small one, on a worker thread for a larger one
         (OFF_LOOP_BYTES)."""
@@ -389,10 +312,15 @@ class OpenAIIngress:
             raise OpenAIError.model_not_found(model, info.model_name)
         return info
 
-    async def _prepare_chat(self, request: ChatCompletionRequest, num_bytes: int) -> _Prepared:
+    async def _prepare(self, request: GenerationRequest, num_bytes: int) -> PreparedRequest:
+        """The request's prompts tokenized (_off_loop), and its choices submitted to the engine."""
         info = await self._check_model(request.model)
-        prompt, plan = await self._off_loop(num_bytes, self._chat_prompt, request, info)
-        return await self._submit(request, [prompt], info, "chatcmpl", plan)
+        if isinstance(request, ChatCompletionRequest):
+            prompt, plan = await self._off_loop(num_bytes, self._chat_prompt, request, info)
+            return await self.runner.submit(request, [prompt], info.max_model_len, "chatcmpl", plan)
+        assert isinstance(request, CompletionRequest)
+        prompts = await self._off_loop(num_bytes, self._completion_prompts, request, info)
+        return await self.runner.submit(request, prompts, info.max_model_len, "cmpl")
 
     def _chat_prompt(
         self, request: ChatCompletionRequest, info: EngineInfo
@@ -414,11 +342,6 @@ class OpenAIIngress:
         opened = prompt_opens_thinking(prompt, self.tokenizer)
         return prompt, ChatOutputPlan.for_request(request, template, self.tokenizer.single_token_id, opened)
 
-    async def _prepare_completion(self, request: CompletionRequest, num_bytes: int) -> _Prepared:
-        info = await self._check_model(request.model)
-        prompts = await self._off_loop(num_bytes, self._completion_prompts, request, info)
-        return await self._submit(request, prompts, info, "cmpl")
-
     def _completion_prompts(self, request: CompletionRequest, info: EngineInfo) -> list[list[int]]:
         return [
             self._tokens(request, prompt, info) if isinstance(prompt, str) else list(prompt)
@@ -435,131 +358,20 @@ class OpenAIIngress:
             raise prompt_too_long(request, fewest, info.max_model_len, at_least=True)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    async def _submit(
-        self,
-        request: Any,
-        prompts: list[list[int]],
-        info: EngineInfo,
-        kind: str,
-        plan: ChatOutputPlan | None = None,
-    ) -> _Prepared:
-        """Start one engine request per choice; every one must be accepted, or none runs."""
-        outputs = Inbox()
-        choices: list[_Choice] = []
-        try:
-            for prompt_index, prompt in enumerate(prompts):
-                keys = block_keys(prompt, self.args.block_size) if self.client.policy.uses_prefixes() else []
-                max_tokens = max_tokens_for(request, len(prompt), info.max_model_len)
-                for sample_index in range(request.n):
-                    params = sampling_params_for(request, sample_index, max_tokens)
-                    if plan is not None:
-                        params = plan.constrain(params)
-                    outputs.eager |= bool(params.stop)  # stop strings: read each token as it comes
-                    text = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
-                    choice = _Choice(len(choices), prompt_index, len(prompt), text)
-                    # stop strings are found here, as the text is made
-                    engine_params = dataclasses.replace(params, stop=())
-                    choice.engine_request_id = await self.client.submit(
-                        prompt, engine_params, outputs, choice, keys
-                    )
-                    choices.append(choice)
-        except BaseException as error:
-            for choice in choices:
-                self.client.abort(choice.engine_request_id)
-            if isinstance(error, asyncio.CancelledError):
-                raise
-            raise openai_error_from(error, prompt_param=request.prompt_field) from None
-        return _Prepared(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prompts, choices, outputs, plan)
-
-    async def _merged(
-        self, prepared: _Prepared, paced: bool = False
-    ) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
-        """Each choice's output that is ready, all its Deltas so far joined into one, in the order the
-        choices' first Deltas arrived; aborts what still runs when left early.
-
-        paced (a stream): the next outputs come no sooner than _event_interval_s() after the last, and
-        carry every token that arrived meanwhile. Deltas are read (and stop strings found) as they
-        arrive; only the yield waits. The first output, and the one that ends the request, never wait."""
-        remaining = len(prepared.choices)
-        loop = asyncio.get_running_loop()
-        joined: dict[_Choice, RequestOutput] = {}
-        next_yield = None  # loop time; None: the next output goes out as soon as it arrives
-        self._open_streams += paced
-        try:
-            while remaining:
-                for choice, delta in await prepared.outputs.take(next_yield if joined else None):
-                    if choice.finished:
-                        continue  # past its stop string
-                    output = self._text_of(choice, delta)
-                    if choice in joined:
-                        _join(joined[choice], output)
-                    else:
-                        joined[choice] = output
-                    remaining -= output.finished
-                if joined and (next_yield is None or not remaining or loop.time() >= next_yield):
-                    for item in joined.items():
-                        yield item
-                    joined = {}
-                    next_yield = loop.time() + self._event_interval_s() if paced else None
-        finally:
-            self._open_streams -= paced
-            for choice in prepared.choices:
-                if not choice.finished:
-                    self.client.abort(choice.engine_request_id)
-
-    def _event_interval_s(self) -> float:
-        """The least time between one stream's events: all streams' events together (this replica's open
-        streams, as many in each ingress replica) stay within max_stream_events_per_s."""
-        rate = self.args.max_stream_events_per_s
-        return self._open_streams * self.args.num_ingress_replicas / rate if rate else 0.0
-
-    def _text_of(self, choice: _Choice, delta: Delta) -> RequestOutput:
-        """A Delta's text; cut at a stop string, which ends the choice (and aborts its engine request)."""
-        request_id, token_ids, finish_reason, logprobs, error = delta
-        if error is not None:
-            raise openai_error_from(error)
-        text = choice.text
-        parts: list[str] = []
-        # an engine's "stop" is a stop token, the last; it shows no text
-        num_with_text = len(token_ids) - (finish_reason == "stop")
-        for position in range(num_with_text):
-            parts.append(text.push(token_ids[position]))
-            if text.stopped:
-                self.client.abort(request_id, "stop")  # a no-op when the engine has ended it too
-                token_ids, finish_reason = token_ids[: position + 1], "stop"
-                logprobs = logprobs[: position + 1] if logprobs else None
-                break
-        else:
-            if finish_reason is not None:
-                parts.append(text.finish(flush=finish_reason == "length"))
-        choice.finished = finish_reason is not None
-        return RequestOutput(
-            request_id, token_ids, "".join(parts), choice.finished, finish_reason,
-            choice.num_prompt_tokens, 0, logprobs or [],
-        )  # fmt: skip
-
-    async def _collect(self, prepared: _Prepared) -> list[ChoiceResult]:
-        results = [ChoiceResult(choice.index, "", [], None, []) for choice in prepared.choices]
-        async for choice, output in self._merged(prepared):
-            result = results[choice.index]
-            result.text += output.new_text
-            result.token_ids += output.new_token_ids
-            result.logprobs += output.new_logprobs
-            result.finish_reason = output.finish_reason or result.finish_reason
-        return results
-
     @staticmethod
-    def _usage(prepared: _Prepared, num_completion_tokens: int) -> dict[str, int]:
+    def _usage(prepared: PreparedRequest, num_completion_tokens: int) -> dict[str, int]:
         return usage(sum(len(prompt) for prompt in prepared.prompts), num_completion_tokens)
 
-    async def _chat_response(self, prepared: _Prepared, request: ChatCompletionRequest) -> dict[str, Any]:
-        results = await self._collect(prepared)
+    async def _chat_response(
+        self, prepared: PreparedRequest, request: ChatCompletionRequest
+    ) -> dict[str, Any]:
+        results = await self.runner.collect(prepared)
         usage = self._usage(prepared, sum(len(result.token_ids) for result in results))
         response = ChatResponse(prepared.request_id, prepared.created, request, self.tokenizer, prepared.plan)
         return response.body(results, usage)
 
     async def _chat_chunks(
-        self, prepared: _Prepared, request: ChatCompletionRequest
+        self, prepared: PreparedRequest, request: ChatCompletionRequest
     ) -> AsyncIterator[dict[str, Any]]:
         response = ChatResponse(prepared.request_id, prepared.created, request, self.tokenizer, prepared.plan)
         assert prepared.plan is not None
@@ -567,7 +379,7 @@ class OpenAIIngress:
         for choice in prepared.choices:
             yield response.chunk(choice.index, {"role": "assistant", "content": ""})
         num_tokens = 0
-        async for choice, output in self._merged(prepared, paced=True):
+        async for choice, output in self.runner.merged(prepared, paced=True):
             num_tokens += len(output.new_token_ids)
             answer = answers[choice.index]
             # the text's reasoning, content and tool calls
@@ -579,8 +391,10 @@ class OpenAIIngress:
         if request.include_usage:
             yield response.usage_chunk(self._usage(prepared, num_tokens))
 
-    async def _completion_response(self, prepared: _Prepared, request: CompletionRequest) -> dict[str, Any]:
-        results = await self._collect(prepared)
+    async def _completion_response(
+        self, prepared: PreparedRequest, request: CompletionRequest
+    ) -> dict[str, Any]:
+        results = await self.runner.collect(prepared)
         if request.echo:
             for choice, result in zip(prepared.choices, results, strict=True):
                 result.text = self._echo(request, choice) + result.text
@@ -589,7 +403,7 @@ class OpenAIIngress:
         return response.body(results, usage)
 
     async def _completion_chunks(
-        self, prepared: _Prepared, request: CompletionRequest
+        self, prepared: PreparedRequest, request: CompletionRequest
     ) -> AsyncIterator[dict[str, Any]]:
         response = CompletionResponse(prepared.request_id, prepared.created, request, self.tokenizer)
         text_offsets = [0] * len(prepared.choices)  # characters of each choice's text sent so far
@@ -599,7 +413,7 @@ class OpenAIIngress:
                 yield response.chunk(choice.index, text)
                 text_offsets[choice.index] = len(text)
         num_tokens = 0
-        async for choice, output in self._merged(prepared, paced=True):
+        async for choice, output in self.runner.merged(prepared, paced=True):
             num_tokens += len(output.new_token_ids)
             logprobs, text_offset = output.new_logprobs, text_offsets[choice.index]
             yield response.chunk(choice.index, output.new_text, output.finish_reason, logprobs, text_offset)
@@ -607,7 +421,7 @@ class OpenAIIngress:
         if request.include_usage:
             yield response.usage_chunk(self._usage(prepared, num_tokens))
 
-    def _echo(self, request: CompletionRequest, choice: _Choice) -> str:
+    def _echo(self, request: CompletionRequest, choice: Choice) -> str:
         return echo_text(request.prompt_list()[choice.prompt_index], self.tokenizer)
 
 
@@ -637,14 +451,6 @@ async def _control_call(response: Any, what: str, timeout_s: float) -> Any:
         raise OpenAIError.service_unavailable(
             f"The engine is not healthy ({type(cause).__name__}: {detail}); please retry."
         ) from None
-
-
-def _join(output: RequestOutput, later: RequestOutput) -> None:
-    """Append a later output of the same choice to `output`."""
-    output.new_token_ids = output.new_token_ids + later.new_token_ids
-    output.new_text += later.new_text
-    output.new_logprobs = output.new_logprobs + later.new_logprobs
-    output.finished, output.finish_reason = later.finished, later.finish_reason
 
 
 def _routing_policy(args: AppArgs, engine: DeploymentHandle) -> RoutingPolicy:

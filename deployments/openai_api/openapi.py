@@ -19,11 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from tileinfer.deployments.openai_api.requests import (
-    TOKEN_ID_SCHEMA,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from tileinfer.deployments.openai_api.chat_request import ChatCompletionRequest
+from tileinfer.deployments.openai_api.completion_request import CompletionRequest
+from tileinfer.deployments.openai_api.request_model import TOKEN_ID_SCHEMA
 from tileinfer.engine.config import KVCacheDtype, Quantization
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
-"""A request body into a validated request model (deployments/openai_api/requests.py), every problem a 400 in
-OpenAI's words that names the field."""
+"""A request body into a validated request model (deployments/openai_api/chat_request.py,
+completion_request.py), every problem a 400 in OpenAI's words that names the field."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pydantic_core
 from pydantic import ValidationError
 from tileinfer.deployments.openai_api.errors import OpenAIError
-from tileinfer.deployments.openai_api.requests import RequestT
+from tileinfer.deployments.openai_api.generation_request import RequestT
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:

@@ -7,8 +7,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from tileinfer.deployments.openai_api.chat_request import ChatCompletionRequest
 from tileinfer.deployments.openai_api.errors import OpenAIError
-from tileinfer.deployments.openai_api.requests import ChatCompletionRequest, GenerationRequest
+from tileinfer.deployments.openai_api.generation_request import GenerationRequest
 from tileinfer.deployments.openai_api.structured_output import grammar_for
 from tileinfer.deployments.openai_api.tool_calls import fallback_messages, format_for_template
 from tileinfer.engine.errors import InvalidRequestError

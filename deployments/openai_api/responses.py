@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from tileinfer.deployments.openai_api.chat_output import ChatOutputPlan
+from tileinfer.deployments.openai_api.chat_request import ChatCompletionRequest
+from tileinfer.deployments.openai_api.completion_request import CompletionRequest
 from tileinfer.deployments.openai_api.logprobs import chat_logprobs_content, completion_logprobs
-from tileinfer.deployments.openai_api.requests import ChatCompletionRequest, CompletionRequest
 from tileinfer.engine.sampling.params import TokenLogprob
 from tileinfer.engine.text.tokenizer import Tokenizer
 

@@ -1,5 +1,5 @@
 """The engine grammar (tileinfer.engine.sampling.params.GrammarSpec) that a request's structured-output fields
-ask for (their models: ResponseFormat and StructuredOutputs, deployments/openai_api/requests.py).
+ask for (their models: ResponseFormat and StructuredOutputs, deployments/openai_api/generation_request.py).
 
 - `response_format` (OpenAI): `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON object)
   or `{"type": "json_schema", "json_schema": {"name", "description", "schema", "strict"}}`.
@@ -17,7 +17,7 @@ import json
 
 from llguidance.gbnf_to_lark import any_to_lark
 from tileinfer.deployments.openai_api.errors import OpenAIError
-from tileinfer.deployments.openai_api.requests import ResponseFormat, StructuredOutputs
+from tileinfer.deployments.openai_api.generation_request import ResponseFormat, StructuredOutputs
 from tileinfer.engine.sampling.params import GrammarSpec
 
 ANY_JSON_OBJECT = '{"type": "object"}'
