@@ -36,7 +36,8 @@ print(json.dumps({
     "bare_modules": sorted(
         name for name, module in sys.modules.items()
         if name.split(".")[0] in ("kernels", "engine", "proposers", "deployments")
-        and str(getattr(module, "__file__", "") or "").startswith(sys.argv[1])
+        # in our folder of that name (a virtualenv inside the checkout holds Hugging Face's kernels)
+        and str(getattr(module, "__file__", "") or "").startswith(f"{sys.argv[1]}/{name.split('.')[0]}/")
     ),
 }))
 """
@@ -49,7 +50,7 @@ def test_bare_names_are_not_ours_from_the_repository_root() -> None:
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.splitlines()[-1])
     # Hugging Face's kernels and ours, in one process
-    assert not seen["hf_kernels"].startswith(str(ROOT)) and seen["hf_kernels_api"], seen
+    assert Path(seen["hf_kernels"]).parent != ROOT / "kernels" and seen["hf_kernels_api"], seen
     assert seen["ours"] == str(ROOT / "kernels" / "rope.py")
     # a bare name that nothing else installs fails naming the namespace; the old import_path names the new
     assert set(seen["failures"]) == {"engine.engine", "proposers.ngram", "deployments.app:build_app"}

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-PACKAGES = ("deployments", "engine", "proposers", "kernels")
+# every module's logger (logging.getLogger(__name__)) is below it
+NAMESPACE = "tileinfer"
 
 
 def route_to_serve() -> None:
@@ -18,10 +19,9 @@ def route_to_serve() -> None:
     request ids). Call from a replica's constructor, when Serve has configured them; calling again is
     harmless."""
     serve_handlers = logging.getLogger("ray.serve").handlers
-    for name in PACKAGES:
-        package = logging.getLogger(name)
-        for handler in serve_handlers:
-            if handler not in package.handlers:
-                package.addHandler(handler)
-        package.setLevel(logging.INFO)
-        package.propagate = False  # Serve's handlers have them; the root's would print them twice
+    namespace = logging.getLogger(NAMESPACE)
+    for handler in serve_handlers:
+        if handler not in namespace.handlers:
+            namespace.addHandler(handler)
+    namespace.setLevel(logging.INFO)
+    namespace.propagate = False  # Serve's handlers have them; the root's would print them twice
