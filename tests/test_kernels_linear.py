@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from cuda_graph import captured
+from tileinfer.engine.graphs import capture_graph
 from tileinfer.kernels import linear_gemm, linear_gemv, linear_skinny
 from tileinfer.kernels.linear import (
     LinearWorkspace,
@@ -270,7 +270,7 @@ def test_cuda_graph_replay_gpu(m: int, workspace: LinearWorkspace) -> None:
         linear_triton(x, weight, out=out, workspace=workspace)
         gate_up_silu_triton(x, gate_up_weight, out=mlp_out, workspace=workspace)
 
-    graph = captured(step)
+    graph = capture_graph(step, None)
     x.copy_(torch.randn(m, k, device="cuda", generator=gen).bfloat16())
     graph.replay()
     torch.cuda.synchronize()

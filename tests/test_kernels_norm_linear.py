@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_graph import captured
+from tileinfer.engine.graphs import capture_graph
 from tileinfer.kernels import norm_linear
 from tileinfer.kernels.linear import LinearWorkspace
 from tileinfer.kernels.linear_gemv import GemvConfig
@@ -308,7 +308,7 @@ def test_cuda_graph_replay_gpu(m: int, workspace: LinearWorkspace) -> None:
             hidden, sums[1], norm_weight, EPS, lm_head, out=logits, residual_out=sums[2], workspace=workspace
         )
 
-    graph = captured(step)
+    graph = capture_graph(step, None)
     hidden.copy_(torch.randn(m, k, device="cuda", generator=gen).bfloat16())
     graph.replay()
     torch.cuda.synchronize()

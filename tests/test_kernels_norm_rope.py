@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_graph import captured
+from tileinfer.engine.graphs import capture_graph
 from tileinfer.kernels import qkv_epilogue as qkv_epilogue_module
 from tileinfer.kernels import rmsnorm as rmsnorm_module
 from tileinfer.kernels.embedding import embedding_reference, embedding_triton
@@ -362,7 +362,7 @@ def test_kernels_replay_in_a_cuda_graph() -> None:
             out=query,
         )
 
-    graph = captured(step)
+    graph = capture_graph(step, None)
 
     for seed in range(3):
         step_generator = _generator(100 + seed)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from cuda_graph import captured
+from tileinfer.engine.graphs import capture_graph
 from tileinfer.engine.sampling.params import SamplingParams
 from tileinfer.engine.sampling.sampler import Sampler
 from tileinfer.engine.sequence import Sequence
@@ -418,7 +418,7 @@ def test_gpu_sampling_replays_in_a_cuda_graph() -> None:
     logits, tensors, *_ = random_batch(5, batch, vocab_size, scale=4.0)
     out = torch.empty(batch, dtype=torch.int64, device="cuda")
     workspace = SamplingWorkspace.allocate(batch, vocab_size, "cuda")
-    graph = captured(lambda: sample_triton(logits, tensors, out=out, workspace=workspace))
+    graph = capture_graph(lambda: sample_triton(logits, tensors, out=out, workspace=workspace), None)
     for step in range(3):
         tensors.positions.fill_(step)
         expected = sample_reference(logits, tensors)
@@ -588,7 +588,7 @@ def test_gpu_real_vocab_takes_the_fast_path(batch: int) -> None:
             assert (search_statuses(workspace, rows)[:, -1] != sampling_triton.FALLBACK).all()
     # The last group again, in a graph, over a few steps.
     out = torch.empty(rows, dtype=torch.int64, device="cuda")
-    graph = captured(lambda: sample_triton(logits, tensors, out=out, workspace=workspace))
+    graph = capture_graph(lambda: sample_triton(logits, tensors, out=out, workspace=workspace), None)
     for step in range(3):
         tensors.positions.fill_(step)
         graph.replay()
