@@ -83,7 +83,7 @@ DEVICE = "cuda"
 
 
 def copy_bandwidth(replays: int = 20) -> float:
-    """Bytes per second of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
+    """Bytes per second of a 2 GiB device-to-device copy, counting bytes read plus bytes written; printed."""
     size = 2 * 2**30
     src = torch.empty(size, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -99,7 +99,21 @@ def copy_bandwidth(replays: int = 20) -> float:
         times.append(start.elapsed_time(end) / 1e3)
     del src, dst
     torch.cuda.empty_cache()
-    return 2 * size / statistics.median(times)
+    bandwidth = 2 * size / statistics.median(times)
+    print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (2 GiB device-to-device, read + write)", flush=True)
+    return bandwidth
+
+
+def shapes_parser(description: str | None) -> argparse.ArgumentParser:
+    """A parser with the flags the linear benchmarks share: the output folder and --models."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out_dir", nargs="?", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS)
+    )
+    return parser
 
 
 def time_in_graph(call: Callable[[int], object], copies: int, replays: int) -> float:
@@ -383,13 +397,7 @@ def merge_tuned(path: Path, rows: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("out_dir", nargs="?", default=os.environ.get("OUT", "bench_out"))
-    parser.add_argument(
-        "--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS)
-    )
+    parser = shapes_parser(__doc__)
     parser.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma-separated M values")
     parser.add_argument("--layers", help="comma-separated subset of qkv,o,gate_up,down,lm_head")
     parser.add_argument("--replays", type=int, default=50)
@@ -419,7 +427,6 @@ def main() -> None:
         dequant = DequantWorkspace(device, 2 * largest, num_buffers=1)
     workspace = LinearWorkspace(SplitKScratch.allocate(device), dequant)
     bandwidth = copy_bandwidth()
-    print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (2 GiB device-to-device, read + write)", flush=True)
     rows, sweeps = [], []
     for model in args.models.split(","):
         for layer, (n_rows, k) in MODELS[model].items():

@@ -18,8 +18,6 @@ OUT_DIR/bench_norm_linear.json (OUT_DIR: the argument, else $OUT, else ./bench_o
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +42,7 @@ from bench.bench_linear import (  # noqa: E402
     copy_bandwidth,
     print_table_header,
     run_record,
+    shapes_parser,
     sweep_configs,
     time_in_graph,
     write_results,
@@ -112,13 +111,7 @@ class NormCase(Case):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("out_dir", nargs="?", default=os.environ.get("OUT", "bench_out"))
-    parser.add_argument(
-        "--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS)
-    )
+    parser = shapes_parser(__doc__)
     parser.add_argument("--m", default="1", help="comma-separated M values (<= 8: the fused GEMV)")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also time every fused GEMV tile candidate")
@@ -135,7 +128,6 @@ def main() -> None:
     assert all(1 <= m <= GEMV_MAX_M for m in m_values), f"--m: decode sizes 1..{GEMV_MAX_M} only"
 
     bandwidth = copy_bandwidth()
-    print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (2 GiB device-to-device, read + write)", flush=True)
     rows = []
     for model in args.models.split(","):
         for layer in args.layers.split(","):
