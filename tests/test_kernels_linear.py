@@ -5,6 +5,8 @@ compiled, and the tests marked gpu check the real model shapes in bf16, under a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,6 +74,24 @@ def _poisoned_out(m: int, n: int, dtype: torch.dtype, pad: int) -> tuple[torch.T
     return buffer, buffer[:, :n]
 
 
+def _written(
+    kernel: Callable[[torch.Tensor | None], torch.Tensor], m: int, n: int, dtype: torch.dtype, pad: int | None
+) -> torch.Tensor:
+    """kernel(out): into a NaN-poisoned [m, n] view of a wider buffer (pad columns past it), or allocating
+    (pad None, out None); checks the result's shape and dtype, that every element was written and none
+    past the view."""
+    if pad is None:
+        result = kernel(None)
+    else:
+        buffer, out = _poisoned_out(m, n, dtype, pad)
+        result = kernel(out)
+        assert result.data_ptr() == out.data_ptr()
+        assert buffer[:, n:].isnan().all(), "wrote past the output columns"
+    assert result.shape == (m, n) and result.dtype == dtype
+    assert torch.isfinite(result).all(), "an output element was not written"
+    return result
+
+
 def _seed(*parts: object) -> int:
     return sum((i + 1) * ord(c) for i, c in enumerate(repr(parts))) % (2**31)
 
@@ -98,15 +118,10 @@ def test_linear_matches_reference(
     bias = bias if with_bias else None
     expected = _linear64(x, weight, bias)
 
-    if with_out:
-        buffer, out = _poisoned_out(m, n, dtype, pad=5)
-        result = linear_triton(x, weight, bias, out=out, workspace=workspace)
-        assert result.data_ptr() == out.data_ptr()
-        assert buffer[:, n:].isnan().all(), "wrote past the output columns"
-    else:
-        result = linear_triton(x, weight, bias, workspace=workspace)
-    assert result.shape == (m, n) and result.dtype == dtype
-    assert torch.isfinite(result).all(), "an output element was not written"
+    result = _written(
+        lambda out: linear_triton(x, weight, bias, out=out, workspace=workspace),
+        m, n, dtype, pad=5 if with_out else None,
+    )  # fmt: skip
     torch.testing.assert_close(result.double(), expected, **tolerance(dtype))
     # The reference itself agrees (it is what the CPU engine runs).
     reference = linear_reference(x, weight, bias)
@@ -124,15 +139,10 @@ def test_gate_up_silu_matches_reference(
     x, weight, _ = _inputs(m, 2 * intermediate, k, dtype, _seed("gate_up", shape, dtype), x_pad=x_pad)
     expected = _gate_up64(x, weight)
 
-    if with_out:
-        buffer, out = _poisoned_out(m, intermediate, dtype, pad=3)
-        result = gate_up_silu_triton(x, weight, out=out, workspace=workspace)
-        assert result.data_ptr() == out.data_ptr()
-        assert buffer[:, intermediate:].isnan().all(), "wrote past the output columns"
-    else:
-        result = gate_up_silu_triton(x, weight, workspace=workspace)
-    assert result.shape == (m, intermediate) and result.dtype == dtype
-    assert torch.isfinite(result).all(), "an output element was not written"
+    result = _written(
+        lambda out: gate_up_silu_triton(x, weight, out=out, workspace=workspace),
+        m, intermediate, dtype, pad=3 if with_out else None,
+    )  # fmt: skip
     torch.testing.assert_close(result.double(), expected, **tolerance(dtype))
     reference = gate_up_silu_reference(x, weight)
     torch.testing.assert_close(reference.double(), expected, **tolerance(dtype))
