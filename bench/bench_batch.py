@@ -49,11 +49,11 @@ from bench import limits  # noqa: E402
 from bench.bench_engine import (  # noqa: E402
     DISPLAY_NAMES,
     attempt,
+    begin_model,
     chosen_models,
     free_memory,
     log,
     model_parser,
-    model_weights,
     random_prompt,
     run_models,
     step_summary,
@@ -285,15 +285,8 @@ def bench_model(record: dict[str, Any], name: str, settings: Settings, bandwidth
         str(batch): batch_roofline(spec, bandwidth, batch, cached, settings.dtype, settings.quantization)
         for batch in sorted({*settings.batches, *settings.peer_batches})
     }
-    record.update(
-        model=name,
-        spec=dataclasses.asdict(spec),
-        limits={"mean_cached_positions": cached, "roofline_tok_s": rooflines},
-        tileinfer={},
-        peer={},
-    )
-    log(f"\n== {name}")
-    weights = model_weights(record, spec, settings)
+    model_limits = {"mean_cached_positions": cached, "roofline_tok_s": rooflines}
+    weights = begin_model(record, name, spec, settings, model_limits)
     if weights is None:
         return
     tileinfer_then_peer(

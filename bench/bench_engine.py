@@ -130,6 +130,21 @@ def model_weights(record: dict[str, Any], spec: ModelSpec, settings: Any) -> dic
     return weights
 
 
+def begin_model(
+    record: dict[str, Any],
+    name: str,
+    spec: ModelSpec,
+    settings: Any,
+    model_limits: dict[str, Any],
+    note: str = "",
+) -> dict[str, torch.Tensor] | None:
+    """A model's record begun (its name, shape and limits, empty parts for TileInfer and the peer) and
+    logged as "== name" + note; then its weights, as model_weights draws them."""
+    record.update(model=name, spec=dataclasses.asdict(spec), limits=model_limits, tileinfer={}, peer={})
+    log(f"\n== {name}{note}")
+    return model_weights(record, spec, settings)
+
+
 def tileinfer_then_peer(bench_tileinfer: Callable[[], None], bench_peer: Callable[[], None]) -> None:
     """TileInfer's part, then the peer's on the same weights: memory freed between them, and the peer's
     compiled graphs and memory after, also when a part raised."""
@@ -402,23 +417,15 @@ def bench_model(
     )
     bandwidth, flops = machine_limits["copy_bandwidth_bytes_per_s"], machine_limits["matmul_flops_per_s"]
     cached = settings.prompt_len - 1
-    record.update(
-        model=name,
-        spec=dataclasses.asdict(spec),
-        limits={
-            "decode_cached_positions": cached,
-            "decode_bytes_per_token": limits.decode_bytes_per_token(spec, cached, settings.dtype),
-            "decode_roofline_tok_s": limits.decode_roofline(spec, bandwidth, cached, settings.dtype),
-            "prefill_flops": {str(n): limits.prefill_flops(spec, n) for n in settings.prefill_lens},
-            "prefill_limit_tok_s": {
-                str(n): limits.prefill_limit(spec, flops, n) for n in settings.prefill_lens
-            },
-        },
-        tileinfer={},
-        peer={},
-    )
-    log(f"\n== {name}: decode roofline {record['limits']['decode_roofline_tok_s']:,.0f} tok/s")
-    weights = model_weights(record, spec, settings)
+    model_limits = {
+        "decode_cached_positions": cached,
+        "decode_bytes_per_token": limits.decode_bytes_per_token(spec, cached, settings.dtype),
+        "decode_roofline_tok_s": limits.decode_roofline(spec, bandwidth, cached, settings.dtype),
+        "prefill_flops": {str(n): limits.prefill_flops(spec, n) for n in settings.prefill_lens},
+        "prefill_limit_tok_s": {str(n): limits.prefill_limit(spec, flops, n) for n in settings.prefill_lens},
+    }
+    roofline = f": decode roofline {model_limits['decode_roofline_tok_s']:,.0f} tok/s"
+    weights = begin_model(record, name, spec, settings, model_limits, roofline)
     if weights is None:
         return
     prompt = random_prompt(torch.Generator().manual_seed(1234), spec.vocab_size, settings.prompt_len)
