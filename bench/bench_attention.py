@@ -40,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tileinfer.kernels.decode_attention import (  # noqa: E402
     MAX_DECODE_SPLITS,
-    AttentionMetadata,
     DecodeTile,
     DecodeWorkspace,
     decode_num_splits,
     decode_splits_used,
     paged_decode_attention_triton,
 )
+from tileinfer.kernels.paged_attention import AttentionMetadata  # noqa: E402
 from tileinfer.kernels.prefill_attention import (  # noqa: E402
     allocate_prefill_workspace,
     paged_prefill_attention_triton,

@@ -11,11 +11,11 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.errors import ContextLengthExceededError, GrammarFailedError, InvalidRequestError
-from tileinfer.engine.graphs import step_sizes
+from tileinfer.engine.graph_buckets import step_sizes
 from tileinfer.engine.kv.block_manager import BlockManager
 from tileinfer.engine.kv.budget import (
     dequant_buffer_bytes,
@@ -30,7 +30,7 @@ from tileinfer.engine.models.loader import LoadedModel, load_model
 from tileinfer.engine.ops import ops_for
 from tileinfer.engine.runner import ModelRunner
 from tileinfer.engine.sampling.grammar import Grammars
-from tileinfer.engine.sampling.params import GrammarSpec, SamplingParams, TokenLogprob
+from tileinfer.engine.sampling.params import SamplingParams, TokenLogprob
 from tileinfer.engine.scheduler import Scheduler
 from tileinfer.engine.sequence import Sequence, SequenceStatus
 from tileinfer.engine.spec_decode.proposer_interface import Proposer
@@ -38,8 +38,8 @@ from tileinfer.engine.spec_decode.speculator import DEFAULT_DRAFT_COST, Speculat
 from tileinfer.engine.step import Drafts, PendingStep, RowOutput, ScheduledRow, StepWork, is_decode_step
 from tileinfer.engine.step_cost import StepCostModel
 from tileinfer.engine.text.detokenizer import TextStream
+from tileinfer.engine.warm_up import warm_up_engine
 from tileinfer.kernels.int8 import Int8Weight
-from tileinfer.kernels.triton_common import specialization_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,6 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens reused from the prefix cache
     new_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     error: GrammarFailedError | None = None  # finish_reason "error": why (the output does not match)
-
-
-_WARM_UP_GRAMMAR = GrammarSpec("regex", "[a-z]+")
 
 
 @dataclasses.dataclass(eq=False)
@@ -162,7 +159,7 @@ class Engine:
             step_sizes=step_sizes(self.max_num_batched_tokens),
         )  # fmt: skip
         self._last_step_done = 0.0  # perf_counter seconds: when the last step measured had its tokens
-        self._measuring = bool(step_ms)  # whether steps teach the step-cost model (warm-up's compile)
+        self.measuring_steps = bool(step_ms)  # whether steps teach the step-cost model (warm-up's compile)
         run_ahead = config.run_ahead if config.run_ahead is not None else self.device.type == "cuda"
         # Drafting needs the tokens on the host: a step that drafts first reads any launched one. DFlash's
         # hidden states come from step graphs or eager steps, not decode graphs, so it never runs ahead.
@@ -277,7 +274,7 @@ class Engine:
         scheduled = batch.scheduled
         is_decode = is_decode_step(scheduled)
         # what the step computes, for the step-cost model (only where the scheduler budgets time with it)
-        work = StepWork.of(scheduled) if self._measuring else None
+        work = StepWork.of(scheduled) if self.measuring_steps else None
         if not drafts and self.run_ahead and self.runner.can_launch_ahead(scheduled):
             launched = self.runner.launch(scheduled, self.in_flight)
             launched.work, launched.scheduled_at = work, scheduled_at
@@ -382,29 +379,6 @@ class Engine:
             ending = {seq for seq, finish in grammar_finishes.items() if finish is not None}
             self.runner.start_masks(launched, ending=ending)
         return [self._emit(seq, None, grammar_finish=grammar_finishes.get(seq)) for seq, _ in read]
-
-    def _warm_up_cut_chunks(self, prompt: Callable[[int], list[int]], params: SamplingParams) -> None:
-        """Warm-up's eager chunks of each step size below the token budget, as a long prompt's chunks cut to
-        the time budget run them: deep in a prompt (after two whole-budget chunks: at a 2,048-token budget
-        4,096 keys, where the prefill kernel splits the keys as it does for chunks deeper still), each
-        once to compile its kernels, then all once more, measured: the step-cost model's first fit, so
-        that serving starts with chunks cut to the budget. prompt(length): a fresh prompt."""
-        scheduler, whole = self.scheduler, self.max_num_batched_tokens
-        try:
-            for measured in (False, True):
-                self._measuring = measured
-                for size in scheduler.step_sizes:
-                    if size >= whole or 2 * whole + size >= self.max_prompt_tokens:
-                        continue
-                    request_id = self.add_request(prompt(2 * whole + size + 1), params)
-                    for chunk in (whole, whole, size):
-                        scheduler.max_num_batched_tokens = chunk
-                        self.step()
-                    self.abort(request_id)
-                    while self.has_unfinished():  # a step launched ahead
-                        self.step()
-        finally:
-            scheduler.max_num_batched_tokens = whole
 
     def _measured(self, work: StepWork | None, scheduled_at: float, done_at: float) -> None:
         """Give the step-cost model a step's time: from when it was scheduled, or when the step before it had
@@ -538,86 +512,8 @@ class Engine:
             finish_reason = output.finish_reason or finish_reason
         return token_ids, text, finish_reason
 
-    # --- warm-up --------------------------------------------------------------------------------
-
     def warm_up(self, force: bool = False) -> float:
-        """Compile every kernel variant the engine can launch, before it serves: run throwaway requests
-        through add_request/step to the end, then leave the engine as built (no requests, every block
-        free, nothing in the prefix cache, no preemptions, no speculation stats). Returns the seconds.
-
-        The CUDA graphs compiled their kernels at capture; what compiles later are eager launches. Those
-        sized by a step's row count (prefills, verify steps' plain rows, DFlash decodes) compile one
-        variant per specialization of it (kernels/triton_common.py), so one batch runs per variant;
-        sampling parameters are per-row values there, but each variant (greedy, temperature, top-k/p,
-        min-p, seeds, penalties, logprobs) takes its own host path, so each runs alone once; a prompt
-        longer than the token budget has chunks without logits, which run eagerly, and those cut to the
-        time budget run at each step size (_warm_up_cut_chunks, which also gives the step-cost model its
-        first fit); and with a speculator, steps verify greedy and sampled drafts. Its steps are chunked by
-        tokens only, and the others teach the step-cost model nothing (they compile). Skipped on the CPU
-        (no Triton) unless forced (tests)."""
-        if self.device.type == "cpu" and not force:
-            return 0.0
-        if self.has_unfinished():
-            raise InvalidRequestError("warm_up runs on an idle engine only")
-        started = time.perf_counter()
-        config, vocab_size = self.config, self.logit_vocab_size  # the ids a prompt may hold and logits have
-        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        sampled = dataclasses.replace(greedy, temperature=0.8)
-        variants = [
-            greedy, dataclasses.replace(greedy, logprobs=2), dataclasses.replace(sampled, seed=1),
-            dataclasses.replace(sampled, top_k=5), dataclasses.replace(sampled, top_p=0.9),
-            dataclasses.replace(sampled, min_p=0.1),
-            dataclasses.replace(sampled, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2),
-            dataclasses.replace(greedy, repetition_penalty=1.2, logprobs=1),
-        ]  # fmt: skip
-        # (prompt length, params) per request; a negative length: one phrase repeated (n-gram drafts)
-        batches: list[list[tuple[int, SamplingParams]]] = [[(1, params)] for params in variants]
-        # More rows at once: a batch for each other variant Triton compiles for a row count (1 ran above).
-        most_rows = min(config.max_num_seqs, self.max_num_batched_tokens)
-        for rows in specialization_sizes(most_rows)[1:]:
-            batches.append([(1, variants[row % len(variants)]) for row in range(rows)])
-        long_prompt = self.max_num_batched_tokens + 1  # first chunks of the whole budget, and of it less 2
-        if long_prompt <= self.max_prompt_tokens:
-            batches += [[(long_prompt, greedy)], [(2, greedy), (long_prompt, greedy)]]
-        if self.grammars is not None:  # the mask kernel, and llguidance's tokenizer built before serving
-            batches.append([(1, dataclasses.replace(greedy, grammar=_WARM_UP_GRAMMAR)), (1, greedy)])
-        if self.speculator is not None:
-            drafting = dataclasses.replace(greedy, max_tokens=2 * config.num_draft + 2)
-            sampled_drafting = dataclasses.replace(drafting, temperature=0.8, seed=1)
-            batches += [[(-16, drafting)], [(-16, drafting), (-16, sampled_drafting), (2, variants[1])]]
-
-        def prompt(index: int, length: int) -> list[int]:
-            """Distinct per request, so that none reuses another's KV (the prefix cache is emptied after)."""
-            tokens = [(index * 7919 + position * 104729 + 1) % vocab_size for position in range(abs(length))]
-            return tokens if length > 0 else [tokens[position % 4] for position in range(-length)]
-
-        count = itertools.count()
-
-        def run(batch: list[tuple[int, SamplingParams]]) -> None:
-            request_ids = []
-            try:
-                for length, params in batch:
-                    index = next(count)
-                    tokens = prompt(index, length)[: self.max_prompt_tokens]
-                    request_ids.append(self.add_request(tokens, params, request_id=f"warm-up-{index}"))
-                while self.has_unfinished():
-                    self.step()
-            finally:
-                for request_id in request_ids:  # only when a step raised: finished requests are gone
-                    self.abort(request_id)
-
-        scheduler, measuring = self.scheduler, self._measuring
-        budget_s, scheduler.step_budget_s, self._measuring = scheduler.step_budget_s, None, False
-        try:
-            for batch in batches:
-                run(batch)
-            self.step_cost.reset()
-            if budget_s is not None:
-                self._warm_up_cut_chunks(lambda length: prompt(next(count), length), greedy)
-        finally:
-            scheduler.step_budget_s, self._measuring = budget_s, measuring
-        self.block_manager.reset_prefix_cache()
-        self.scheduler.num_preemptions = 0
-        if self.speculator is not None:
-            self.speculator.reset_measurements()
-        return time.perf_counter() - started
+        """Compile every kernel variant the engine can launch before it serves, and leave the engine as
+        built (engine/warm_up.py). Skipped on the CPU (no Triton) unless forced (tests). Returns the
+        seconds."""
+        return warm_up_engine(self, force)

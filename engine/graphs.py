@@ -7,20 +7,11 @@ speculative verification): forward and the LM head of the chosen logit rows; a s
 samples those rows from the same buffers (sample). Launched eagerly, a step of a few hundred tokens costs
 the host ~10 Triton launches per layer from Python, far more than the GPU's own time.
 
-Padding. A step bucket's shapes are fixed: T tokens, up to min(T, max_num_seqs) sequences and at most T
-logit rows. Its padding tokens belong to extra sequences, each no longer than a context (its keys fill one
-block-table row, its positions the RoPE table), whose block table rows point at block 0 and whose KV writes
-are skipped (slot -1), so they read finite stale values and change nothing; so a step may hold more
-tokens than max_model_len (many prompts at once). Sequence slots beyond those get no tokens and no keys. A
-decode bucket's padding rows have length 0, which attention skips.
-
-Inputs. Every input of a replay is a field of one static byte buffer (_fields: one more per-row input is
-one more line there, and its write in _stage). A bucket lays its fields out one after another, the block
-tables first (so a row's table sits at the same place in every bucket), and a step's inputs reach the
-device in one copy of the bucket's bytes from a pinned staging buffer. Two staging buffers serve
-alternate steps: a launch's inputs must stay intact until its copy has run, which may be after the host
-has prepared the next launch (run-ahead). A row whose source row is >= 0 takes that row of the previous
-launch's samples (token_ids, still on the device) as its input id.
+Padding and inputs: engine/graph_buckets.py (a bucket's shapes, and its inputs' layout in one static
+byte buffer, copied from a pinned staging buffer in one copy). Two staging buffers serve alternate steps: a
+launch's inputs must stay intact until its copy has run, which may be after the host has prepared the next
+launch (run-ahead). A row whose source row is >= 0 takes that row of the previous launch's samples
+(token_ids, still on the device) as its input id.
 
 Structured output (engine/sampling/grammar.py). A constrained row's mask follows its previous token, which the
 host may not have read when the step launches (run-ahead), so a step samples every row unmasked and the
@@ -39,41 +30,32 @@ staging and the read-back events.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 from collections.abc import Callable
 
 import numpy
 import torch
+from tileinfer.engine.graph_buckets import (
+    DECODE_BATCH_SIZES,
+    Bucket,
+    attention_metadata,
+    padded_sequences,
+    sampling_tensors,
+    stage_sampling,
+    step_sizes,
+)
 from tileinfer.engine.models.decoder import Decoder
 from tileinfer.engine.sampling.sampler import Sampler
 from tileinfer.engine.sequence import Sequence
 from tileinfer.engine.step import PendingStep
-from tileinfer.engine.step_inputs import SAMPLING_FLOAT_FIELDS, StepInputs
-from tileinfer.kernels.decode_attention import AttentionMetadata, DecodeWorkspace, decode_num_splits
+from tileinfer.engine.step_inputs import StepInputs
+from tileinfer.kernels.decode_attention import DecodeWorkspace, decode_num_splits
 from tileinfer.kernels.prefill_attention import allocate_prefill_workspace, prefill_num_splits
-from tileinfer.kernels.sampling import SamplingTensors, SamplingWorkspace
+from tileinfer.kernels.sampling import SamplingWorkspace
 from tileinfer.kernels.token_mask import apply_token_mask, bitmask_words
-
-DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# No step bucket below 16: with buckets of 1-8 tokens (linear layers as GEMVs) an n-gram verify step on
-# SmolLM2-135M took 2.82 ms on the H200, against 1.95 ms from the 16-token bucket (BENCHMARKS.md).
-TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-
-
-def step_sizes(max_num_tokens: int) -> tuple[int, ...]:
-    """The token counts of the step buckets, up to a step of max_num_tokens: the sizes a step runs at
-    without padding (the scheduler ends a long prompt's cut chunks on them too)."""
-    return tuple(sorted({size for size in TOKEN_BUCKETS if size < max_num_tokens} | {max_num_tokens}))
-
 
 # The most constrained rows one masked-sampling replay takes (more take several): its gathered logits are
 # [rows, vocab] float32 scratch, 39 MB at 64 rows of a 152k vocabulary.
 MAX_MASKED_ROWS = 64
-
-# the float fields' values for a padding row: greedy, no filtering, no penalties
-_NEUTRAL_FLOATS = numpy.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0], dtype=numpy.float32)
-_ALIGN = 16  # bytes: every field starts at a multiple of it (so any dtype views it)
 
 
 def capture_graph(step: Callable[[], None], pool: tuple | None) -> torch.cuda.CUDAGraph:
@@ -88,39 +70,6 @@ def capture_graph(step: Callable[[], None], pool: tuple | None) -> torch.cuda.CU
     with torch.cuda.graph(graph, pool=pool):
         step()
     return graph
-
-
-def padded_sequences(
-    query_start_loc: list[int], seq_lens: list[int], size: int, pad_len: int, num_slots: int
-) -> tuple[list[int], list[int]]:
-    """Every one of num_slots sequence slots' query start (and the end: num_slots + 1 starts) and length:
-    the real sequences given, then padding sequences of at most pad_len tokens that fill the step to
-    `size` tokens, then empty slots."""
-    padding = size - query_start_loc[-1]
-    whole, rest = divmod(padding, pad_len)
-    pad_lens = [pad_len] * whole + [rest] * (rest > 0)
-    pad_ends = list(itertools.accumulate(pad_lens, initial=query_start_loc[-1]))[1:]
-    empty = num_slots - len(seq_lens) - len(pad_lens)
-    assert empty >= 0, "more sequences than the step's slots"
-    return query_start_loc + pad_ends + [size] * empty, seq_lens + pad_lens + [0] * empty
-
-
-@dataclasses.dataclass
-class _Bucket:
-    """One captured shape: its row counts, its fields' views of the static buffer (device) and of each
-    staging buffer (host), and the bytes a step copies."""
-
-    decode: bool
-    num_tokens: int
-    num_slots: int  # sequence slots (padding ones included)
-    num_logit_rows: int  # 0 in a decode bucket, which computes every row's logits
-    num_samples: int  # rows it can sample
-    masked: bool = False  # a masked-sampling bucket: num_samples constrained rows, nothing else
-    offsets: dict[str, int] = dataclasses.field(default_factory=dict)  # each field's first byte
-    nbytes: int = 0
-    device: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    host: list[dict[str, numpy.ndarray]] = dataclasses.field(default_factory=list)  # per staging buffer
-    replay: Callable[[], None] | None = None
 
 
 class GraphCache:
@@ -154,35 +103,40 @@ class GraphCache:
         # of T tokens holds at most min(T, max_num_seqs) sequences and the padding ones: its attention grid
         # covers that many sequence slots, not all of them (a verify step's 16-token bucket: 17, not 65).
         self.pad_len = min(max_context, decoder.max_positions)
-        self.decode_buckets: dict[int, _Bucket] = {}
+        self.decode_buckets: dict[int, Bucket] = {}
         if decode:
             sizes = sorted({size for size in DECODE_BATCH_SIZES if size < max_num_seqs} | {max_num_seqs})
-            self.decode_buckets = {size: _Bucket(True, size, size, 0, size) for size in sizes}
-        self.step_buckets: dict[int, _Bucket] = {}
+            self.decode_buckets = {
+                size: Bucket(True, size, size, 0, size, max_blocks_per_seq) for size in sizes
+            }
+        self.step_buckets: dict[int, Bucket] = {}
         if max_num_tokens is not None:
             for size in step_sizes(max_num_tokens):
                 num_logit_rows = min(size, max_logit_rows)
                 num_slots = min(max_num_seqs, size) + -(-size // self.pad_len)
-                self.step_buckets[size] = _Bucket(
-                    False, size, num_slots, num_logit_rows, min(num_logit_rows, max_num_seqs)
-                )
+                self.step_buckets[size] = Bucket(
+                    False, size, num_slots, num_logit_rows, min(num_logit_rows, max_num_seqs),
+                    max_blocks_per_seq,
+                )  # fmt: skip
         self.max_decode_seqs = max(self.decode_buckets, default=0)
         self.max_step_tokens = max(self.step_buckets, default=0)
         # sampling rows only (an eagerly computed step's logits): no tokens, no sequences
-        self.sample_bucket = _Bucket(False, 0, 0, 0, max_num_seqs)
+        self.sample_bucket = Bucket(False, 0, 0, 0, max_num_seqs, max_blocks_per_seq)
         buckets = [*self.decode_buckets.values(), *self.step_buckets.values(), self.sample_bucket]
         self.vocab_words = bitmask_words(decoder.logit_vocab_size)
         max_masked = min(MAX_MASKED_ROWS, max_num_seqs)
         sizes = sorted({size for size in DECODE_BATCH_SIZES if size < max_masked} | {max_masked})
-        self.masked_buckets = {size: _Bucket(False, 0, 0, 0, size, masked=True) for size in sizes}
+        self.masked_buckets = {
+            size: Bucket(False, 0, 0, 0, size, max_blocks_per_seq, masked=True) for size in sizes
+        }
         for bucket in [*buckets, *self.masked_buckets.values()]:
-            self._lay_out(bucket)
+            bucket.lay_out()
         nbytes = max(bucket.nbytes for bucket in buckets)
         self.inputs = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.staging = [self._host(torch.zeros(nbytes, dtype=torch.uint8)) for _ in range(2)]
         for bucket in buckets:
-            bucket.host = [self._views(bucket, staging.numpy()) for staging in self.staging]
-            bucket.device = self._views(bucket, self.inputs)
+            bucket.host = [bucket.views(staging.numpy()) for staging in self.staging]
+            bucket.device = bucket.views(self.inputs)
         # the masked-sampling buckets' own static buffer and staging (sample_masked)
         # (the replays of one step: one staging buffer each; the bitmasks: one row per constrained row)
         nbytes = max(bucket.nbytes for bucket in self.masked_buckets.values())
@@ -191,8 +145,8 @@ class GraphCache:
             self._host(torch.zeros(nbytes, dtype=torch.uint8)) for _ in range(-(-max_num_seqs // max_masked))
         ]
         for bucket in self.masked_buckets.values():
-            bucket.host = [self._views(bucket, staging.numpy()) for staging in self.masked_staging]
-            bucket.device = self._views(bucket, self.masked_inputs)
+            bucket.host = [bucket.views(staging.numpy()) for staging in self.masked_staging]
+            bucket.device = bucket.views(self.masked_inputs)
         self.masked_bitmask = torch.full((max_masked, self.vocab_words), -1, dtype=torch.int32, device=device)
         self.masked_bitmask_staging = self._host(
             torch.full((max_num_seqs, self.vocab_words), -1, dtype=torch.int32)
@@ -203,7 +157,7 @@ class GraphCache:
         ]
         self._arange = numpy.arange(max(bucket.num_slots for bucket in buckets) + 1, dtype=numpy.int32)
         self.parity = 0  # the staging buffer (and read-back buffer) of the next step
-        self._staged: tuple[StepInputs, _Bucket] | None = None  # the inputs on the device, and their bucket
+        self._staged: tuple[StepInputs, Bucket] | None = None  # the inputs on the device, and their bucket
 
         # outputs and scratch
         vocab = decoder.logit_vocab_size
@@ -260,51 +214,6 @@ class GraphCache:
             bucket.replay = self._capture(lambda bucket=bucket: self._masked_sample_step(bucket))
         self._staged = None
 
-    # --- the layout ----------------------------------------------------------------------------------
-
-    def _fields(self, bucket: _Bucket) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """A bucket's input fields, in buffer order (the block tables first)."""
-        tokens, slots, samples = bucket.num_tokens, bucket.num_slots, bucket.num_samples
-        sampling = [
-            ("seeds", torch.int64, (samples,)),
-            ("draw_positions", torch.int64, (samples,)),
-            ("top_k", torch.int32, (samples,)),
-            ("sampling_floats", torch.float32, (len(SAMPLING_FLOAT_FIELDS), samples)),
-        ]
-        if bucket.masked:  # rows: each one's row of token_ids and of the step's logits (-1: padding)
-            return [("rows", torch.int64, (samples,)), *sampling]
-        return [
-            ("block_tables", torch.int32, (slots, self.max_blocks_per_seq)),
-            ("input_ids", torch.int64, (tokens,)),
-            ("positions", torch.int64, (tokens,)),
-            ("slot_mapping", torch.int64, (tokens,)),  # -1: no KV write
-            ("source_rows", torch.int64, (tokens,)),  # >= 0: the id is that row of token_ids
-            ("query_start_loc", torch.int32, (slots + 1,)),
-            ("seq_lens", torch.int32, (slots,)),
-            ("logit_rows", torch.int64, (bucket.num_logit_rows,)),
-            *sampling,  # per sampled row
-        ]
-
-    def _lay_out(self, bucket: _Bucket) -> None:
-        offset = 0
-        for name, dtype, shape in self._fields(bucket):
-            bucket.offsets[name] = offset
-            size = dtype.itemsize * int(numpy.prod(shape))
-            offset += -(-size // _ALIGN) * _ALIGN
-        bucket.nbytes = offset
-
-    def _views(self, bucket: _Bucket, buffer: torch.Tensor | numpy.ndarray) -> dict:
-        """The bucket's fields as views of `buffer` (a byte tensor, or a staging buffer's numpy array)."""
-        views = {}
-        for name, dtype, shape in self._fields(bucket):
-            size = dtype.itemsize * int(numpy.prod(shape))
-            part = buffer[bucket.offsets[name] : bucket.offsets[name] + size]
-            if isinstance(part, numpy.ndarray):
-                views[name] = part.view(torch.empty(0, dtype=dtype).numpy().dtype).reshape(shape)
-            else:
-                views[name] = part.view(dtype).view(shape)
-        return views
-
     def _host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host buffer the device copies from or to without waiting: pinned on a GPU."""
         return tensor.pin_memory() if self.on_gpu else tensor
@@ -325,9 +234,9 @@ class GraphCache:
         sources = views["source_rows"]
         return torch.where(sources >= 0, self.token_ids[sources.clamp(min=0)], views["input_ids"])
 
-    def _decode_step(self, bucket: _Bucket) -> None:
+    def _decode_step(self, bucket: Bucket) -> None:
         views, size = bucket.device, bucket.num_tokens
-        metadata = _metadata(
+        metadata = attention_metadata(
             views, is_decode=True, decode_num_splits=self.decode_splits[size],
             decode_workspace=self.decode_workspace,
         )  # fmt: skip
@@ -335,9 +244,9 @@ class GraphCache:
         self.decoder.compute_logits(hidden, residual, out=self.logits[:size])
         self._sample_step(bucket, self.logits[:size], size)
 
-    def _step(self, bucket: _Bucket) -> None:
+    def _step(self, bucket: Bucket) -> None:
         views, size = bucket.device, bucket.num_tokens
-        metadata = _metadata(
+        metadata = attention_metadata(
             views, max_query_len=size, prefill_num_splits=self.step_splits[size],
             prefill_workspace=self.step_workspace,
         )  # fmt: skip
@@ -349,21 +258,21 @@ class GraphCache:
         rows = views["logit_rows"]
         self.decoder.compute_logits(hidden[rows], residual[rows], out=self.logits[: len(rows)])
 
-    def _masked_sample_step(self, bucket: _Bucket) -> None:
+    def _masked_sample_step(self, bucket: Bucket) -> None:
         """Sample the bucket's rows of the last step's logits, masked, into their rows of token_ids."""
         views, size = bucket.device, bucket.num_samples
         rows = views["rows"]
         logits = self.masked_logits[:size]
         torch.index_select(self.logits, 0, rows.clamp(min=0), out=logits)
         apply_token_mask(logits, self.masked_bitmask[:size])
-        tensors = _sampling_tensors(views, size, self.no_counts, self.no_prompt_mask)
+        tensors = sampling_tensors(views, size, self.no_counts, self.no_prompt_mask)
         self.sampler.sample_into(logits, tensors, self.masked_token_ids[:size], self.sampling_workspace)
         padding = len(self.token_ids) - 1
         self.token_ids.index_copy_(0, torch.where(rows >= 0, rows, padding), self.masked_token_ids[:size])
 
-    def _sample_step(self, bucket: _Bucket, logits: torch.Tensor, num_rows: int) -> None:
+    def _sample_step(self, bucket: Bucket, logits: torch.Tensor, num_rows: int) -> None:
         """Sample the bucket's first num_rows rows into token_ids."""
-        tensors = _sampling_tensors(bucket.device, num_rows, self.output_counts, self.prompt_mask)
+        tensors = sampling_tensors(bucket.device, num_rows, self.output_counts, self.prompt_mask)
         self.sampler.sample_into(logits, tensors, self.token_ids[:num_rows], self.sampling_workspace)
 
     # --- a step's inputs -----------------------------------------------------------------------------
@@ -386,7 +295,7 @@ class GraphCache:
             max(len(table) for table in inputs.block_tables),
         )  # fmt: skip
 
-    def _transfer(self, bucket: _Bucket, inputs: StepInputs) -> None:
+    def _transfer(self, bucket: Bucket, inputs: StepInputs) -> None:
         """Write the inputs into this step's staging buffer (bucket's layout) and copy them to the device."""
         self._stage(bucket, inputs)
         staging = self.staging[self.parity]
@@ -395,7 +304,7 @@ class GraphCache:
         self._step_parity = self.parity
         self.parity ^= 1
 
-    def _stage(self, bucket: _Bucket, inputs: StepInputs) -> None:
+    def _stage(self, bucket: Bucket, inputs: StepInputs) -> None:
         host = bucket.host[self.parity]
         num_tokens, num_seqs = inputs.num_tokens, inputs.num_seqs
         if bucket.num_tokens:
@@ -429,12 +338,12 @@ class GraphCache:
             host["block_tables"], inputs.block_tables if bucket.num_slots else [], bucket.num_slots
         )
         if bucket.num_samples and len(inputs.sample_seqs) <= bucket.num_samples:
-            _stage_sampling(
+            stage_sampling(
                 host, inputs.seeds, inputs.draw_positions, inputs.top_k, inputs.sampling_floats
             )  # fmt: skip
 
     def _stage_masked(
-        self, bucket: _Bucket, replay: int, rows: list[int], first_mask: int, inputs: StepInputs
+        self, bucket: Bucket, replay: int, rows: list[int], first_mask: int, inputs: StepInputs
     ) -> None:
         """Copy a masked-sampling replay's inputs to the device: the constrained rows (of the launch whose
         inputs these are), through the step's replay-th staging buffer, and their masks, rows first_mask
@@ -444,7 +353,7 @@ class GraphCache:
         num_rows = len(rows)
         host["rows"][:num_rows] = rows
         host["rows"][num_rows:] = -1
-        _stage_sampling(
+        stage_sampling(
             host, [inputs.seeds[row] for row in rows], [inputs.draw_positions[row] for row in rows],
             [inputs.top_k[row] for row in rows], [inputs.sampling_floats[row] for row in rows],
         )  # fmt: skip
@@ -566,46 +475,3 @@ class GraphCache:
                 self.prompt_mask[row, output] = True
                 self.prompt_mask[row, torch.tensor(seq.prompt_token_ids, device=device)] = True
         self._penalized_rows = penalized
-
-
-def _sampling_tensors(
-    views: dict[str, torch.Tensor], num_rows: int, output_counts: torch.Tensor, prompt_mask: torch.Tensor
-) -> SamplingTensors:
-    """The sampler's tensors over a bucket's first num_rows sampling fields, with these token counts."""
-    floats = views["sampling_floats"][:, :num_rows]
-    return SamplingTensors(
-        **dict(zip(SAMPLING_FLOAT_FIELDS, floats, strict=True)),
-        top_k=views["top_k"][:num_rows],
-        seeds=views["seeds"][:num_rows],
-        positions=views["draw_positions"][:num_rows],
-        output_counts=output_counts[:num_rows],
-        prompt_mask=prompt_mask[:num_rows],
-    )
-
-
-def _stage_sampling(
-    host: dict[str, numpy.ndarray],
-    seeds: list[int],
-    draw_positions: list[int],
-    top_k: list[int],
-    sampling_floats: list[tuple[float, ...]],
-) -> None:
-    """A bucket's sampling fields: the given rows', then neutral padding rows (greedy, no filtering)."""
-    num_samples = len(seeds)
-    host["seeds"][:num_samples] = seeds
-    host["draw_positions"][:num_samples] = draw_positions
-    host["top_k"][:num_samples] = top_k
-    if num_samples:
-        host["sampling_floats"][:, :num_samples] = numpy.array(sampling_floats, dtype=numpy.float32).T
-    host["seeds"][num_samples:] = 0
-    host["draw_positions"][num_samples:] = 0
-    host["top_k"][num_samples:] = 0
-    host["sampling_floats"][:, num_samples:] = _NEUTRAL_FLOATS[:, None]
-
-
-def _metadata(views: dict[str, torch.Tensor], **step_kind: object) -> AttentionMetadata:
-    """A bucket's attention metadata over its device views; step_kind: the decode or prefill fields."""
-    return AttentionMetadata(
-        slot_mapping=views["slot_mapping"], query_start_loc=views["query_start_loc"],
-        seq_lens=views["seq_lens"], block_tables=views["block_tables"], **step_kind,
-    )  # fmt: skip

@@ -9,10 +9,11 @@ import functools
 from collections.abc import Callable
 
 import torch
-from tileinfer.kernels.decode_attention import paged_attention_reference, paged_decode_attention_triton
+from tileinfer.kernels.decode_attention import paged_decode_attention_triton
 from tileinfer.kernels.embedding import embedding_reference, embedding_triton
 from tileinfer.kernels.linear import LinearWorkspace, linear_reference, linear_triton
 from tileinfer.kernels.norm_linear import add_rms_norm_linear_reference, add_rms_norm_linear_triton
+from tileinfer.kernels.paged_attention import paged_attention_reference
 from tileinfer.kernels.prefill_attention import paged_prefill_attention_triton
 from tileinfer.kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
 

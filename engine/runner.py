@@ -44,7 +44,7 @@ from tileinfer.engine.spec_decode.proposer_interface import DeviceDrafts, Drafts
 from tileinfer.engine.spec_decode.verify_step import read_ring, ring_drafts_read, verify_rows
 from tileinfer.engine.step import PendingStep, RowOutput, ScheduledRow, is_decode_step
 from tileinfer.engine.step_inputs import StepInputs, StepInputsBuilder
-from tileinfer.kernels.decode_attention import AttentionMetadata
+from tileinfer.kernels.paged_attention import AttentionMetadata
 from tileinfer.kernels.sampling import top_logprobs
 from tileinfer.kernels.token_mask import apply_token_mask, bitmask_words
 

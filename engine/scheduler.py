@@ -20,9 +20,9 @@ than an efficient one (its tokens cost at least what its step and its row cost a
 or more), so the long prompt always progresses; where even that chunk would take a step that starts prompts
 past the budget, the long prompt sits that step out (never two running), so a prompt sent during a long
 prefill gets its first token from a step that costs about what it costs alone. A cut chunk ends its step
-on a step size (engine/graphs.py) where one is in reach; and until the model has a fit (warm-up gives it
-one), a step takes at most twice the most tokens measured yet (a fresh engine's first long prompt starts
-with chunks that double).
+on a step size (engine/graph_buckets.py) where one is in reach; and until the model has a fit (warm-up
+gives it one), a step takes at most twice the most tokens measured yet (a fresh engine's first long prompt
+starts with chunks that double).
 
 When the KV cache runs out, the most recently admitted sequence is preempted: its blocks are freed and
 it waits again at the head of the queue, to be recomputed (cheaply, through the prefix cache) once
@@ -84,7 +84,7 @@ class Scheduler:
         max_model_len: a sequence's longest context (None: no limit here). step_budget_s: the time a step
         that carries a long prompt's chunk is planned to take (None: no time budget, tokens only), as
         step_cost (the engine's measured model) predicts it; step_sizes: the token counts steps run at
-        without padding (engine/graphs.py's step_sizes), which cut chunks end a step on."""
+        without padding (engine/graph_buckets.py's step_sizes), which cut chunks end a step on."""
         self.block_manager = block_manager
         self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.max_num_seqs = max_num_seqs

@@ -1,7 +1,7 @@
 """Paged flash attention for any number of new query tokens per sequence (prefill, prefill chunks,
 mixed batches, speculative verification): the Triton kernel of paged_attention_reference.
 
-The reference (kernels/decode_attention.py) defines the math: query [num_tokens, num_heads, head_dim], the new
+The reference (kernels/paged_attention.py) defines the math: query [num_tokens, num_heads, head_dim], the new
 tokens of each sequence packed along one axis (query_start_loc) and sitting at the last q_len of its
 seq_lens[i] positions; keys and values read through the block table; causal, optionally windowed.
 
@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 from tileinfer.kernels.decode_attention import (
-    AttentionMetadata,
     DecodeWorkspace,
     deal_key_tiles,
     decode_min_keys_per_split,
@@ -40,6 +39,7 @@ from tileinfer.kernels.decode_attention import (
     store_normalized,
 )
 from tileinfer.kernels.kv_cache import Int8KVCache, KVCache
+from tileinfer.kernels.paged_attention import AttentionMetadata
 from tileinfer.kernels.triton_common import INTERPRET, num_sms
 
 MAX_PREFILL_SPLITS = 64

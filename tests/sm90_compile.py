@@ -42,7 +42,6 @@ from tileinfer.engine.sequence import Sequence  # noqa: E402
 from tileinfer.engine.step import ScheduledRow  # noqa: E402
 from tileinfer.kernels import linear, norm_linear  # noqa: E402
 from tileinfer.kernels.decode_attention import (  # noqa: E402
-    AttentionMetadata,
     DecodeWorkspace,
     paged_decode_attention_triton,
 )
@@ -50,6 +49,7 @@ from tileinfer.kernels.int8 import quantize_int8  # noqa: E402
 from tileinfer.kernels.linear_dequant import INT8_DEQUANT_MIN_M, DequantWorkspace  # noqa: E402
 from tileinfer.kernels.linear_gemv import GemvConfig, launch_gemv  # noqa: E402
 from tileinfer.kernels.linear_skinny import SplitKScratch  # noqa: E402
+from tileinfer.kernels.paged_attention import AttentionMetadata  # noqa: E402
 from tileinfer.kernels.prefill_attention import allocate_prefill_workspace, paged_prefill_attention_triton  # noqa: E402
 from tileinfer.kernels.sampling import ACCEPT_STREAM, SamplingTensors, philox_uniform_triton, sample_triton  # noqa: E402
 from tileinfer.kernels.triton_common import H200_SHARED_MEMORY_PER_BLOCK  # noqa: E402

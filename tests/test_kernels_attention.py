@@ -346,7 +346,7 @@ def test_decode_attention_cuda_graph_replay() -> None:
 def test_reference_blocks_long_prompts_into_query_blocks_exactly(window: int | None) -> None:
     """The reference computes a long prompt REFERENCE_QUERY_BLOCK queries at a time; the result equals
     one dense masked softmax over contiguous keys (a 600-token chunk after 100 cached positions)."""
-    from tileinfer.kernels.decode_attention import (
+    from tileinfer.kernels.paged_attention import (
         REFERENCE_QUERY_BLOCK,
         AttentionMetadata,
         paged_attention_reference,

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 from paged_cases import paged_cache
-from tileinfer.kernels.decode_attention import AttentionMetadata, paged_attention_reference
+from tileinfer.kernels.paged_attention import AttentionMetadata, paged_attention_reference
 from tileinfer.kernels.prefill_attention import (
     allocate_prefill_workspace,
     paged_prefill_attention_triton,

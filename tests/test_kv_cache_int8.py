@@ -17,8 +17,6 @@ from tileinfer.engine.models.random_model import SMOLLM2_135M, random_weights
 from tileinfer.engine.models.rope import rope_cos_sin_cache
 from tileinfer.engine.sampling.params import SamplingParams
 from tileinfer.kernels.decode_attention import (
-    AttentionMetadata,
-    paged_attention_reference,
     paged_decode_attention_reference,
     paged_decode_attention_triton,
 )
@@ -31,6 +29,7 @@ from tileinfer.kernels.kv_cache import (
     smoothing_from_keys,
     write_kv_cache_reference,
 )
+from tileinfer.kernels.paged_attention import AttentionMetadata, paged_attention_reference
 from tileinfer.kernels.prefill_attention import paged_prefill_attention_triton
 from tileinfer.kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
 

@@ -14,7 +14,7 @@ from tileinfer.deployments.launch.app_args import AppArgs, parse_app_args
 from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.engine import Engine
 from tileinfer.engine.errors import InvalidRequestError
-from tileinfer.engine.graphs import step_sizes
+from tileinfer.engine.graph_buckets import step_sizes
 from tileinfer.engine.kv.block_manager import BlockManager
 from tileinfer.engine.models.loader import LoadedModel
 from tileinfer.engine.sampling.params import SamplingParams

@@ -1,11 +1,11 @@
-"""How a step graph's sequence slots are filled (tileinfer.engine.graphs.padded_sequences): the real
+"""How a step graph's sequence slots are filled (tileinfer.engine.graph_buckets.padded_sequences): the real
 sequences, then padding sequences no longer than a context, then empty slots. The graphs themselves are
 checked on the GPU (tests/test_graphs_cuda.py)."""
 
 from __future__ import annotations
 
 import pytest
-from tileinfer.engine.graphs import padded_sequences
+from tileinfer.engine.graph_buckets import padded_sequences
 
 
 @pytest.mark.parametrize(

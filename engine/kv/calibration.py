@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from tileinfer.engine.models.decoder import Decoder
 from tileinfer.engine.text.tokenizer import Tokenizer
-from tileinfer.kernels.decode_attention import AttentionMetadata
 from tileinfer.kernels.kv_cache import Int8KVCache, smoothing_from_keys
+from tileinfer.kernels.paged_attention import AttentionMetadata
 
 CALIBRATION_TOKENS = 256
 CALIBRATION_OFFSETS = 4  # runs of the passage, at positions starting 0, 1/4, 1/2 and 3/4 into the context

@@ -13,9 +13,9 @@ from tileinfer.engine.models.rope import rope_cos_sin_cache
 from tileinfer.engine.models.shape import ModelSpec
 from tileinfer.engine.ops import REFERENCE_OPS, Ops
 from tileinfer.kernels.activation import xielu_reference
-from tileinfer.kernels.decode_attention import AttentionMetadata
 from tileinfer.kernels.int8 import Int8Weight, LinearWeight, quantize_int8, stack_rows
 from tileinfer.kernels.linear import LinearWorkspace
+from tileinfer.kernels.paged_attention import AttentionMetadata
 from torch import nn
 
 # The layers' linear weights (HF names after "model.layers.N."), in the groups fuse() joins
