@@ -166,7 +166,7 @@ def sample_finish_kernel(
 ):
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
-    _, top_k, top_p, min_p, _, has_top_k, filtered = row_filters(
+    temperature, top_k, top_p, min_p, greedy, has_top_k, filtered = row_filters(
         temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab_size
     )
 
@@ -236,5 +236,5 @@ def sample_finish_kernel(
                 uniform = race_uniform(noise_row_ptr, offsets, in_vocab, seed, position, HAS_NOISE)
                 score = tl.where(keep, race_score(scaled, uniform), float("-inf"))
                 best, best_index = race_step(score, offsets, in_vocab, best, best_index, vocab_size)
-            _, token = race_winner(best, best_index, vocab_size)
+            slow_score, token = race_winner(best, best_index, vocab_size)
     tl.store(out_ptr + row, token.to(tl.int64))

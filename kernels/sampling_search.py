@@ -232,7 +232,7 @@ def sample_bracket_kernel(
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row64 = row.to(tl.int64)
-    _, top_k, top_p, min_p, _, has_top_k, filtered = row_filters(
+    temperature, top_k, top_p, min_p, greedy, has_top_k, filtered = row_filters(
         temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, row, vocab_size
     )
     if filtered:
