@@ -2,6 +2,7 @@
 switched on before triton is first imported (importing torch does not import it)."""
 
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -34,6 +35,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_token_outside_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Ray's token file, wherever a test makes one (a launcher's environment, a bench's own `serve run`), is
+    the suite's: never the user's ~/.ray/auth_token."""
+    with pytest.MonkeyPatch.context() as patch:
+        if "RAY_AUTH_TOKEN_PATH" not in os.environ:
+            patch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path_factory.mktemp("ray-token") / "auth_token"))
+        yield
 
 
 @pytest.fixture(scope="session")
