@@ -449,6 +449,35 @@ def _merge_splits(
     _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, mask, acc, l_run)
 
 
+def cache_operands(query: torch.Tensor, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cache as the attention kernels read it: its values (an Int8KVCache's int8 ones) and its scales
+    (None but for int8), checked against the query's heads and head size."""
+    scales = kv_cache.scales if isinstance(kv_cache, Int8KVCache) else None
+    if scales is not None:
+        kv_cache = kv_cache.values
+        assert scales.is_contiguous() and kv_cache.is_contiguous()
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    assert kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim and num_heads % kv_cache.shape[3] == 0
+    assert query.stride(2) == 1 and kv_cache.stride(4) == 1
+    return kv_cache, scales
+
+
+def kernel_strides(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[int, ...]:
+    """The strides the attention kernels take, in their order: the query's (token, head), the cache's (K/V,
+    block, slot, head), the scales' (0, 0 without), the block table's and the output's (token, head)."""
+    scale_strides = (scales.stride(0), scales.stride(1)) if scales is not None else (0, 0)
+    return (
+        query.stride(0), query.stride(1), *kv_cache.stride()[:4], *scale_strides, block_tables.stride(0),
+        out.stride(0), out.stride(1),
+    )  # fmt: skip
+
+
 def paged_decode_attention_triton(
     query: torch.Tensor,
     kv_cache: KVCache,
@@ -476,14 +505,9 @@ def paged_decode_attention_triton(
     seq_lens' values. Without a workspace one is allocated per call. An INT8 cache (Int8KVCache) is read as
     int8 with its scales.
     """
-    scales = kv_cache.scales if isinstance(kv_cache, Int8KVCache) else None
-    if scales is not None:
-        kv_cache = kv_cache.values
-        assert scales.is_contiguous() and kv_cache.is_contiguous()
+    kv_cache, scales = cache_operands(query, kv_cache)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    assert kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim and num_heads % num_kv_heads == 0
-    assert query.stride(2) == 1 and kv_cache.stride(4) == 1
     assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
     group = num_heads // num_kv_heads
     if num_splits is None:
@@ -527,17 +551,7 @@ def paged_decode_attention_triton(
         counters,
         scale * math.log2(math.e),
         sliding_window if sliding_window else 2**31 - 1,
-        query.stride(0),
-        query.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        scales.stride(0) if scales is not None else 0,
-        scales.stride(1) if scales is not None else 0,
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *kernel_strides(query, kv_cache, scales, block_tables, out),
         GROUP=group,
         KV_INT8=scales is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",

@@ -33,12 +33,14 @@ import triton
 import triton.language as tl
 from tileinfer.kernels.decode_attention import (
     DecodeWorkspace,
+    cache_operands,
     deal_key_tiles,
     decode_min_keys_per_split,
     int8_kv_tile,
+    kernel_strides,
     store_normalized,
 )
-from tileinfer.kernels.kv_cache import Int8KVCache, KVCache
+from tileinfer.kernels.kv_cache import KVCache
 from tileinfer.kernels.paged_attention import AttentionMetadata
 from tileinfer.kernels.triton_common import INTERPRET, num_sms
 
@@ -374,15 +376,10 @@ def paged_prefill_attention_triton(
     every token), so a captured verify graph may pass its largest q_len. An INT8 cache (Int8KVCache) is
     read as int8 with its scales.
     """
-    scales = kv_cache.scales if isinstance(kv_cache, Int8KVCache) else None
-    if scales is not None:
-        kv_cache = kv_cache.values
-        assert scales.is_contiguous() and kv_cache.is_contiguous()
+    kv_cache, scales = cache_operands(query, kv_cache)
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    assert kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim and num_heads % num_kv_heads == 0
     assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim}: a power of two 16..256"
-    assert query.stride(2) == 1 and kv_cache.stride(4) == 1
     block_tables, seq_lens = metadata.block_tables, metadata.seq_lens
     query_start_loc = metadata.query_start_loc
     assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and query_start_loc.is_contiguous()
@@ -437,17 +434,7 @@ def paged_prefill_attention_triton(
         num_seqs,
         num_kv_heads,
         max(num_seqs - 1, 0).bit_length(),
-        query.stride(0),
-        query.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        scales.stride(0) if scales is not None else 0,
-        scales.stride(1) if scales is not None else 0,
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        *kernel_strides(query, kv_cache, scales, block_tables, out),
         GROUP=group,
         KV_INT8=scales is not None,
         HEAD_DIM=head_dim,
