@@ -244,13 +244,9 @@ class DFlashMLP(nn.Module):
         return linear_reference(silu_and_mul_reference(gate, up), self.down_proj.weight)
 
 
-class DFlashLayer(nn.Module):
+class DFlashLayer(decoder.PreNormLayer):
     def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = DFlashAttention(spec)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = DFlashMLP(spec)
+        super().__init__(spec, DFlashAttention(spec), DFlashMLP(spec), norm=RMSNorm)
 
     def forward(
         self,

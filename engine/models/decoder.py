@@ -158,13 +158,26 @@ class MLP(nn.Module):
         return ops.linear(act, self.down_weight, down_bias)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+class PreNormLayer(nn.Module):
+    """A pre-norm layer's modules under HF-llama's names: RMSNorm then attention, RMSNorm then the MLP
+    (the decoder's layers here, DFlash's drafter layers in proposers/dflash.py)."""
+
+    def __init__(
+        self, spec: ModelSpec, self_attn: nn.Module, mlp: nn.Module, norm: type[RMSNorm] = RMSNorm
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.input_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = mlp
+
+
+class DecoderLayer(PreNormLayer):
+    self_attn: Attention
+    mlp: MLP
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__(spec, Attention(spec), MLP(spec))
 
     def forward(
         self,
