@@ -18,10 +18,14 @@ run: $(INSTALLED)
 	$(VENV)/bin/python -m tileinfer.engine.models.default_model
 	exec $(VENV)/bin/python -m tileinfer.deployments.launch.launcher serve_config.yaml $(if $(SERVE_PROXY),--serve-proxy)
 
+# The tests that start a Ray cluster (marked serial, tests/conftest.py) run alone after the rest, which
+# run in TEST_WORKERS processes (pytest-xdist): the suite's tests each hold one core.
+TEST_WORKERS ?= 2
 test: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) -m "not serial"
+	$(VENV)/bin/pytest -q -m serial
 
 # torch first and pinned: here 2.13.0 is a local CPU build; letting the project's
 # `torch>=2.11` pick one would download the CUDA build (gigabytes).

@@ -23,12 +23,20 @@ import pytest  # noqa: E402
 from tileinfer.engine.models.default_model import fetch_default_model  # noqa: E402
 from tileinfer.engine.models.loader import LoadedModel, load_model  # noqa: E402
 
+# The tests that start a Ray cluster: the served application's (the `served` fixture) and test_replicas'
+# two-node one. They are `serial`: `make test` runs them alone, after the others have run in parallel
+# (a cluster's processes beside other tests would slow both, and two clusters on one machine share ports).
+RAY_CLUSTER_FIXTURES = {"served", "replicas_url"}
 
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The tests of the served application (the `served` fixture) run last, in their order: its Ray
-    # cluster then runs only while they do (idle, it still takes about a quarter of a core), and never
-    # beside tests/test_replicas.py's own two-node cluster.
+    # The served application's tests run last, in their order: its Ray cluster then runs only while they
+    # do (idle, it still takes about a quarter of a core), and never beside test_replicas' own cluster.
     items[:] = sorted(items, key=lambda item: "served" in getattr(item, "fixturenames", ()))
+    for item in items:
+        if RAY_CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.serial)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

