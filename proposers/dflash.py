@@ -186,16 +186,11 @@ class RMSNorm(decoder.RMSNorm):
         return rms_norm_reference(x, self.weight, self.eps)
 
 
-class DFlashAttention(nn.Module):
+class DFlashAttention(decoder.AttentionProjections):
+    """Qwen3's attention weights (q/k RMSNorm: the drafter's spec is Qwen3's), run with reference ops."""
+
     def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.spec = spec
-        self.q_proj = nn.Linear(spec.hidden_size, spec.q_size, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        super().__init__(spec, norm=RMSNorm)
 
     def keys_values(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor

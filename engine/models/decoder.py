@@ -40,8 +40,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
-class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+class AttentionProjections(nn.Module):
+    """Attention's weights under HF-llama's names: the q/k/v/o projections, and the q/k RMSNorms where the
+    family has them (the decoder's Attention, and DFlash's drafter attention in proposers/dflash.py)."""
+
+    def __init__(self, spec: ModelSpec, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.spec = spec
         self.q_proj = nn.Linear(spec.hidden_size, spec.q_size, bias=spec.qkv_bias)
@@ -49,8 +52,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(spec.hidden_size, spec.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.q_norm = norm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = norm(spec.head_dim, spec.rms_norm_eps)
+
+
+class Attention(AttentionProjections):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__(spec)
         self.scale = spec.head_dim**-0.5
 
     def fuse(self) -> None:
