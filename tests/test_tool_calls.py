@@ -301,13 +301,11 @@ def test_a_prompt_that_opens_the_think_block_gives_reasoning_up_to_its_end(name:
     stream's too, and a schema constrains only what follows the block's end."""
     tokenizer, _ = _tokenizers(qwen3_tokenizer_dir())  # the Qwen2/Qwen3 vocabulary both models use
     source = template(name)
-    opened = tokenizer.encode(
-        render_chat_template(source, [USER], enable_thinking=True, **SPECIALS), add_special_tokens=False
-    )
-    closed = tokenizer.encode(
-        render_chat_template(source, [USER], enable_thinking=False, **SPECIALS), add_special_tokens=False
-    )
-    assert prompt_opens_thinking(opened, tokenizer) and not prompt_opens_thinking(closed, tokenizer)
+    opened = render_chat_template(source, [USER], enable_thinking=True, **SPECIALS)
+    closed = render_chat_template(source, [USER], enable_thinking=False, **SPECIALS)
+    assert prompt_opens_thinking(opened, source) and not prompt_opens_thinking(closed, source)
+    # only a template that writes the block opens it: a user's text ending so does not
+    assert not prompt_opens_thinking(opened, template("Qwen-Qwen2.5-7B-Instruct"))
     thinking_on = request(tools=[], chat_template_kwargs={"enable_thinking": True})
     plan = ChatOutputPlan.for_request(thinking_on, source, tokenizer.single_token_id, True)
     message, _ = plan.message("Paris is in France.\n</think>\n\nIt is sunny.", "stop")

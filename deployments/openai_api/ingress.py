@@ -339,7 +339,7 @@ class OpenAIIngress:
             prompt = self._tokens(request, text, info, add_special_tokens=False)
         except Exception as error:  # a template's raise_exception, or a bad message
             raise openai_error_from(error, prompt_param=request.prompt_field) from None
-        opened = prompt_opens_thinking(prompt, self.tokenizer)
+        opened = prompt_opens_thinking(text, template)
         return prompt, ChatOutputPlan.for_request(request, template, self.tokenizer.single_token_id, opened)
 
     def _completion_prompts(self, request: CompletionRequest, info: EngineInfo) -> list[list[int]]:

@@ -13,11 +13,9 @@ the answer: any think block may come first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from tileinfer.deployments.openai_api.tool_calls import TokenIdOf, lark_literal
-from tileinfer.engine.text.tokenizer import Tokenizer
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -27,9 +25,10 @@ def thinks(template: str | None, template_kwargs: dict[str, Any]) -> bool:
     return template is not None and OPEN in template and template_kwargs.get("enable_thinking") is not False
 
 
-def prompt_opens_thinking(prompt: Sequence[int], tokenizer: Tokenizer) -> bool:
-    """Whether the prompt ends inside a think block (`<think>` and whitespace at its end)."""
-    return tokenizer.decode(prompt[-8:]).rstrip().endswith(OPEN)
+def prompt_opens_thinking(prompt: str, template: str | None) -> bool:
+    """Whether the rendered prompt ends inside a think block (`<think>` and whitespace at its end); only a
+    template that writes `<think>` opens one, so others skip the check."""
+    return template is not None and OPEN in template and prompt.rstrip().endswith(OPEN)
 
 
 def split_reasoning(text: str, final: bool) -> tuple[str | None, str]:
