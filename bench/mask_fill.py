@@ -33,15 +33,8 @@ from tileinfer.engine.models.loader import load_tokenizer  # noqa: E402
 from tileinfer.engine.sampling.grammar import Grammars, MaskFiller, SequenceGrammar  # noqa: E402
 from tileinfer.engine.sampling.params import GrammarSpec  # noqa: E402
 
+from bench.serve_app import qwen3_tokenizer_folder  # noqa: E402
 from bench.serve_structured import SCHEMA  # noqa: E402
-
-
-def qwen3_tokenizer_folder() -> Path:
-    """The Qwen3 tokenizer the tests fetch once (tests/assets.py)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from assets import qwen3_tokenizer_dir
-
-    return qwen3_tokenizer_dir()
 
 
 def allowed(bitmask: torch.Tensor, vocab_size: int) -> list[int]:

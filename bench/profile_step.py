@@ -35,14 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tileinfer.engine.config import DTYPES, EngineConfig, torch_dtype  # noqa: E402
+from tileinfer.engine.config import DTYPES, torch_dtype  # noqa: E402
 from tileinfer.engine.engine import Engine  # noqa: E402
-from tileinfer.engine.models.loader import LoadedModel  # noqa: E402
 from tileinfer.engine.models.random_model import SHAPES, random_weights  # noqa: E402
 from tileinfer.engine.models.shape import ModelSpec  # noqa: E402
 from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
 
-from bench import limits  # noqa: E402
+from bench import bench_batch, limits  # noqa: E402
 from bench.bench_engine import free_memory, random_prompt, versions  # noqa: E402
 
 ATTENTION_KERNELS = ("_paged_decode_kernel", "_paged_prefill_kernel")  # read the cached positions
@@ -51,17 +50,14 @@ ATTENTION_KERNELS = ("_paged_decode_kernel", "_paged_prefill_kernel")  # read th
 def build_engine(
     name: str, spec: ModelSpec, weights: dict[str, torch.Tensor], args: argparse.Namespace
 ) -> Engine:
-    """An engine as served, with room for the largest batch at the context and the steps."""
-    per_sequence = args.context + args.steps + 64
-    config = EngineConfig(
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=min(max(1024, per_sequence), spec.max_position_embeddings),
-        kv_cache_tokens=-(-max(args.batches) * per_sequence // 1024) * 1024,
-        max_num_seqs=max(args.batches),
-    )
-    model = LoadedModel(name=name, source=Path("random"), spec=spec, weights=weights, tokenizer=None)
-    return Engine(model, config)
+    """bench_batch's engine (its settings, so that the profile explains its figures): built as served, with
+    room for the largest batch at the context and the steps."""
+    settings = bench_batch.Settings(
+        device=torch.device(args.device), dtype=torch_dtype(args.dtype), tiny=args.tiny, batches=args.batches,
+        peer_batches=[], prompt_len=args.context, output_len=args.steps + 64, max_num_batched_tokens=8192,
+        peer_compiled=False, compile_backend="", budget_s=float("inf"),
+    )  # fmt: skip
+    return bench_batch.build_engine(name, spec, weights, settings)
 
 
 def start_decoding(engine: Engine, spec: ModelSpec, batch: int, args: argparse.Namespace) -> list[str]:
@@ -268,7 +264,7 @@ def main() -> None:
     device = torch.device(args.device)
     bandwidth = limits.copy_bandwidth(device, 2 * limits.GIB if device.type == "cuda" else 1 << 26)
     record: dict[str, Any] = {
-        "args": {key: value for key, value in vars(args).items()},
+        "args": dict(vars(args)),
         "versions": versions(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "copy_bandwidth_gb_s": bandwidth / 1e9,

@@ -32,6 +32,14 @@ T = TypeVar("T")
 # --- the model and the app's args ---------------------------------------------------------------------
 
 
+def qwen3_tokenizer_folder() -> Path:
+    """The Qwen3 tokenizer the tests fetch once (tests/assets.py), which the named shapes' models take."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from assets import qwen3_tokenizer_dir
+
+    return qwen3_tokenizer_dir()
+
+
 def model_source(name: str, dtype: str) -> str:
     """A named shape (not the real default model) as a folder of random weights with the Qwen3 tokenizer,
     written once under the cache; anything else as given."""
@@ -42,9 +50,6 @@ def model_source(name: str, dtype: str) -> str:
         return name
     import torch
     from safetensors.torch import save_file
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from assets import qwen3_tokenizer_dir
 
     spec = SHAPES[name]
     storage = "bfloat16" if dtype in ("auto", "bfloat16") else dtype
@@ -67,7 +72,7 @@ def model_source(name: str, dtype: str) -> str:
     (staging / "config.json").write_text(json.dumps(config, indent=2))
     weights = random_weights(spec, getattr(torch, storage), "cpu")
     save_file({key: value.contiguous() for key, value in weights.items()}, str(staging / "model.safetensors"))
-    for path in qwen3_tokenizer_dir().iterdir():
+    for path in qwen3_tokenizer_folder().iterdir():
         shutil.copy(path, staging / path.name)
     staging.rename(folder)
     return str(folder)

@@ -4,8 +4,8 @@ and one check of them all (EngineConfig.validate).
 Each EngineConfig field carries its default, its help and its bounds (a Setting), written here once: the
 command line's flags (deployments/launch/cli.py) and the app's args (deployments/launch/app_args.py) are
 made from them, and they, with the API's schema (deployments/openai_api/openapi.py), read the allowed values
-from here. This module imports no
-torch, so that `tileinfer --help` answers at once; the methods that make torch objects import it.
+from here. This module imports no torch, so that `tileinfer --help` answers at once; the methods that make
+torch objects import it.
 """
 
 from __future__ import annotations

@@ -32,10 +32,15 @@ DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+def sizes_up_to(sizes: tuple[int, ...], most: int) -> tuple[int, ...]:
+    """The bucket sizes below `most`, then `most` itself."""
+    return tuple(sorted({size for size in sizes if size < most} | {most}))
+
+
 def step_sizes(max_num_tokens: int) -> tuple[int, ...]:
     """The token counts of the step buckets, up to a step of max_num_tokens: the sizes a step runs at
     without padding (the scheduler ends a long prompt's cut chunks on them too)."""
-    return tuple(sorted({size for size in TOKEN_BUCKETS if size < max_num_tokens} | {max_num_tokens}))
+    return sizes_up_to(TOKEN_BUCKETS, max_num_tokens)
 
 
 # the float fields' values for a padding row: greedy, no filtering, no penalties

@@ -40,6 +40,7 @@ from tileinfer.engine.graph_buckets import (
     attention_metadata,
     padded_sequences,
     sampling_tensors,
+    sizes_up_to,
     stage_sampling,
     step_sizes,
 )
@@ -105,7 +106,7 @@ class GraphCache:
         self.pad_len = min(max_context, decoder.max_positions)
         self.decode_buckets: dict[int, Bucket] = {}
         if decode:
-            sizes = sorted({size for size in DECODE_BATCH_SIZES if size < max_num_seqs} | {max_num_seqs})
+            sizes = sizes_up_to(DECODE_BATCH_SIZES, max_num_seqs)
             self.decode_buckets = {
                 size: Bucket(True, size, size, 0, size, max_blocks_per_seq) for size in sizes
             }
@@ -125,7 +126,7 @@ class GraphCache:
         buckets = [*self.decode_buckets.values(), *self.step_buckets.values(), self.sample_bucket]
         self.vocab_words = bitmask_words(decoder.logit_vocab_size)
         max_masked = min(MAX_MASKED_ROWS, max_num_seqs)
-        sizes = sorted({size for size in DECODE_BATCH_SIZES if size < max_masked} | {max_masked})
+        sizes = sizes_up_to(DECODE_BATCH_SIZES, max_masked)
         self.masked_buckets = {
             size: Bucket(False, 0, 0, 0, size, max_blocks_per_seq, masked=True) for size in sizes
         }
