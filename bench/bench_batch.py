@@ -79,6 +79,7 @@ class Settings:
     compile_backend: str
     budget_s: float  # past this (since start), remaining heavy parts are skipped (bench_engine.attempt)
     quantization: str | None = None  # EngineConfig.quantization; the peer keeps the dtype
+    persistent_decode: bool = False  # EngineConfig.persistent_decode
     started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def over_budget(self) -> bool:
@@ -129,6 +130,7 @@ def build_engine(name: str, spec: ModelSpec, weights: dict[str, torch.Tensor], s
         max_num_seqs=max_batch,
         max_num_batched_tokens=settings.max_num_batched_tokens,  # several whole prompts per prefill step
         quantization=settings.quantization,
+        persistent_decode=settings.persistent_decode,
     )
     # tokenizer=None: no detokenization in the timed steps
     model = LoadedModel(name=name, source=Path("random"), spec=spec, weights=weights, tokenizer=None)
@@ -380,6 +382,9 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
         default=None,
         help="TileInfer's weights (the peer keeps the dtype)",
     )
+    parser.add_argument(
+        "--persistent-decode", action="store_true", help="one-sequence steps in the persistent kernel"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for the JSON")
     args = parser.parse_args()
     if args.tiny:
@@ -401,6 +406,7 @@ def parse_settings() -> tuple[Settings, list[str], Path]:
         compile_backend=args.compile_backend,
         budget_s=args.budget_s,
         quantization=args.quantization,
+        persistent_decode=args.persistent_decode,
     )
     if settings.output_len <= PEER_WARMUP_STEPS + 1:
         parser.error(f"--output-len must exceed {PEER_WARMUP_STEPS + 1} (the peer's warm-up steps)")

@@ -56,6 +56,7 @@ def build_engine(
         device=torch.device(args.device), dtype=torch_dtype(args.dtype), tiny=args.tiny, batches=args.batches,
         peer_batches=[], prompt_len=args.context, output_len=args.steps + 64, max_num_batched_tokens=8192,
         peer_compiled=False, compile_backend="", budget_s=float("inf"),
+        persistent_decode=args.persistent_decode,
     )  # fmt: skip
     return bench_batch.build_engine(name, spec, weights, settings)
 
@@ -252,6 +253,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     parser.add_argument("--tiny", action="store_true", help="the tiny model and a short context (CPU smoke)")
+    parser.add_argument(
+        "--persistent-decode", action="store_true", help="one-sequence steps in the persistent kernel"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for the JSON")
     args = parser.parse_args()
     args.batches = [int(size) for size in args.batches.split(",")]

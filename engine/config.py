@@ -164,6 +164,10 @@ class EngineConfig:
         "auto", "int8: keys and values in int8 with a scale per token and head; auto: the dtype"
     )
     cuda_graphs: bool = setting(True, "on a GPU, replay decode steps from CUDA graphs")
+    persistent_decode: bool = setting(
+        False, "on a GPU, one-sequence decode steps run every decoder layer in one persistent kernel "
+        "(dense float weights, a float KV cache)",
+    )  # fmt: skip
     step_graphs: bool = setting(
         True, "on a GPU, also replay prefill, mixed and verify steps from CUDA graphs (one per token-count "
         "bucket)",

@@ -134,6 +134,8 @@ class Engine:
             model.spec, model.weights, self.max_model_len, ops_for(self.device), self.logit_vocab_size,
             quantization=config.quantization,
         )  # fmt: skip
+        if config.persistent_decode and self.device.type == "cuda" and decoder.can_stack_layers():
+            decoder.stack_layers()
         self.runner = ModelRunner(
             decoder, num_blocks, config.block_size, config.torch_dtype(), config.max_num_seqs,
             self.max_model_len, graphs=None if config.cuda_graphs else False, step_graphs=config.step_graphs,

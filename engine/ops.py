@@ -14,6 +14,7 @@ from tileinfer.kernels.embedding import embedding_reference, embedding_triton
 from tileinfer.kernels.linear import LinearWorkspace, linear_reference, linear_triton
 from tileinfer.kernels.norm_linear import add_rms_norm_linear_reference, add_rms_norm_linear_triton
 from tileinfer.kernels.paged_attention import paged_attention_reference
+from tileinfer.kernels.persistent_decode import persistent_decode_layers
 from tileinfer.kernels.prefill_attention import paged_prefill_attention_triton
 from tileinfer.kernels.qkv_epilogue import qkv_epilogue_reference, qkv_epilogue_triton
 
@@ -26,6 +27,8 @@ class Ops:
     qkv_epilogue: Callable  # q/k RMSNorm + RoPE + paged KV write, after the fused QKV projection
     attention: Callable  # any number of query tokens per sequence (prefill, mixed batches)
     decode_attention: Callable | None  # one query token per sequence; None: `attention` serves
+    # every layer of a one-sequence decode step in one launch, for decoders that stack their layers
+    persistent_decode: Callable | None = None
     takes_linear_workspace: bool = False  # the linears need a workspace bound (bind) before they run
 
     def bind(self, workspace: LinearWorkspace) -> Ops:
@@ -55,6 +58,7 @@ TRITON_OPS = Ops(
     qkv_epilogue=qkv_epilogue_triton,
     attention=paged_prefill_attention_triton,
     decode_attention=paged_decode_attention_triton,
+    persistent_decode=persistent_decode_layers,
     takes_linear_workspace=True,
 )
 

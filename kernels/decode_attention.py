@@ -238,7 +238,11 @@ def _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims
 
 
 @triton.jit
-def _paged_decode_kernel(
+def decode_attention_program(
+    seq,  # the program's (sequence, KV head, split): its ids, or a persistent kernel's work item
+    kv_head,
+    split,
+    num_kv_heads,
     query_ptr,  # [num_seqs, num_heads, head_dim]
     kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]: float, or int8 (KV_INT8)
     kv_scale_ptr,  # fp32 [2, num_blocks, block_size, num_kv_heads] (KV_INT8): value = int8 * scale
@@ -276,11 +280,6 @@ def _paged_decode_kernel(
     UPCAST: tl.constexpr = INTERPRET,
     DOT_PRECISION: tl.constexpr = "tf32",  # "ieee" for an fp32 cache: exact fp32, not TF32
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
-
     rows = tl.arange(0, GROUP_PAD)  # the query heads sharing this KV head, packed into M
     dims = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + rows
@@ -389,6 +388,27 @@ def _paged_decode_kernel(
         zeros = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
         no_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
         _store_normalized(out_ptr, stride_out_seq, stride_out_head, seq, heads, dims, out_mask, zeros, no_sum)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    query_ptr, kv_cache_ptr, kv_scale_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_acc_ptr,
+    partial_max_ptr, partial_sum_ptr, counters_ptr, qk_scale, window, stride_q_seq, stride_q_head, stride_kv,
+    stride_block, stride_slot, stride_kv_head, stride_scale_kv, stride_scale_block, stride_table_seq,
+    stride_out_seq, stride_out_head, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MIN_TILES: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    KV_INT8: tl.constexpr = False, UPCAST: tl.constexpr = INTERPRET, DOT_PRECISION: tl.constexpr = "tf32",
+):  # fmt: skip
+    # Grid: (sequence, KV head, split)
+    decode_attention_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), query_ptr, kv_cache_ptr,
+        kv_scale_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, partial_acc_ptr, partial_max_ptr,
+        partial_sum_ptr, counters_ptr, qk_scale, window, stride_q_seq, stride_q_head, stride_kv, stride_block,
+        stride_slot, stride_kv_head, stride_scale_kv, stride_scale_block, stride_table_seq, stride_out_seq,
+        stride_out_head, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, NUM_SPLITS, MIN_TILES,
+        MERGE_ROWS, SPLIT_CHUNK, KV_INT8, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -505,6 +525,42 @@ def paged_decode_attention_triton(
     seq_lens' values. Without a workspace one is allocated per call. An INT8 cache (Int8KVCache) is read as
     int8 with its scales.
     """
+    if out is None:
+        out = torch.empty_like(query)
+    launch = decode_launch(query, kv_cache, block_tables, seq_lens, scale, sliding_window, num_splits, out,
+                           workspace, tile)  # fmt: skip
+    if query.shape[0] > 0:
+        _paged_decode_kernel[(query.shape[0], launch.num_kv_heads, launch.constexprs["NUM_SPLITS"])](
+            *launch.arguments, **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages
+        )
+    return out
+
+
+class DecodeLaunch(NamedTuple):
+    """What decode_attention_program takes after (seq, KV head, split, num_kv_heads): its operands and
+    scalars in order, then its constexprs; and the launch's warps and stages."""
+
+    num_kv_heads: int
+    arguments: tuple
+    constexprs: dict[str, object]
+    num_warps: int
+    num_stages: int
+
+
+def decode_launch(
+    query: torch.Tensor,
+    kv_cache: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    num_splits: int | None,
+    out: torch.Tensor,
+    workspace: DecodeWorkspace | None,
+    tile: DecodeTile | None = None,
+) -> DecodeLaunch:
+    """The split-KV decode kernel's launch (paged_decode_attention_triton's, and the persistent decode
+    kernel's attention): the workspace's partials, or one allocated when none is given."""
     kv_cache, scales = cache_operands(query, kv_cache)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -513,11 +569,7 @@ def paged_decode_attention_triton(
     if num_splits is None:
         num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, head_dim)
     assert 1 <= num_splits <= MAX_DECODE_SPLITS
-    if out is None:
-        out = torch.empty_like(query)
     assert out.shape == query.shape and out.stride(2) == 1
-    if num_seqs == 0:
-        return out
 
     if num_splits > 1:
         numel = DecodeWorkspace.partials_numel(num_seqs, num_heads, head_dim, num_splits)
@@ -538,7 +590,7 @@ def paged_decode_attention_triton(
     block_d = triton.next_power_of_2(head_dim)
     merge_rows = triton.next_power_of_2(group)
     split_chunk = min(triton.next_power_of_2(num_splits), max(1, MERGE_ELEMENTS // (merge_rows * block_d)))
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    arguments = (
         query,
         kv_cache,
         scales if scales is not None else out,  # never read without KV_INT8
@@ -552,9 +604,9 @@ def paged_decode_attention_triton(
         scale * math.log2(math.e),
         sliding_window if sliding_window else 2**31 - 1,
         *kernel_strides(query, kv_cache, scales, block_tables, out),
+    )
+    constexprs = dict(
         GROUP=group,
-        KV_INT8=scales is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         GROUP_PAD=max(16, merge_rows),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -564,7 +616,8 @@ def paged_decode_attention_triton(
         MIN_TILES=min_tiles,
         MERGE_ROWS=merge_rows,
         SPLIT_CHUNK=split_chunk,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        KV_INT8=scales is not None,
+        UPCAST=INTERPRET,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
-    return out
+    return DecodeLaunch(num_kv_heads, arguments, constexprs, num_warps, num_stages)

@@ -17,7 +17,8 @@ from tileinfer.kernels.triton_common import num_sms
 
 
 @triton.jit
-def _gemv_kernel(
+def gemv_program(
+    pid,  # which BLOCK_N output columns: the program id, or a persistent kernel's tile
     x_ptr,  # [1, K], K contiguous
     w_ptr,  # [N, K] or [2 * N, K] (GATE_UP: gate rows, then up rows), K contiguous; float or int8
     bias_ptr,  # [N] (HAS_BIAS)
@@ -37,7 +38,6 @@ def _gemv_kernel(
 ):
     # The products are formed in fp32 (weights are upcast on load), so there is no bf16 arithmetic for
     # the interpreter to get wrong and no UPCAST flag is needed here.
-    pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # The last program's surplus rows re-read row N - 1 (in bounds) and are not stored: no row mask on loads.
@@ -73,6 +73,18 @@ def _gemv_kernel(
         result = result / (1.0 + tl.exp(-result)) * result_up
     # rounded to x's dtype first, as the reference's result is, whatever out's dtype (fp32 logits)
     tl.store(out_ptr + offs_n, result.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_GROUP: tl.constexpr, GATE_UP: tl.constexpr,
+    MMA_ORDER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr = 1,
+):  # fmt: skip
+    gemv_program(
+        tl.program_id(0), x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, N, K, stride_wn, HAS_BIAS, HAS_SCALE,
+        SCALE_GROUP, GATE_UP, MMA_ORDER, BLOCK_N, BLOCK_K, NUM_STAGES,
+    )  # fmt: skip
 
 
 class GemvConfig(NamedTuple):

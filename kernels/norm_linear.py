@@ -155,7 +155,8 @@ def _weight_tile(
 
 
 @triton.jit
-def _add_rms_norm_gemv_kernel(
+def add_rms_norm_gemv_program(
+    pid,  # which BLOCK_N output columns: the program id, or a persistent kernel's tile
     hidden_ptr,  # [K], the row
     residual_ptr,  # [K] (HAS_RESIDUAL)
     norm_weight_ptr,  # [K]
@@ -183,7 +184,6 @@ def _add_rms_norm_gemv_kernel(
     # sum_k w[n, k] * normed[k] = rstd * sum_k w[n, k] * (summed[k] * norm_weight[k]): rstd, a scalar,
     # multiplies the sums at the end, so the sum of squares accumulates in the same pass as the products.
     act_dtype: tl.constexpr = hidden_ptr.dtype.element_ty
-    pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # The last program's surplus rows re-read row N - 1 (in bounds) and are not stored: no row mask on loads.
@@ -232,6 +232,20 @@ def _add_rms_norm_gemv_kernel(
         result = result / (1.0 + tl.exp(-result)) * result_up
     # Rounded to the activation dtype first, as the reference's result is, whatever out's dtype.
     tl.store(out_ptr + offs_n, result.to(act_dtype).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _add_rms_norm_gemv_kernel(
+    hidden_ptr, residual_ptr, norm_weight_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, residual_out_ptr, N, K,
+    eps, residual_chunk, stride_wn, HAS_RESIDUAL: tl.constexpr, WRITE_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_GROUP: tl.constexpr, GATE_UP: tl.constexpr,
+    MMA_ORDER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr = 1,
+):  # fmt: skip
+    add_rms_norm_gemv_program(
+        tl.program_id(0), hidden_ptr, residual_ptr, norm_weight_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
+        residual_out_ptr, N, K, eps, residual_chunk, stride_wn, HAS_RESIDUAL, WRITE_RESIDUAL, HAS_BIAS,
+        HAS_SCALE, SCALE_GROUP, GATE_UP, MMA_ORDER, BLOCK_N, BLOCK_K, NUM_STAGES,
+    )  # fmt: skip
 
 
 def _launch_gemv(

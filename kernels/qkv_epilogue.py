@@ -84,7 +84,9 @@ def _norm_and_rotate(
 
 
 @triton.jit
-def _qkv_epilogue_kernel(
+def qkv_epilogue_program(
+    token,  # the program's token and group of heads: its ids, or a persistent kernel's work item
+    group,
     qkv_ptr,  # [num_tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM]
     positions_ptr,  # [num_tokens] int64
     cos_sin_ptr,  # [max_positions, HEAD_DIM] fp32
@@ -117,13 +119,12 @@ def _qkv_epilogue_kernel(
     HAS_K_NORM: tl.constexpr,
     QUANTIZE: tl.constexpr,  # an INT8 cache: smoothed keys, a scale per token and head; queries x smoothing
 ):
-    # Grid: (token, group of HEADS heads); the first groups cover the query heads, the rest the
+    # Work items (token, group of HEADS heads); the first groups cover the query heads, the rest the
     # kv heads (a kv program also copies the value heads).
     HALF: tl.constexpr = HEAD_DIM // 2
     NUM_Q_GROUPS: tl.constexpr = (NUM_HEADS + HEADS - 1) // HEADS
     DTYPE: tl.constexpr = qkv_ptr.dtype.element_ty
-    token = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
+    token = token.to(tl.int64)
 
     head_in_group = tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
     dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
@@ -192,6 +193,26 @@ def _qkv_epilogue_kernel(
             tl.store(key_dst + HALF, out2.to(cache_dtype), mask=mask)
             tl.store(value_dst, v1.to(cache_dtype), mask=mask)
             tl.store(value_dst + HALF, v2.to(cache_dtype), mask=mask)
+
+
+@triton.jit
+def _qkv_epilogue_kernel(
+    qkv_ptr, positions_ptr, cos_sin_ptr, q_norm_weight_ptr, k_norm_weight_ptr, kv_cache_ptr, kv_scale_ptr,
+    offset_ptr, smoothing_ptr, slot_mapping_ptr, query_ptr, qkv_row_stride, cos_sin_row_stride,
+    query_token_stride, query_head_stride, cache_kv_stride, cache_block_stride, cache_slot_stride,
+    cache_head_stride, scale_kv_stride, scale_block_stride, block_size, eps, NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, HEADS: tl.constexpr,
+    HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr, QUANTIZE: tl.constexpr,
+):  # fmt: skip
+    # Grid: (token, group of HEADS heads)
+    qkv_epilogue_program(
+        tl.program_id(0), tl.program_id(1), qkv_ptr, positions_ptr, cos_sin_ptr, q_norm_weight_ptr,
+        k_norm_weight_ptr, kv_cache_ptr, kv_scale_ptr, offset_ptr, smoothing_ptr, slot_mapping_ptr, query_ptr,
+        qkv_row_stride, cos_sin_row_stride, query_token_stride, query_head_stride, cache_kv_stride,
+        cache_block_stride, cache_slot_stride, cache_head_stride, scale_kv_stride, scale_block_stride,
+        block_size, eps, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_HALF, HEADS, HAS_Q_NORM, HAS_K_NORM,
+        QUANTIZE,
+    )  # fmt: skip
 
 
 @triton.jit

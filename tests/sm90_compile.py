@@ -40,7 +40,7 @@ from tileinfer.engine.runner import ModelRunner  # noqa: E402
 from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
 from tileinfer.engine.sequence import Sequence  # noqa: E402
 from tileinfer.engine.step import ScheduledRow  # noqa: E402
-from tileinfer.kernels import linear, norm_linear  # noqa: E402
+from tileinfer.kernels import linear, norm_linear, persistent_decode  # noqa: E402
 from tileinfer.kernels.decode_attention import (  # noqa: E402
     DecodeWorkspace,
     paged_decode_attention_triton,
@@ -141,14 +141,21 @@ def variant_key(launch: Launch) -> tuple:
 
 
 def run_decoder(
-    spec: object, prompt_len: int, kv_cache_dtype: str = "auto", quantization: str | None = None
+    spec: object,
+    prompt_len: int,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+    stacked: bool = False,
 ) -> None:
-    """A prefill, a decode step and a verify-shaped step (5 logit rows) of a 2-layer bf16 decoder."""
+    """A prefill, a decode step and a verify-shaped step (5 logit rows) of a 2-layer bf16 decoder;
+    stacked: its layers stacked, so the decode step runs the persistent kernel."""
     spec = dataclasses.replace(spec, num_layers=2)
     weights = random_weights(spec, torch.bfloat16, "cpu")
     decoder = Decoder.from_weights(
         spec, weights, max_positions=1024, ops=TRITON_OPS, quantization=quantization
     )
+    if stacked:
+        decoder.stack_layers()
     runner = ModelRunner(
         decoder,
         64,
@@ -180,6 +187,10 @@ def run_engine_kernels() -> None:
     run_decoder(dataclasses.replace(SMOLLM2_135M, family="mistral", sliding_window=24), 40)
     run_decoder(QWEN3_0_6B, 100, kv_cache_dtype="int8")  # the INT8 KV cache's write and attention
     run_decoder(QWEN3_0_6B, 100, quantization="int8")  # INT8 weights in every linear kernel
+    # the persistent decode kernel (its grid as on the H200: the compiler here loads no binary)
+    persistent_decode.fitting_grid = lambda *args: 132
+    run_decoder(QWEN3_0_6B, 100, stacked=True)
+    run_decoder(SMOLLM2_135M, 40, stacked=True)
     # as a decoder's linears run: with split-K scratch (and dequantization buffers where given)
     workspace = linear.LinearWorkspace(SplitKScratch.allocate(torch.device("cpu")))
     # fp32 activations on INT8 weights in the skinny GEMM at 64 rows (SmolLM2's gate/up: shared memory)

@@ -15,7 +15,7 @@ ENGINE_KERNELS = {
     "_embedding_kernel", "_add_rms_norm_gemv_kernel", "_gemv_kernel", "_skinny_kernel", "_gemm_kernel",
     "_rms_norm_kernel", "_qkv_epilogue_kernel",
     "_paged_prefill_kernel", "_paged_decode_kernel", "sample_stream_kernel", "sample_bracket_kernel",
-    "sample_finish_kernel", "philox_uniform_kernel",
+    "sample_finish_kernel", "philox_uniform_kernel", "_persistent_decode_kernel",
 }  # fmt: skip
 
 

@@ -16,6 +16,11 @@ from tileinfer.kernels.activation import xielu_reference
 from tileinfer.kernels.int8 import Int8Weight, LinearWeight, quantize_int8, stack_rows
 from tileinfer.kernels.linear import LinearWorkspace
 from tileinfer.kernels.paged_attention import AttentionMetadata
+from tileinfer.kernels.persistent_decode import (
+    LayerStack,
+    PersistentDecodeWorkspace,
+    persistent_decode_supported,
+)
 from torch import nn
 
 # The layers' linear weights (HF names after "model.layers.N."), in the groups fuse() joins
@@ -244,6 +249,9 @@ class Decoder(nn.Module):
         self.max_positions = max_positions
         self.cos_sin_cache = torch.empty(0)
         self.linear_workspace: LinearWorkspace | None = None  # what the ops' linears draw on (from_weights)
+        # One-sequence decode steps in one persistent kernel (stack_layers): its weights and scratch
+        self.layer_stack: LayerStack | None = None
+        self.persistent_workspace: PersistentDecodeWorkspace | None = None
 
     def layer_linears(self) -> list[LinearWeight]:
         """The decoder layers' weights in the order a forward multiplies by them."""
@@ -301,6 +309,70 @@ class Decoder(nn.Module):
             decoder.linear_workspace, decoder.ops = workspace, ops.bind(workspace)
         return decoder.eval().requires_grad_(False)
 
+    def can_stack_layers(self) -> bool:
+        """Whether the persistent decode kernel covers this decoder: dense float layer weights, a SwiGLU
+        MLP without biases, no o_proj bias, and ops that have the kernel."""
+        spec = self.spec
+        dense = all(isinstance(weight, torch.Tensor) for weight in self.layer_linears())
+        plain = spec.mlp == "swiglu" and not spec.mlp_bias and not spec.o_bias
+        return dense and plain and self.ops.persistent_decode is not None
+
+    def stack_layers(self) -> None:
+        """Move each kind of layer weight into one tensor [num_layers, ...] (the persistent decode kernel's
+        operands, LayerStack) and make the layers' own weights views of it: no memory is added once the
+        old tensors are freed. Before any CUDA graph is captured (the graphs read the weights)."""
+        assert self.can_stack_layers(), "the persistent decode kernel does not cover this decoder"
+        layers, spec = self.model.layers, self.spec
+
+        def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+            stacked = torch.empty(
+                (len(tensors), *tensors[0].shape), dtype=tensors[0].dtype, device=tensors[0].device
+            )
+            for index, tensor in enumerate(tensors):
+                stacked[index].copy_(tensor)
+            return stacked
+
+        def parameters(modules: list[nn.Module]) -> torch.Tensor:
+            """The modules' weights stacked; each module's weight becomes its view (a parameter still)."""
+            stacked = stack([module.weight for module in modules])
+            for index, module in enumerate(modules):
+                module.weight = nn.Parameter(stacked[index], requires_grad=False)
+            return stacked
+
+        attentions = [layer.self_attn for layer in layers]
+        mlps = [layer.mlp for layer in layers]
+        qkv = stack([attn.qkv_weight for attn in attentions])
+        qkv_bias = stack([attn.qkv_bias for attn in attentions]) if spec.qkv_bias else None
+        for index, attn in enumerate(attentions):
+            attn.qkv_weight = qkv[index]
+            if qkv_bias is not None:
+                attn.qkv_bias = qkv_bias[index]
+        o = parameters([attn.o_proj for attn in attentions])
+        down = parameters([mlp.down_proj for mlp in mlps])
+        gate_up = stack([mlp.in_weight for mlp in mlps])
+        for index, (attn, mlp) in enumerate(zip(attentions, mlps, strict=True)):
+            attn.o_weight, mlp.down_weight = attn.o_proj.weight, mlp.down_proj.weight  # registered parameters
+            mlp.in_weight = gate_up[index]
+        self.layer_stack = LayerStack(
+            input_norm=parameters([layer.input_layernorm for layer in layers]),
+            qkv=qkv,
+            qkv_bias=qkv_bias,
+            q_norm=parameters([attn.q_norm for attn in attentions]) if spec.qk_norm else None,
+            k_norm=parameters([attn.k_norm for attn in attentions]) if spec.qk_norm else None,
+            o=o,
+            post_norm=parameters([layer.post_attention_layernorm for layer in layers]),
+            gate_up=gate_up,
+            down=down,
+            eps=spec.rms_norm_eps,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+        )
+        embedding = self.model.embed_tokens.weight
+        self.persistent_workspace = PersistentDecodeWorkspace.allocate(
+            self.layer_stack, embedding.dtype, embedding.device
+        )
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """The LM head's rows that get logits: [logit_vocab_size, hidden], a contiguous view."""
@@ -319,6 +391,18 @@ class Decoder(nn.Module):
         (what a DFlash drafter reads)."""
         ops = self.ops
         hidden = ops.embedding(input_ids, self.model.embed_tokens.weight)
+        if (
+            metadata.is_decode
+            and capture is None
+            and self.persistent_workspace is not None
+            and persistent_decode_supported(self.layer_stack, kv_cache, input_ids.shape[0])
+        ):
+            return ops.persistent_decode(
+                self.layer_stack, self.persistent_workspace, hidden, positions, self.cos_sin_cache, kv_cache,
+                metadata.slot_mapping, metadata.block_tables, metadata.seq_lens,
+                self.model.layers[0].self_attn.scale, self.spec.sliding_window, metadata.decode_num_splits,
+                metadata.decode_workspace,
+            )  # fmt: skip
         residual = None
         for index, (layer, layer_cache) in enumerate(zip(self.model.layers, kv_cache, strict=True)):
             hidden, residual = layer(
