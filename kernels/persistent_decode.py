@@ -41,6 +41,7 @@ OPS_PER_LAYER = 6
 MAX_PROGRAMS_PER_SM = 4  # the grid: this many programs an SM at most, fewer where occupancy allows fewer
 NUM_WARPS = 4  # a program's warps
 MAX_REGISTERS: int | None = None  # a cap on a thread's registers (more programs an SM), or the compiler's
+PREFETCH_LINES = 0  # > 0: L2 prefetches of a later operation's first tile before each barrier (0: none)
 
 
 @dataclasses.dataclass
@@ -113,6 +114,48 @@ def _grid_barrier(barrier_ptr, num_programs):
             pass
         tl.atomic_add(barrier_ptr + 1, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def _prefetch_l2(ptr, num_elements, LINES: tl.constexpr):
+    """Ask L2 for the first LINES 128-byte lines of [ptr, ptr + num_elements): weights a later operation
+    reads, requested while this program waits (an address past the range repeats the last one)."""
+    per_line: tl.constexpr = 128 // (ptr.dtype.element_ty.primitive_bitwidth // 8)
+    offsets = tl.minimum(tl.arange(0, LINES) * per_line, num_elements - 1)
+    tl.inline_asm_elementwise(
+        "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [ptr + offsets], dtype=tl.int32, is_pure=False,
+        pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_next_weights(
+    op, layer, pid, num_ops, qkv_weight_ptr, o_weight_ptr, gate_up_ptr, down_ptr, qkv_layer_stride,
+    o_layer_stride, gate_up_layer_stride, down_layer_stride, HIDDEN: tl.constexpr, QKV_SIZE: tl.constexpr,
+    Q_SIZE: tl.constexpr, INTERMEDIATE: tl.constexpr, QKV_TILE: tl.constexpr, O_TILE: tl.constexpr,
+    GATE_UP_TILE: tl.constexpr, DOWN_TILE: tl.constexpr, LINES: tl.constexpr,
+):  # fmt: skip
+    """Before the barrier after `op`: the first tile this program multiplies in a later weight operation
+    (after qkv: o_proj's, after the q/k epilogue: gate/up's, after o_proj: down's, after gate/up: the next
+    layer's qkv), so that the attention's and the barrier's waits overlap those loads."""
+    kind = op % 6
+    if kind == 0:
+        if pid < tl.cdiv(HIDDEN, O_TILE):
+            o = o_weight_ptr + layer * o_layer_stride + pid * O_TILE * Q_SIZE
+            _prefetch_l2(o, O_TILE * Q_SIZE, LINES)
+    elif kind == 1:
+        if pid < tl.cdiv(INTERMEDIATE, GATE_UP_TILE):
+            gate = gate_up_ptr + layer * gate_up_layer_stride + pid * GATE_UP_TILE * HIDDEN
+            _prefetch_l2(gate, GATE_UP_TILE * HIDDEN, LINES // 2)
+            _prefetch_l2(gate + INTERMEDIATE * HIDDEN, GATE_UP_TILE * HIDDEN, LINES // 2)
+    elif kind == 3:
+        if pid < tl.cdiv(HIDDEN, DOWN_TILE):
+            down = down_ptr + layer * down_layer_stride + pid * DOWN_TILE * INTERMEDIATE
+            _prefetch_l2(down, DOWN_TILE * INTERMEDIATE, LINES)
+    elif kind == 4:  # noqa: SIM102 (Triton's `and` takes no tensors)
+        if (op + 2 < num_ops) & (pid < tl.cdiv(QKV_SIZE, QKV_TILE)):
+            qkv = qkv_weight_ptr + (layer + 1) * qkv_layer_stride + pid * QKV_TILE * HIDDEN
+            _prefetch_l2(qkv, QKV_TILE * HIDDEN, LINES)
 
 
 @triton.jit
@@ -198,6 +241,7 @@ def _persistent_decode_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SYNC: tl.constexpr,  # False under the interpreter: one launch an op, no barrier
+    PREFETCH_LINES: tl.constexpr = 0,  # > 0: before each barrier, prefetch a later op's first tile (lines)
 ):
     pid = tl.program_id(0)
     num_qkv_tiles = tl.cdiv(QKV_SIZE, QKV_TILE)
@@ -268,6 +312,12 @@ def _persistent_decode_kernel(
                     DOWN_K, DOWN_STAGES,
                 )  # fmt: skip
         if SYNC:
+            if PREFETCH_LINES > 0:
+                _prefetch_next_weights(
+                    op, layer, pid, last_op, qkv_weight_ptr, o_weight_ptr, gate_up_ptr, down_ptr,
+                    qkv_layer_stride, o_layer_stride, gate_up_layer_stride, down_layer_stride, HIDDEN,
+                    QKV_SIZE, Q_SIZE, INTERMEDIATE, QKV_TILE, O_TILE, GATE_UP_TILE, DOWN_TILE, PREFETCH_LINES,
+                )  # fmt: skip
             _grid_barrier(barrier_ptr, num_programs)
 
 
@@ -373,6 +423,7 @@ def persistent_decode_layers(
                 *arguments, op, op + 1, grid, **constexprs, SYNC=False, **options
             )
         return hidden, residual
+    constexprs["PREFETCH_LINES"] = PREFETCH_LINES
     grid = num_programs or fitting_grid(arguments, constexprs, options, hidden.device.index or 0)
     _persistent_decode_kernel[(grid,)](*arguments, 0, num_ops, grid, **constexprs, SYNC=True, **options)
     return hidden, residual
