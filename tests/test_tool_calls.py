@@ -152,6 +152,84 @@ def test_several_calls_and_text_that_is_no_call() -> None:
     assert none.message(two, "stop") == ({"role": "assistant", "content": two}, "stop")
 
 
+def _reparsed_deltas(plan: ChatOutputPlan, chunks: list[str], finish_reason: str) -> list[dict[str, Any]]:
+    """The deltas of reading the whole answer so far again at every event (ChatOutputPlan.parse), and
+    sending what grew."""
+    text, sent_reasoning, sent_content, sent_calls, deltas = "", 0, 0, [], []
+    for index, chunk in enumerate(chunks):
+        text += chunk
+        final = index == len(chunks) - 1
+        parsed = plan.parse(text, final, cut_short=final and finish_reason == "length")
+        delta: dict[str, Any] = {}
+        if parsed.reasoning is not None and len(parsed.reasoning) > sent_reasoning:
+            delta["reasoning_content"], sent_reasoning = (
+                parsed.reasoning[sent_reasoning:],
+                len(parsed.reasoning),
+            )
+        if len(parsed.content) > sent_content:
+            delta["content"], sent_content = parsed.content[sent_content:], len(parsed.content)
+        calls = []
+        for number, call in enumerate(parsed.calls):
+            if number == len(sent_calls):
+                calls.append({"index": number, "type": "function",
+                              "function": {"name": call.name, "arguments": call.arguments}})  # fmt: skip
+                sent_calls.append(len(call.arguments))
+            elif len(call.arguments) > sent_calls[number]:
+                calls.append(
+                    {"index": number, "function": {"arguments": call.arguments[sent_calls[number] :]}}
+                )
+                sent_calls[number] = len(call.arguments)
+        if calls:
+            delta["tool_calls"] = calls
+        deltas.append(delta)
+    return deltas
+
+
+RECORDED = {  # template -> answers as models write them: calls, text around them, think blocks
+    "Qwen-Qwen3-0.6B": [
+        '<think>\nThe user wants <tool_call> weather.\n</think>\n\nLet me look.\n<tool_call>\n{"name": '
+        '"get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>\n<tool_call>\n{"name": '
+        '"get_time", "arguments": {}}\n</tool_call>',
+        '<think>\nNo tool.\n</think>\n\nIt is <tool sunny, {"a": 1}.',
+        '<think>\nCut.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os',
+    ],
+    "meta-llama-Llama-3.1-8B-Instruct": [
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}; '
+        '{"name": "get_time", "parameters": {}}',
+        '{"answer": 42, "note": "not a call"}',
+        "Plain text, no call.",
+    ],
+    "mistralai-Mistral-Nemo-Instruct-2407": [
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        "Some [TOOL text] first.",
+    ],
+    "Mistral-Small-3.2-24B-Instruct-2506": [
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "days": 1}[TOOL_CALLS]get_time[ARGS]{}',
+    ],
+}
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_streamed_answers_read_incrementally_give_the_deltas_of_reading_them_whole(name: str) -> None:
+    """Each event reads only the new text (the think block's end, then the calls after the last whole
+    one), and sends what reading the whole answer again would: in chunks of 1, 3 and 7 characters, to the
+    end or cut short (max_tokens)."""
+    plan = ChatOutputPlan.for_request(request(tools=[WEATHER, TIME]), template(name), str)
+    for text in RECORDED[name]:
+        for size, finish_reason in ((1, "stop"), (3, "length"), (7, "stop")):
+            chunks = [text[start : start + size] for start in range(0, len(text), size)]
+            stream = plan.stream()
+            deltas = [
+                stream.push(chunk, index == len(chunks) - 1, finish_reason)
+                for index, chunk in enumerate(chunks)
+            ]
+            for delta in deltas:  # a call's id is new each time
+                for call in delta.get("tool_calls", ()):
+                    assert call.pop("id", "call_").startswith("call_")
+            assert deltas == _reparsed_deltas(plan, chunks, finish_reason), (text, size)
+
+
 # ---- the grammar of a forced call, compiled with the model's tokenizer --------------------------------
 
 

@@ -15,8 +15,15 @@ from typing import Any
 
 from tileinfer.deployments.openai_api.chat_request import ChatCompletionRequest, NamedToolChoice
 from tileinfer.deployments.openai_api.errors import OpenAIError
-from tileinfer.deployments.openai_api.reasoning import OPEN, split_reasoning, thinking_rules, thinks
+from tileinfer.deployments.openai_api.reasoning import (
+    OPEN,
+    ReasoningProgress,
+    find_reasoning,
+    thinking_rules,
+    thinks,
+)
 from tileinfer.deployments.openai_api.tool_calls import (
+    CallsProgress,
     Function,
     PartialCall,
     TokenIdOf,
@@ -105,18 +112,9 @@ class ChatOutputPlan:
     def parse(self, text: str, final: bool, cut_short: bool = False) -> ParsedAnswer:
         """The answer so far (final: all of it). cut_short (max_tokens ended it): a last call cut off is
         kept as far as it goes, as the stream sent it, rather than the whole answer read as content."""
-        if self.opened:
-            text = OPEN + text
-        reasoning, answer = split_reasoning(text, final) if self.thinking else (None, text)
-        if self.tool_format is None:
-            return ParsedAnswer(reasoning, answer, [])
-        content, calls = self.tool_format.parse(answer, final)
-        if cut_short and not calls:
-            content_so_far, calls = self.tool_format.parse(answer, final=False)
-            content = content_so_far if calls else content
-        if calls or not final:  # whitespace before a call is no content; while streaming, one may follow
-            content = content.rstrip()
-        return ParsedAnswer(reasoning, content, calls)
+        reader = AnswerReader(self)
+        reader.push(text, final, cut_short)
+        return ParsedAnswer(reader.reasoning(), reader.content(), reader.calls)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole answer's message, and its finish_reason ("tool_calls" for one that ends in calls)."""
@@ -138,12 +136,64 @@ class ChatOutputPlan:
         return AnswerStream(self)
 
 
+class AnswerReader:
+    """Reads an answer as it grows, each push scanning only what is new: the think block's end is searched
+    for in the new text, and the calls are read on from the last whole one (CallsProgress). After a push,
+    reasoning(), content() and calls hold the reading of everything pushed (what ChatOutputPlan.parse
+    returns for that text)."""
+
+    def __init__(self, plan: ChatOutputPlan) -> None:
+        self.plan = plan
+        self.text = OPEN if plan.opened else ""  # the output while its think block may be open
+        self.answer: str | None = None if plan.thinking else ""  # the output after the think block
+        self.reasoning_span: tuple[int, int] | None = None  # in text
+        self.content_end = 0  # in answer
+        self.calls: list[PartialCall] = []
+        self._reasoning = ReasoningProgress()
+        self._calls = CallsProgress()
+
+    def push(self, new_text: str, final: bool, cut_short: bool = False) -> None:
+        if self.answer is None:
+            self.text += new_text
+            self.reasoning_span, answer_start = find_reasoning(self.text, final, self._reasoning)
+            if answer_start is not None:
+                self.answer = self.text[answer_start:]
+        else:
+            self.answer += new_text
+        answer = self.answer or ""
+        if self.plan.tool_format is None:
+            self.content_end = len(answer)
+            return
+        content_end, calls = self.plan.tool_format.scan(answer, final, self._calls)
+        if cut_short and not calls:  # once, at the end: read again as if streaming
+            streamed_end, calls = self.plan.tool_format.scan(answer, False, CallsProgress())
+            content_end = streamed_end if calls else content_end
+        if calls or not final:  # whitespace before a call is no content; while streaming, one may follow
+            while content_end > 0 and answer[content_end - 1].isspace():
+                content_end -= 1
+        self.content_end, self.calls = content_end, calls
+
+    def reasoning(self, start: int = 0) -> str | None:
+        """The reasoning read so far from its start-th character (None: no think block)."""
+        if self.reasoning_span is None:
+            return None
+        begin, end = self.reasoning_span
+        return self.text[begin + start : end]
+
+    def reasoning_length(self) -> int:
+        return 0 if self.reasoning_span is None else self.reasoning_span[1] - self.reasoning_span[0]
+
+    def content(self, start: int = 0) -> str:
+        """The content read so far from its start-th character."""
+        return (self.answer or "")[start : self.content_end]
+
+
 class AnswerStream:
     """One choice's answer as it streams: push each new text, get the delta's fields to send."""
 
     def __init__(self, plan: ChatOutputPlan) -> None:
         self.plan = plan
-        self.text = ""
+        self.reader = AnswerReader(plan)
         self._sent_reasoning = 0
         self._sent_content = 0
         self._sent_calls: list[int] = []  # per call announced: the characters of its arguments sent
@@ -153,17 +203,17 @@ class AnswerStream:
         tool_calls (a call's first names it, with its id; then its arguments come in pieces)."""
         if self.plan.tool_format is None and not self.plan.thinking:  # plain text, as it comes
             return {"content": new_text} if new_text else {}
-        self.text += new_text
-        parsed = self.plan.parse(self.text, final, cut_short=final and finish_reason == "length")
+        reader = self.reader
+        reader.push(new_text, final, cut_short=final and finish_reason == "length")
         delta: dict[str, Any] = {}
-        if parsed.reasoning is not None and len(parsed.reasoning) > self._sent_reasoning:
-            delta["reasoning_content"] = parsed.reasoning[self._sent_reasoning :]
-            self._sent_reasoning = len(parsed.reasoning)
-        if len(parsed.content) > self._sent_content:
-            delta["content"] = parsed.content[self._sent_content :]
-            self._sent_content = len(parsed.content)
+        if reader.reasoning_span is not None and reader.reasoning_length() > self._sent_reasoning:
+            delta["reasoning_content"] = reader.reasoning(self._sent_reasoning)
+            self._sent_reasoning = reader.reasoning_length()
+        if reader.content_end > self._sent_content:
+            delta["content"] = reader.content(self._sent_content)
+            self._sent_content = reader.content_end
         tool_calls = []
-        for index, call in enumerate(parsed.calls):
+        for index, call in enumerate(reader.calls):
             if index == len(self._sent_calls):
                 function = {"name": call.name, "arguments": call.arguments}
                 announced = {"index": index, "id": new_call_id(), "type": "function", "function": function}

@@ -13,9 +13,10 @@ the answer: any think block may come first.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from tileinfer.deployments.openai_api.tool_calls import TokenIdOf, lark_literal
+from tileinfer.deployments.openai_api.tool_calls import TokenIdOf, held_back, lark_literal
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -34,19 +35,37 @@ def prompt_opens_thinking(prompt: str, template: str | None) -> bool:
 def split_reasoning(text: str, final: bool) -> tuple[str | None, str]:
     """(reasoning, answer) of the output so far; reasoning None: no think block. While streaming (final
     false) what may still be `<think>` or `</think>` is held back."""
+    reasoning, answer_start = find_reasoning(text, final, ReasoningProgress())
+    return (
+        None if reasoning is None else text[reasoning[0] : reasoning[1]],
+        "" if answer_start is None else text[answer_start:],
+    )
+
+
+@dataclasses.dataclass
+class ReasoningProgress:
+    """Where the search for `</think>` resumes in an output that only grows (the text before holds none)."""
+
+    searched: int = len(OPEN)
+
+
+def find_reasoning(
+    text: str, final: bool, progress: ReasoningProgress
+) -> tuple[tuple[int, int] | None, int | None]:
+    """(the reasoning's span in text, or None: no think block; where the answer starts, or None: not
+    yet, or never in a final text cut off in the block). split_reasoning's reading, by index: a stream
+    calls it again as its text grows with the same progress, and only the new text is searched."""
     if not text.startswith(OPEN):
         if not final and OPEN.startswith(text):
-            return "", ""  # the output may yet start with <think>
-        return None, text
-    block = text[len(OPEN) :]
-    end = block.find(CLOSE)
+            return (0, 0), None  # the output may yet start with <think>
+        return None, 0
+    end = text.find(CLOSE, progress.searched)
     if end >= 0:
-        return block[:end], block[end + len(CLOSE) :]
-    if not final:
-        for length in range(min(len(CLOSE) - 1, len(block)), 0, -1):
-            if block.endswith(CLOSE[:length]):
-                return block[:-length], ""
-    return block, ""
+        return (len(OPEN), end), end + len(CLOSE)
+    progress.searched = max(progress.searched, len(text) - len(CLOSE) + 1)
+    if final:
+        return (len(OPEN), len(text)), None
+    return (len(OPEN), held_back(text, CLOSE, len(OPEN))), None
 
 
 def thinking_rules(answer_rule: str, token_id_of: TokenIdOf, opened: bool = False) -> str:

@@ -9,8 +9,9 @@ Hermes format, its tools described in a system message (fallback_messages).
 parse(text, final) reads the output so far: the content before the calls and each call as far as it goes.
 While streaming (final false) it holds back what may still turn out to be a marker or the call object's
 closing brace, so what it returns only grows; the stream sends the difference
-(deployments/openai_api/chat_output.py). A final text whose calls do not parse is content, as vLLM's parsers
-return it.
+(deployments/openai_api/chat_output.py), reading it with scan and a CallsProgress, which resumes after
+the last whole call instead of reading the answer again. A final text whose calls do not parse is
+content, as vLLM's parsers return it.
 """
 
 from __future__ import annotations
@@ -133,13 +134,35 @@ def _written_value(text: str, position: int) -> tuple[Any, str] | None:
     return None if whole is None else (whole[0], text[_skip_whitespace(text, position) : whole[1]])
 
 
-def _before_marker(text: str, marker: str, final: bool) -> str:
-    """Text that has no marker yet: all of it, less (while streaming) an end that may begin the marker."""
-    if not final:
-        for length in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:length]):
-                return text[:-length]
-    return text
+def held_back(text: str, marker: str, start: int = 0) -> int:
+    """Where text (read from start) ends less an end that may begin the marker, held back while streaming."""
+    for length in range(min(len(marker) - 1, len(text) - start), 0, -1):
+        if text.endswith(marker[:length]):
+            return len(text) - length
+    return len(text)
+
+
+@dataclasses.dataclass
+class CallsProgress:
+    """How far a format has read an answer that only grows, so that reading it again scans only what is
+    new: where the search for the calls' marker resumes, where the calls begin (the content ends), and
+    the calls read whole so far with the end of the last (reading resumes after it)."""
+
+    searched: int = 0
+    start: int | None = None
+    whole: list[PartialCall] = dataclasses.field(default_factory=list)
+    resume: int = 0  # the end of the last whole call; before one: where the first call begins
+
+
+def _find_marker(text: str, marker: str, progress: CallsProgress) -> int | None:
+    """Where the marker that starts the calls is (also progress.start), or None: not yet."""
+    if progress.start is None:
+        start = text.find(marker, progress.searched)
+        if start < 0:
+            progress.searched = max(progress.searched, len(text) - len(marker) + 1)
+            return None
+        progress.start = progress.resume = start
+    return progress.start
 
 
 # ---- the formats -------------------------------------------------------------------------------
@@ -154,6 +177,12 @@ class ToolCallFormat:
 
     def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
         """(content, calls): the text before the calls, and the calls so far."""
+        content_end, calls = self.scan(text, final, CallsProgress())
+        return text[:content_end], calls
+
+    def scan(self, text: str, final: bool, progress: CallsProgress) -> tuple[int, list[PartialCall]]:
+        """parse's reading by index: (where the content ends, the calls so far). A stream calls it again
+        as its text grows, with the same progress, so that only what follows the last whole call is read."""
         raise NotImplementedError
 
     def calls_rules(self, functions: Sequence[Function], parallel: bool, token_id_of: TokenIdOf) -> str:
@@ -190,26 +219,32 @@ class HermesFormat(ToolCallFormat):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
-        start = text.find(self.OPEN)
-        if start < 0:
-            return _before_marker(text, self.OPEN, final), []
-        calls: list[PartialCall] = []
-        position = start
+    def scan(self, text: str, final: bool, progress: CallsProgress) -> tuple[int, list[PartialCall]]:
+        start = _find_marker(text, self.OPEN, progress)
+        if start is None:
+            return len(text) if final else held_back(text, self.OPEN), []
+        calls = list(progress.whole)
+        position = self._next_open(text, progress.resume) if calls else start
         while position >= 0:
             call, end = _call_object(text, position + len(self.OPEN), final)
             if call is None:
                 if final:
-                    return text, []
+                    return len(text), []
                 break
             calls.append(call)
             if end is None:
                 break
-            position = _skip_whitespace(text, end)
-            if text.startswith(self.CLOSE, position):
-                position += len(self.CLOSE)
-            position = text.find(self.OPEN, position)
-        return text[:start], calls
+            progress.whole.append(call)
+            progress.resume = end
+            position = self._next_open(text, end)
+        return start, calls
+
+    def _next_open(self, text: str, end: int) -> int:
+        """The next call's marker after a whole call ending at `end` (and its closing marker), or -1."""
+        position = _skip_whitespace(text, end)
+        if text.startswith(self.CLOSE, position):
+            position += len(self.CLOSE)
+        return text.find(self.OPEN, position)
 
     def calls_rules(self, functions: Sequence[Function], parallel: bool, token_id_of: TokenIdOf) -> str:
         repeat = ' ("\\n" tool_call)*' if parallel else ""
@@ -229,26 +264,37 @@ class Llama3JsonFormat(ToolCallFormat):
     arguments_key = "parameters"
     PYTHON_TAG = "<|python_tag|>"
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
-        position = _skip_whitespace(text, 0)
-        if text.startswith(self.PYTHON_TAG, position):
-            position = _skip_whitespace(text, position + len(self.PYTHON_TAG))
-        rest = text[position:]
-        if not rest.startswith("{"):
-            may_begin_a_call = not final and self.PYTHON_TAG.startswith(rest)
-            return ("" if may_begin_a_call else text), []
-        calls: list[PartialCall] = []
+    def scan(self, text: str, final: bool, progress: CallsProgress) -> tuple[int, list[PartialCall]]:
+        if progress.start is None:
+            position = _skip_whitespace(text, 0)
+            if text.startswith(self.PYTHON_TAG, position):
+                position = _skip_whitespace(text, position + len(self.PYTHON_TAG))
+            if not text.startswith("{", position):
+                rest = len(text) - position
+                may_begin_a_call = not final and rest <= len(self.PYTHON_TAG)
+                may_begin_a_call = may_begin_a_call and self.PYTHON_TAG.startswith(text[position:])
+                return (0 if may_begin_a_call else len(text)), []
+            progress.start, progress.resume = 0, position
+        calls = list(progress.whole)
+        position = progress.resume
+        if calls:  # after a whole call: `;` and the next, or the end
+            position = _skip_whitespace(text, position)
+            if not text.startswith(";", position):
+                return 0, calls
+            position += 1
         while True:
             call, end = _call_object(text, position, final)
             if call is None:
                 # final: a JSON answer, not a call; streaming: it may still become one
-                return (text if final else ""), ([] if final else calls)
+                return (len(text) if final else 0), ([] if final else calls)
             calls.append(call)
             if end is None:
-                return "", calls
+                return 0, calls
+            progress.whole.append(call)
+            progress.resume = end
             position = _skip_whitespace(text, end)
             if not text.startswith(";", position):
-                return "", calls
+                return 0, calls
             position += 1
 
     def calls_rules(self, functions: Sequence[Function], parallel: bool, token_id_of: TokenIdOf) -> str:
@@ -271,21 +317,28 @@ class MistralFormat(ToolCallFormat):
     def template_call_id(self, call_id: str) -> str:
         return "".join(character for character in call_id if character.isalnum())[-9:].rjust(9, "0")
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
-        start = text.find(self.TOOL_CALLS)
-        if start < 0:
-            return _before_marker(text, self.TOOL_CALLS, final), []
+    def scan(self, text: str, final: bool, progress: CallsProgress) -> tuple[int, list[PartialCall]]:
+        start = _find_marker(text, self.TOOL_CALLS, progress)
+        if start is None:
+            return len(text) if final else held_back(text, self.TOOL_CALLS), []
         position = _skip_whitespace(text, start + len(self.TOOL_CALLS))
         if text.startswith("[", position):
-            calls = self._listed_calls(text, position + 1, final)
+            calls = self._listed_calls(text, position + 1, final, progress)
         else:
-            calls = self._named_calls(text, start, final)
+            calls = self._named_calls(text, start, final, progress)
         if calls is None:
-            return (text, []) if final else (text[:start], [])
-        return text[:start], calls
+            return (len(text), []) if final else (start, [])
+        return start, calls
 
-    def _listed_calls(self, text: str, position: int, final: bool) -> list[PartialCall] | None:
-        calls: list[PartialCall] = []
+    def _listed_calls(
+        self, text: str, position: int, final: bool, progress: CallsProgress
+    ) -> list[PartialCall] | None:
+        calls = list(progress.whole)
+        if calls:  # after a whole call: `,` and the next, or the end
+            position = _skip_whitespace(text, progress.resume)
+            if not text.startswith(",", position):
+                return calls
+            position += 1
         while True:
             call, end = _call_object(text, position, final)
             if call is None:
@@ -293,13 +346,19 @@ class MistralFormat(ToolCallFormat):
             calls.append(call)
             if end is None:
                 return calls
+            progress.whole.append(call)
+            progress.resume = end
             position = _skip_whitespace(text, end)
             if not text.startswith(",", position):
                 return calls
             position += 1
 
-    def _named_calls(self, text: str, position: int, final: bool) -> list[PartialCall] | None:
-        calls: list[PartialCall] = []
+    def _named_calls(
+        self, text: str, position: int, final: bool, progress: CallsProgress
+    ) -> list[PartialCall] | None:
+        calls = list(progress.whole)
+        if calls:
+            position = _skip_whitespace(text, progress.resume)
         while text.startswith(self.TOOL_CALLS, position):
             position += len(self.TOOL_CALLS)
             arguments_marker = text.find(self.ARGS, position)
@@ -317,6 +376,8 @@ class MistralFormat(ToolCallFormat):
             written = text[_skip_whitespace(text, arguments_start) : end]
             arguments = _arguments_text(value) if isinstance(value, str) else written
             calls.append(PartialCall(name, arguments, complete=True))
+            progress.whole.append(calls[-1])
+            progress.resume = end
             position = _skip_whitespace(text, end)
         return calls
 
