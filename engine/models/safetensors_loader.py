@@ -16,7 +16,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tileinfer.engine.errors import ModelLoadError
 from tileinfer.engine.models.decoder import is_layer_linear, weight_shapes
-from tileinfer.engine.models.shape import ModelSpec
+from tileinfer.engine.models.fp8_checkpoint import (
+    FLOAT8_DTYPES,
+    SCALE_SUFFIX,
+    Fp8Blocks,
+    checkpoint_quantization,
+    dequantize_fp8,
+)
+from tileinfer.engine.models.shape import ModelSpec, read_config_file
 from tileinfer.kernels.int8 import LinearWeight, quantize_int8
 
 SINGLE_FILE = "model.safetensors"
@@ -65,17 +72,23 @@ def load_safetensors_folder(
 ) -> tuple[ModelSpec, dict[str, LinearWeight]]:
     """int8: the layers' linear weights quantized to INT8 (kernels/int8.py) one tensor at a time, from
     the file's values, so the float copies never pile up on the device. names: only those of the
-    model's weights are read (one the model has not, such as a tied lm_head, is left out)."""
+    model's weights are read (one the model has not, such as a tied lm_head, is left out). An FP8
+    checkpoint's weights are read as float (engine/models/fp8_checkpoint.py); any other quantized one is
+    refused, naming its method."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder} is not a folder")
-    spec = ModelSpec.from_config_file(folder / "config.json")
+    config = read_config_file(folder / "config.json")
+    spec = ModelSpec.from_hf_config(config)
+    fp8 = checkpoint_quantization(config)
     expected_shapes = weight_shapes(spec)
     if names is not None:
         expected_shapes = {name: shape for name, shape in expected_shapes.items() if name in names}
+    files = safetensors_files(folder)
+    scales = _fp8_scales(files) if fp8 is not None else {}
     weights: dict[str, LinearWeight] = {}
-    for path in safetensors_files(folder):
-        weights.update(read_safetensors_file(path, expected_shapes, dtype, device, int8))
+    for path in files:
+        weights.update(read_safetensors_file(path, expected_shapes, dtype, device, int8, fp8, scales))
     missing = [name for name in expected_shapes if name not in weights]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -85,15 +98,33 @@ def load_safetensors_folder(
     return spec, weights
 
 
+def _fp8_scales(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every `<weight>_scale_inv` of an FP8 checkpoint, by the stored name of its weight (a shard may hold
+    a weight whose scales are in another)."""
+    scales: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as file:
+                for stored_name in file.keys():  # noqa: SIM118 (safe_open has keys() but is not iterable)
+                    if stored_name.endswith(SCALE_SUFFIX):
+                        scales[stored_name.removesuffix(SCALE_SUFFIX)] = file.get_tensor(stored_name)
+        except (SafetensorError, OSError) as error:
+            raise ModelLoadError(f"{path} is not a readable safetensors file: {error}") from error
+    return scales
+
+
 def read_safetensors_file(
     path: Path,
     expected_shapes: dict[str, tuple[int, ...]],
     dtype: torch.dtype,
     device: str | torch.device,
     int8: bool = False,
+    fp8: Fp8Blocks | None = None,
+    fp8_scales: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, LinearWeight]:
     """Canonical tensors of one file; names the model does not use (rotary inv_freq, a tied lm_head) are
-    dropped."""
+    dropped. fp8: the checkpoint's block scaling, and its scales by weight name (_fp8_scales): its float8
+    weights are read as float on the device."""
     if not path.is_file():
         raise ModelLoadError(f"safetensors shard {path} is listed in the index but does not exist")
     weights: dict[str, LinearWeight] = {}
@@ -112,6 +143,8 @@ def read_safetensors_file(
                     )
                 # Reshape only fixes a 1-element xIELU scalar stored as [] vs [1]; elsewhere it is a no-op.
                 tensor = file.get_tensor(stored_name).reshape(expected)
+                if tensor.dtype in FLOAT8_DTYPES:
+                    tensor = _dequantized(stored_name, tensor, fp8, fp8_scales or {}, device)
                 if int8 and is_layer_linear(name):
                     weights[name] = quantize_int8(tensor.to(device=device))
                     continue
@@ -122,3 +155,19 @@ def read_safetensors_file(
             f"{path} is not a readable safetensors file (corrupt or truncated?): {error}"
         ) from error
     return weights
+
+
+def _dequantized(
+    stored_name: str,
+    values: torch.Tensor,
+    fp8: Fp8Blocks | None,
+    scales: dict[str, torch.Tensor],
+    device: str | torch.device,
+) -> torch.Tensor:
+    """A float8 weight as float32 on the device: its values times its block scales."""
+    if fp8 is None:
+        raise ModelLoadError(f"tensor {stored_name} is float8, but config.json declares no FP8 quantization")
+    scale_inv = scales.get(stored_name)
+    if scale_inv is None:
+        raise ModelLoadError(f"the FP8 weight {stored_name} has no {stored_name}{SCALE_SUFFIX}")
+    return dequantize_fp8(values.to(device), scale_inv.to(device), fp8)

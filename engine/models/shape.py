@@ -120,10 +120,17 @@ class ModelSpec:
 
     @classmethod
     def from_config_file(cls, path: Path) -> ModelSpec:
-        try:
-            config = json.loads(path.read_text())
-        except FileNotFoundError as error:
-            raise ModelLoadError(f"no config.json in {path.parent}") from error
-        except json.JSONDecodeError as error:
-            raise ModelLoadError(f"{path} is not valid JSON: {error}") from error
-        return cls.from_hf_config(config)
+        return cls.from_hf_config(read_config_file(path))
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A config.json's fields; ModelLoadError where it is missing or not JSON."""
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise ModelLoadError(f"no config.json in {path.parent}") from error
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return config
