@@ -158,7 +158,8 @@ def _prefetch_next_weights(
             _prefetch_l2(qkv, QKV_TILE * HIDDEN, LINES)
 
 
-@triton.jit
+# the op range and the grid size take no specialization: the compile that sizes the grid is the launch's
+@triton.jit(do_not_specialize=["first_op", "last_op", "num_programs"])
 def _persistent_decode_kernel(
     hidden_ptr,  # [1, hidden]: the embedded token in; the last layer's output out
     residual_ptr,  # [1, hidden]: the residual stream before the last layer's output, out
@@ -424,19 +425,21 @@ def persistent_decode_layers(
             )
         return hidden, residual
     constexprs["PREFETCH_LINES"] = PREFETCH_LINES
-    grid = num_programs or fitting_grid(arguments, constexprs, options, hidden.device.index or 0)
+    device_index = hidden.device.index or 0
+    grid = num_programs or fitting_grid(arguments, num_ops, constexprs, options, device_index)
     _persistent_decode_kernel[(grid,)](*arguments, 0, num_ops, grid, **constexprs, SYNC=True, **options)
     return hidden, residual
 
 
 def fitting_grid(
-    arguments: list, constexprs: dict[str, object], options: dict[str, int], device_index: int
+    arguments: list, num_ops: int, constexprs: dict[str, object], options: dict[str, int], device_index: int
 ) -> int:
     """The persistent grid for these operands: MAX_PROGRAMS_PER_SM an SM, or as many as the compiled
-    kernel's registers and shared memory let an SM hold at once. Compiles the kernel first; raises
-    GridDoesNotFit where not even one program an SM fits (its barrier would never open)."""
+    kernel's registers and shared memory let an SM hold at once. Compiles the kernel first (the variant
+    the launch takes); raises GridDoesNotFit where not even one program an SM fits (its barrier would
+    never open)."""
     compiled = _persistent_decode_kernel.warmup(
-        *arguments, 0, 1, 1, **constexprs, SYNC=True, **options, grid=(1,)
+        *arguments, 0, num_ops, num_sms(device_index), **constexprs, SYNC=True, **options, grid=(1,)
     )
     compiled._init_handles()  # loads the binary: its registers are known from here
     resident = _resident_programs(
