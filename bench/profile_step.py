@@ -8,7 +8,9 @@ For each model (random weights, bf16) one engine, built as served (CUDA graphs, 
 `batch` random prompts of --context tokens (greedy, ignore_eos). Then:
   bytes    one step run eagerly (the graph cache set aside for it) with every Triton launch recorded: the
            bytes of each launch's tensor arguments, in launch order, where the KV cache counts as what the
-           step reads of it (attention: every cached position of the batch) or writes (the new tokens);
+           step reads of it (attention: every cached position of the batch, in every layer for the
+           persistent kernel) or writes (the new tokens), the embedding as the rows it reads, and the
+           linears' split-K scratch not at all (a launch touches a little of it);
   profile  --steps decode steps replayed from the graph under torch.profiler, cut into steps at the step's
            first Triton kernel: per position in the step, the kernel's time and the idle time since the
            kernel before it (the median over the steps).
@@ -45,6 +47,8 @@ from bench import bench_batch, limits  # noqa: E402
 from bench.bench_engine import free_memory, random_prompt, versions  # noqa: E402
 
 ATTENTION_KERNELS = ("_paged_decode_kernel", "_paged_prefill_kernel")  # read the cached positions
+PERSISTENT_KERNEL = "_persistent_decode_kernel"  # every layer's cached positions
+EMBEDDING_KERNEL = "_embedding_kernel"  # reads one row of its table a token
 
 
 def build_engine(
@@ -88,7 +92,8 @@ def recorded_launches() -> Iterator[list[tuple[str, list[Any]]]]:
     original = JITFunction.run
 
     def run(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
-        launches.append((self.fn.__name__, [*args, *kwargs.values()]))
+        if not kwargs.get("warmup"):  # a compile alone (the persistent kernel's grid check) moves nothing
+            launches.append((self.fn.__name__, [*args, *kwargs.values()]))
         return original(self, *args, **kwargs)
 
     JITFunction.run = run
@@ -110,6 +115,14 @@ def launch_bytes(engine: Engine, spec: ModelSpec, batch: int, context: int) -> l
     itemsize = torch.empty(0, dtype=engine.config.torch_dtype()).element_size()
     kv_token_bytes = 2 * spec.kv_size * itemsize  # a token's keys and values in one layer
     cache = cache_storages(engine)
+    workspace = engine.runner.decoder.linear_workspace
+    scratch = set()
+    if workspace is not None:
+        scratch = {
+            part.untyped_storage().data_ptr()
+            for part in (workspace.split_k.partials, workspace.split_k.counters)
+        }
+    embedding = engine.runner.decoder.model.embed_tokens.weight
     graphs, engine.runner.graphs = engine.runner.graphs, None
     try:
         with recorded_launches() as launches:
@@ -120,13 +133,20 @@ def launch_bytes(engine: Engine, spec: ModelSpec, batch: int, context: int) -> l
     recorded = []
     for name, arguments in launches:
         tensors = [argument for argument in arguments if isinstance(argument, torch.Tensor)]
-        moved = sum(
-            tensor.numel() * tensor.element_size()
-            for tensor in tensors
-            if tensor.untyped_storage().data_ptr() not in cache
-        )
+        moved = 0
+        for tensor in tensors:
+            storage = tensor.untyped_storage().data_ptr()
+            if storage in cache or storage in scratch:
+                continue
+            if name == EMBEDDING_KERNEL and storage == embedding.untyped_storage().data_ptr():
+                moved += batch * embedding.shape[1] * embedding.element_size()
+            else:
+                moved += tensor.numel() * tensor.element_size()
         if any(tensor.untyped_storage().data_ptr() in cache for tensor in tensors):
-            moved += batch * kv_token_bytes * (context if name in ATTENTION_KERNELS else 1)
+            positions = {PERSISTENT_KERNEL: context * spec.num_layers}.get(
+                name, context if name in ATTENTION_KERNELS else 1
+            )
+            moved += batch * kv_token_bytes * positions
         recorded.append((name, moved))
     return recorded
 
