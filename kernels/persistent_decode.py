@@ -12,8 +12,8 @@ once, walks the layers' operations in order:
     5  down_proj GEMV                           (linear_gemv.gemv_program)
 
 Each operation deals its tiles (the programs of its own kernel) to the grid's programs in turn, and
-every program waits at a grid barrier before the next operation: blocks synchronise through two
-counters in global memory. The per-operation programs are the same code as the standalone kernels'.
+every program waits at a grid barrier before the next operation: blocks synchronise through one
+counter in global memory. The per-operation programs are the same code as the standalone kernels'.
 
 The layers' weights are stacked, one tensor a kind [num_layers, ...] (LayerStack), so a layer is an
 offset. The grid must fit on the GPU at once, or the barrier never opens: the launcher compiles first
@@ -70,8 +70,8 @@ class LayerStack:
 
 @dataclasses.dataclass
 class PersistentDecodeWorkspace:
-    """The kernel's scratch between operations (one row each), and its barrier: [arrived, generation],
-    zeros at first; every launch leaves arrived at zero, so graph replays need no reset."""
+    """The kernel's scratch between operations (one row each), and its barrier's counter: zero at first,
+    and every barrier leaves its low 31 bits at zero again, so graph replays need no reset."""
 
     qkv: torch.Tensor
     query: torch.Tensor
@@ -93,26 +93,24 @@ class PersistentDecodeWorkspace:
             attention=empty(1, heads, head_dim),
             activation=empty(1, intermediate),
             residual=empty(1, hidden),
-            barrier=torch.zeros(2, dtype=torch.int32, device=device),
+            barrier=torch.zeros(1, dtype=torch.int32, device=device),
         )
 
 
 @triton.jit
-def _grid_barrier(barrier_ptr, num_programs):
-    """Wait until all num_programs programs arrive. The last to arrive zeroes the count and moves the
-    generation on, which the others wait for (a sense-reversing barrier: nothing to reset between
-    launches). Scalar atomics run once a program; the thread barriers around them order its threads'
-    stores before its arrival, and its next loads after the release."""
+def _grid_barrier(barrier_ptr, pid, num_programs):
+    """Wait until all num_programs programs arrive. Program 0 adds 2^31 - (num_programs - 1) to the
+    counter and every other program 1, so its sign bit flips exactly when the last one arrives, and its
+    low bits are back at zero (nothing to reset between launches). Each program polls with gpu-scope
+    acquire loads (which also drop its stale L1 lines) until the sign differs from what it saw on
+    arriving; its arrival releases its writes. Scalar atomics run once a program, and the thread barriers
+    around them order its threads' stores before the arrival and their loads after the wait."""
     tl.debug_barrier()
-    generation = tl.atomic_add(barrier_ptr + 1, 0, sem="acquire", scope="gpu")
-    arrived = tl.atomic_add(barrier_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_programs - 1:
-        tl.atomic_xchg(barrier_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(barrier_ptr + 1, 1, sem="release", scope="gpu")
-    else:
-        while tl.load(barrier_ptr + 1, volatile=True) == generation:
-            pass
-        tl.atomic_add(barrier_ptr + 1, 0, sem="acquire", scope="gpu")
+    increment = tl.where(pid == 0, 2147483647 - (num_programs - 2), 1)  # 2^31 - (num_programs - 1)
+    arrived = tl.atomic_add(barrier_ptr, increment, sem="acq_rel", scope="gpu")
+    seen = tl.atomic_add(barrier_ptr, 0, sem="acquire", scope="gpu")
+    while (seen ^ arrived) >= 0:  # the same sign bit: not everyone yet
+        seen = tl.atomic_add(barrier_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
@@ -168,7 +166,7 @@ def _persistent_decode_kernel(
     query_ptr,  # [1, heads, head_dim] scratch
     attention_ptr,  # [1, heads, head_dim] scratch
     activation_ptr,  # [1, intermediate] scratch
-    barrier_ptr,  # int32 [2]
+    barrier_ptr,  # int32 [1]
     input_norm_ptr,
     qkv_weight_ptr,
     qkv_bias_ptr,  # (HAS_QKV_BIAS)
@@ -319,7 +317,7 @@ def _persistent_decode_kernel(
                     qkv_layer_stride, o_layer_stride, gate_up_layer_stride, down_layer_stride, HIDDEN,
                     QKV_SIZE, Q_SIZE, INTERMEDIATE, QKV_TILE, O_TILE, GATE_UP_TILE, DOWN_TILE, PREFETCH_LINES,
                 )  # fmt: skip
-            _grid_barrier(barrier_ptr, num_programs)
+            _grid_barrier(barrier_ptr, pid, num_programs)
 
 
 def persistent_decode_supported(stack: LayerStack | None, kv_cache: KVCache, rows: int) -> bool:
@@ -425,6 +423,8 @@ def persistent_decode_layers(
             )
         return hidden, residual
     constexprs["PREFETCH_LINES"] = PREFETCH_LINES
+    # a cooperative launch: the driver refuses a grid that would not be resident at once (no hang)
+    options["launch_cooperative_grid"] = True
     device_index = hidden.device.index or 0
     grid = num_programs or fitting_grid(arguments, num_ops, constexprs, options, device_index)
     _persistent_decode_kernel[(grid,)](*arguments, 0, num_ops, grid, **constexprs, SYNC=True, **options)
