@@ -164,6 +164,8 @@ class EngineConfig:
         "auto", "int8: keys and values in int8 with a scale per token and head; auto: the dtype"
     )
     cuda_graphs: bool = setting(True, "on a GPU, replay decode steps from CUDA graphs")
+    # Not offered by the CLI or the app's args until a GPU run has measured it (bench_batch and
+    # profile_step take --persistent-decode).
     persistent_decode: bool = setting(
         False, "on a GPU, one-sequence decode steps run every decoder layer in one persistent kernel "
         "(dense float weights, a float KV cache)",

@@ -42,6 +42,9 @@ MAX_PROGRAMS_PER_SM = 4  # the grid: this many programs an SM at most, fewer whe
 NUM_WARPS = 4  # a program's warps
 MAX_REGISTERS: int | None = None  # a cap on a thread's registers (more programs an SM), or the compiler's
 PREFETCH_LINES = 0  # > 0: L2 prefetches of a later operation's first tile before each barrier (0: none)
+# A barrier still waiting after this many polls (each an L2 round trip: seconds) has hung: the kernel
+# traps, so the step fails with an error instead of holding the GPU forever.
+BARRIER_POLLS = tl.constexpr(1 << 22)
 
 
 @dataclasses.dataclass
@@ -109,9 +112,19 @@ def _grid_barrier(barrier_ptr, pid, num_programs):
     increment = tl.where(pid == 0, 2147483647 - (num_programs - 2), 1)  # 2^31 - (num_programs - 1)
     arrived = tl.atomic_add(barrier_ptr, increment, sem="acq_rel", scope="gpu")
     seen = tl.atomic_add(barrier_ptr, 0, sem="acquire", scope="gpu")
+    polls = 0
     while (seen ^ arrived) >= 0:  # the same sign bit: not everyone yet
         seen = tl.atomic_add(barrier_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+        if polls > BARRIER_POLLS:
+            _trap(polls)
     tl.debug_barrier()
+
+
+@triton.jit
+def _trap(value):
+    """End the kernel with an error (PTX `trap`): the launch fails instead of hanging."""
+    tl.inline_asm_elementwise("trap; mov.u32 $0, $1;", "=r,r", [value], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -112,8 +112,8 @@ def test_the_command_lines_flags_default_to_the_engines_settings() -> None:
     args = build_parser().parse_args(["generate", "smollm2-135m", "--prompt", "Hello"])
     flags = _engine_flags()
     assert set(flags) == {
-        "dtype", "device", "quantization", "kv_cache_dtype", "persistent_decode", "max_model_len", "proposer",
-        "draft_model", "draft_layers", "num_draft",
+        "dtype", "device", "quantization", "kv_cache_dtype", "max_model_len", "proposer", "draft_model",
+        "draft_layers", "num_draft",
     }  # fmt: skip
     engine_defaults = EngineConfig()
     assert {name: getattr(args, name) for name in flags} == {

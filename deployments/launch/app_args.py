@@ -81,7 +81,6 @@ class AppArgs(BaseModel):
     long_prefill_token_threshold: int | None = engine_arg("long_prefill_token_threshold")
     max_long_partial_prefills: int = engine_arg("max_long_partial_prefills")
     long_prefill_step_ms: float | None = engine_arg("long_prefill_step_ms")
-    persistent_decode: bool = engine_arg("persistent_decode")
     max_queue_len: int = Field(256, ge=0, description="requests that may wait beyond max_num_seqs; then 503")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="larger bodies get 413")
     # Serve logs the args as given (its controller's "Importing application ... with arguments"), so a key

@@ -61,14 +61,6 @@ def _add_engine_argument(
     """--name for EngineConfig's setting `name`, with its default, help and bounds."""
     setting = ENGINE_SETTINGS[name]
     shown = "" if setting.default is None else f" (default: {setting.default})"
-    if isinstance(setting.default, bool):  # a switch: --name / --no-name
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            action=argparse.BooleanOptionalAction,
-            default=setting.default,
-            help=setting.help + shown,
-        )
-        return
     parser.add_argument(
         f"--{name.replace('_', '-')}",
         type=_bounded_count(setting) if setting.bounds() else None,
@@ -85,7 +77,6 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     _add_engine_argument(parser, "device", DEVICES)
     _add_engine_argument(parser, "quantization", QUANTIZATIONS)
     _add_engine_argument(parser, "kv_cache_dtype", KV_CACHE_DTYPES)
-    _add_engine_argument(parser, "persistent_decode")
     parser.add_argument(
         "--chat-template",
         default=None,
