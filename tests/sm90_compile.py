@@ -196,7 +196,6 @@ def run_engine_kernels() -> None:
     run_decoder(QWEN3_0_6B, 100, stacked=True)
     persistent_decode.PREFETCH_LINES = 0
     run_decoder(QWEN3_0_6B, 100, stacked=True)
-    run_decoder(SMOLLM2_135M, 40, stacked=True)
     # as a decoder's linears run: with split-K scratch (and dequantization buffers where given)
     workspace = linear.LinearWorkspace(SplitKScratch.allocate(torch.device("cpu")))
     # fp32 activations on INT8 weights in the skinny GEMM at 64 rows (SmolLM2's gate/up: shared memory)

@@ -23,10 +23,9 @@ from tileinfer.kernels.persistent_decode import persistent_decode_layers
 
 SPECS = {
     "qwen3-qk-norm": TINY,
-    "llama-gqa3": dataclasses.replace(TINY, family="llama", qk_norm=False, num_heads=6, num_kv_heads=2),
-    # a Qwen2 qkv bias and a Mistral sliding window (shorter than the context) in one
-    "qkv-bias-window": dataclasses.replace(
-        TINY, family="qwen2", qk_norm=False, qkv_bias=True, sliding_window=7
+    # GQA groups of 3 (SmolLM2's), a Qwen2 qkv bias and a Mistral sliding window shorter than the context
+    "gqa3-qkv-bias-window": dataclasses.replace(
+        TINY, family="qwen2", qk_norm=False, num_heads=6, num_kv_heads=2, qkv_bias=True, sliding_window=7
     ),
 }
 BLOCK_SIZE, NUM_BLOCKS, MAX_LEN = 4, 16, 64
