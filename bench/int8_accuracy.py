@@ -1,5 +1,6 @@
-"""INT8 accuracy against the model's own dtype, on a real model and a real English text: INT8 weights,
-the INT8 KV cache, and both.
+"""INT8 and FP8 accuracy against the model's own dtype, on a real model and a real English text: INT8
+weights, the INT8 KV cache, both, and FP8 weights (e4m3 with a scale per 128 x 128 block, as an FP8
+checkpoint of the model would hold them and the loader reads them back).
 
 - Perplexity of the first TOKENS tokens of the Python standard library's `pydoc_data/topics.py` (a large
   English text present everywhere), teacher-forced in one sequence through the engine's paged cache.
@@ -9,7 +10,7 @@ the INT8 KV cache, and both.
   prefix.
 
     python bench/int8_accuracy.py [--model smollm2-135m] [--device cpu] [--dtype float32] [--tokens 1024]
-        [--modes weights,kv,both]
+        [--modes weights,kv,both,fp8]
 
 The default model is SmolLM2-135M (its Q4_1 GGUF, dequantized at load: the baseline's weights and the
 INT8 quantizer's input). The table comes last.
@@ -31,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tileinfer.engine.config import EngineConfig  # noqa: E402
 from tileinfer.engine.engine import Engine  # noqa: E402
+from tileinfer.engine.models.decoder import is_layer_linear  # noqa: E402
+from tileinfer.engine.models.fp8_checkpoint import dequantize_fp8, quantize_fp8  # noqa: E402
 from tileinfer.engine.models.loader import LoadedModel, load_model  # noqa: E402
 from tileinfer.engine.sampling.params import SamplingParams  # noqa: E402
 from tileinfer.engine.sequence import Sequence  # noqa: E402
@@ -41,8 +44,12 @@ MODES = {  # what each INT8 mode changes in the engine's config
     "weights": {"quantization": "int8"},
     "kv": {"kv_cache_dtype": "int8"},
     "both": {"quantization": "int8", "kv_cache_dtype": "int8"},
+    "fp8": {},  # the weights change instead (fp8_weights)
 }
-MODE_NAMES = {"weights": "INT8 weights", "kv": "INT8 KV cache", "both": "INT8 weights and KV"}
+MODE_NAMES = {
+    "weights": "INT8 weights", "kv": "INT8 KV cache", "both": "INT8 weights and KV",
+    "fp8": "FP8 weights (128 x 128 blocks)",
+}  # fmt: skip
 CHAT_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -139,6 +146,15 @@ def figures_against(
     }
 
 
+def fp8_weights(model: LoadedModel) -> LoadedModel:
+    """The model with each layer linear as an FP8 checkpoint holds it and the loader reads it back."""
+    weights = {
+        name: dequantize_fp8(*quantize_fp8(weight)).to(weight.dtype) if is_layer_linear(name) else weight
+        for name, weight in model.weights.items()
+    }
+    return dataclasses.replace(model, weights=weights)
+
+
 def compare(
     model: LoadedModel,
     config: EngineConfig,
@@ -151,12 +167,13 @@ def compare(
     assert model.tokenizer is not None
     token_ids = model.tokenizer.encode(english_text())[:tokens]
     base = evaluate(model, config, token_ids, prompts, max_tokens)
-    return {
-        mode: figures_against(
-            base, evaluate(model, dataclasses.replace(config, **MODES[mode]), token_ids, prompts, max_tokens)
-        )
-        for mode in modes
-    }
+    figures = {}
+    for mode in modes:
+        mode_model = fp8_weights(model) if mode == "fp8" else model
+        mode_config = dataclasses.replace(config, **MODES[mode])
+        measured = evaluate(mode_model, mode_config, token_ids, prompts, max_tokens)
+        figures[mode] = figures_against(base, measured)
+    return figures
 
 
 def main() -> None:

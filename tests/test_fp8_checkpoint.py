@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import save_file
 from tileinfer.engine.errors import ModelLoadError
 from tileinfer.engine.models.decoder import Decoder, is_layer_linear
+from tileinfer.engine.models.fp8_checkpoint import E4M3_MAX, quantize_fp8
 from tileinfer.engine.models.loader import LoadedModel
 from tileinfer.engine.models.safetensors_loader import load_safetensors_folder
 from tileinfer.kernels.paged_attention import AttentionMetadata
 
 LAYERS, BLOCK = 2, 128
-E4M3_MAX = 448.0
 
 
 def _config(model: LoadedModel, quantization: dict | None) -> dict:
@@ -34,19 +34,17 @@ def _config(model: LoadedModel, quantization: dict | None) -> dict:
 
 def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(e4m3 values, the scale of each 128 x 128 block, what they stand for), as Qwen's FP8 releases are
-    made: each block's largest magnitude maps to e4m3's largest. Edge blocks are partial (576 columns)."""
-    rows, columns = weight.shape
-    scales = torch.empty(-(-rows // BLOCK), -(-columns // BLOCK))
-    values = torch.empty(rows, columns, dtype=torch.float8_e4m3fn)
-    meant = torch.empty(rows, columns)
+    made (quantize_fp8: each block's largest magnitude maps to e4m3's largest); edge blocks are partial
+    (576 columns). What they stand for is multiplied out here a block at a time."""
+    values, scales = quantize_fp8(weight)
+    assert scales.shape == (-(-weight.shape[0] // BLOCK), -(-weight.shape[1] // BLOCK))
+    meant = torch.empty(weight.shape)
     for i in range(scales.shape[0]):
         for j in range(scales.shape[1]):
-            block = weight[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK]
-            scale = block.abs().max().clamp(min=1e-12) / E4M3_MAX
-            stored = (block / scale).to(torch.float8_e4m3fn)
-            scales[i, j] = scale
-            values[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] = stored
-            meant[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK] = stored.float() * scale
+            rows, columns = slice(i * BLOCK, (i + 1) * BLOCK), slice(j * BLOCK, (j + 1) * BLOCK)
+            block = weight[rows, columns]
+            assert values[rows, columns].float().abs().max() == E4M3_MAX or block.abs().max() == 0
+            meant[rows, columns] = values[rows, columns].float() * scales[i, j]
     return values, scales, meant
 
 

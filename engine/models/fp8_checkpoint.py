@@ -58,7 +58,9 @@ def checkpoint_quantization(config: dict[str, Any]) -> Fp8Blocks | None:
     return Fp8Blocks(rows=block[0], columns=block[1])
 
 
-def dequantize_fp8(values: torch.Tensor, scale_inv: torch.Tensor, blocks: Fp8Blocks) -> torch.Tensor:
+def dequantize_fp8(
+    values: torch.Tensor, scale_inv: torch.Tensor, blocks: Fp8Blocks = Fp8Blocks()
+) -> torch.Tensor:
     """values [N, K] in float8 times each block's scale (scale_inv [ceil(N / rows), ceil(K / columns)]),
     as float32."""
     rows, columns = values.shape
@@ -70,3 +72,22 @@ def dequantize_fp8(values: torch.Tensor, scale_inv: torch.Tensor, blocks: Fp8Blo
         )
     scales = scale_inv.float().repeat_interleave(blocks.rows, 0).repeat_interleave(blocks.columns, 1)
     return values.float() * scales[:rows, :columns]
+
+
+E4M3_MAX = 448.0  # float8 e4m3's largest finite value
+
+
+def quantize_fp8(weight: torch.Tensor, blocks: Fp8Blocks = Fp8Blocks()) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] as FP8 checkpoints store it: (e4m3 values, scale_inv [ceil(N / rows), ceil(K /
+    columns)]), each block's largest magnitude mapped to e4m3's largest (as Qwen's and DeepSeek's
+    releases are made); dequantize_fp8 reads them back."""
+    rows, columns = weight.shape
+    padded = torch.zeros(
+        -(-rows // blocks.rows) * blocks.rows, -(-columns // blocks.columns) * blocks.columns,
+        dtype=torch.float32, device=weight.device,
+    )  # fmt: skip
+    padded[:rows, :columns] = weight.float()
+    tiles = padded.unflatten(0, (-1, blocks.rows)).unflatten(2, (-1, blocks.columns))  # [bn, r, bk, c]
+    scale_inv = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
+    values = (tiles / scale_inv[:, None, :, None]).to(torch.float8_e4m3fn).flatten(2).flatten(0, 1)
+    return values[:rows, :columns].contiguous(), scale_inv
