@@ -22,11 +22,9 @@ from tileinfer.engine.step import ScheduledRow
 from tileinfer.kernels.persistent_decode import persistent_decode_layers
 
 SPECS = {
-    "qwen3-qk-norm": TINY,
-    # GQA groups of 3 (SmolLM2's), a Qwen2 qkv bias and a Mistral sliding window shorter than the context
-    "gqa3-qkv-bias-window": dataclasses.replace(
-        TINY, family="qwen2", qk_norm=False, num_heads=6, num_kv_heads=2, qkv_bias=True, sliding_window=7
-    ),
+    # every path at once: Qwen3's q/k norms, GQA groups of 3 (SmolLM2's), a qkv bias (Qwen2's) and a
+    # sliding window shorter than the context (Mistral's)
+    "every-path": dataclasses.replace(TINY, num_heads=6, num_kv_heads=2, qkv_bias=True, sliding_window=7),
 }
 BLOCK_SIZE, NUM_BLOCKS, MAX_LEN = 4, 16, 64
 
