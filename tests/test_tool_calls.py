@@ -22,7 +22,7 @@ from ingress_harness import build
 from tileinfer.deployments.openai_api.chat_output import ChatOutputPlan
 from tileinfer.deployments.openai_api.chat_request import ChatCompletionRequest
 from tileinfer.deployments.openai_api.errors import OpenAIError
-from tileinfer.deployments.openai_api.reasoning import prompt_opens_thinking, split_reasoning
+from tileinfer.deployments.openai_api.reasoning import prompt_opens_thinking
 from tileinfer.deployments.openai_api.request_parsing import parse_request
 from tileinfer.deployments.openai_api.request_to_engine import chat_template_input
 from tileinfer.deployments.openai_api.tool_calls import format_for_template
@@ -357,8 +357,10 @@ def test_reasoning_is_the_think_block_as_vllm_returns_it() -> None:
         "content": "\n\nIt is sunny.",
         "reasoning_content": "\nParis is in France.\n",
     }
-    assert split_reasoning("<think>\ncut off", final=True) == ("\ncut off", "")  # max_tokens in the block
-    assert split_reasoning("No block.", final=True) == (None, "No block.")
+    cut_off = plan.parse("<think>\ncut off", final=True)  # max_tokens in the block
+    assert (cut_off.reasoning, cut_off.content) == ("\ncut off", "")
+    no_block = plan.parse("No block.", final=True)
+    assert (no_block.reasoning, no_block.content) == (None, "No block.")
     stream = plan.stream()
     text = "<think>\nHmm.\n</think>\n\nSunny."
     deltas = [stream.push(character, index == len(text) - 1) for index, character in enumerate(text)]

@@ -32,16 +32,6 @@ def prompt_opens_thinking(prompt: str, template: str | None) -> bool:
     return template is not None and OPEN in template and prompt.rstrip().endswith(OPEN)
 
 
-def split_reasoning(text: str, final: bool) -> tuple[str | None, str]:
-    """(reasoning, answer) of the output so far; reasoning None: no think block. While streaming (final
-    false) what may still be `<think>` or `</think>` is held back."""
-    reasoning, answer_start = find_reasoning(text, final, ReasoningProgress())
-    return (
-        None if reasoning is None else text[reasoning[0] : reasoning[1]],
-        "" if answer_start is None else text[answer_start:],
-    )
-
-
 @dataclasses.dataclass
 class ReasoningProgress:
     """Where the search for `</think>` resumes in an output that only grows (the text before holds none)."""
@@ -52,9 +42,10 @@ class ReasoningProgress:
 def find_reasoning(
     text: str, final: bool, progress: ReasoningProgress
 ) -> tuple[tuple[int, int] | None, int | None]:
-    """(the reasoning's span in text, or None: no think block; where the answer starts, or None: not
-    yet, or never in a final text cut off in the block). split_reasoning's reading, by index: a stream
-    calls it again as its text grows with the same progress, and only the new text is searched."""
+    """The output so far, read by index: (the reasoning's span in text, or None: no think block; where
+    the answer starts, or None: not yet, or never in a final text cut off in the block). While streaming
+    (final false) what may still be `<think>` or `</think>` is held back. A stream calls it again as its
+    text grows with the same progress, and only the new text is searched."""
     if not text.startswith(OPEN):
         if not final and OPEN.startswith(text):
             return (0, 0), None  # the output may yet start with <think>
