@@ -324,32 +324,24 @@ class Decoder(nn.Module):
         assert self.can_stack_layers(), "the persistent decode kernel does not cover this decoder"
         layers, spec = self.model.layers, self.spec
 
-        def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-            stacked = torch.empty(
-                (len(tensors), *tensors[0].shape), dtype=tensors[0].dtype, device=tensors[0].device
-            )
-            for index, tensor in enumerate(tensors):
-                stacked[index].copy_(tensor)
-            return stacked
-
         def parameters(modules: list[nn.Module]) -> torch.Tensor:
             """The modules' weights stacked; each module's weight becomes its view (a parameter still)."""
-            stacked = stack([module.weight for module in modules])
+            stacked = torch.stack([module.weight for module in modules])
             for index, module in enumerate(modules):
                 module.weight = nn.Parameter(stacked[index], requires_grad=False)
             return stacked
 
         attentions = [layer.self_attn for layer in layers]
         mlps = [layer.mlp for layer in layers]
-        qkv = stack([attn.qkv_weight for attn in attentions])
-        qkv_bias = stack([attn.qkv_bias for attn in attentions]) if spec.qkv_bias else None
+        qkv = torch.stack([attn.qkv_weight for attn in attentions])
+        qkv_bias = torch.stack([attn.qkv_bias for attn in attentions]) if spec.qkv_bias else None
         for index, attn in enumerate(attentions):
             attn.qkv_weight = qkv[index]
             if qkv_bias is not None:
                 attn.qkv_bias = qkv_bias[index]
         o = parameters([attn.o_proj for attn in attentions])
         down = parameters([mlp.down_proj for mlp in mlps])
-        gate_up = stack([mlp.in_weight for mlp in mlps])
+        gate_up = torch.stack([mlp.in_weight for mlp in mlps])
         for index, (attn, mlp) in enumerate(zip(attentions, mlps, strict=True)):
             attn.o_weight, mlp.down_weight = attn.o_proj.weight, mlp.down_proj.weight  # registered parameters
             mlp.in_weight = gate_up[index]
