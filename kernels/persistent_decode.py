@@ -32,16 +32,17 @@ import triton
 import triton.language as tl
 from tileinfer.kernels.decode_attention import DecodeWorkspace, decode_attention_program, decode_launch
 from tileinfer.kernels.kv_cache import KVCache
-from tileinfer.kernels.linear_gemv import gemv_config, gemv_program
+from tileinfer.kernels.linear_gemv import GemvConfig, gemv_program
 from tileinfer.kernels.norm_linear import add_rms_norm_gemv_program
 from tileinfer.kernels.qkv_epilogue import qkv_epilogue_program
 from tileinfer.kernels.triton_common import INTERPRET, num_sms
 
 OPS_PER_LAYER = 6
-MAX_PROGRAMS_PER_SM = 4  # the grid: this many programs an SM at most, fewer where occupancy allows fewer
+MAX_PROGRAMS_PER_SM = 2  # the grid: this many programs an SM at most, fewer where occupancy allows fewer
 NUM_WARPS = 4  # a program's warps
+GEMV_ACCUMULATORS = 8192  # fp32 partial sums a GEMV tile holds (64 a thread at 4 warps)
+GEMV_STAGES = 3  # a GEMV tile's K steps in flight (pipelined through shared memory)
 MAX_REGISTERS: int | None = None  # a cap on a thread's registers (more programs an SM), or the compiler's
-PREFETCH_LINES = 0  # > 0: L2 prefetches of a later operation's first tile before each barrier (0: none)
 # A barrier still waiting after this many polls (each an L2 round trip: seconds) has hung: the kernel
 # traps, so the step fails with an error instead of holding the GPU forever.
 BARRIER_POLLS = tl.constexpr(1 << 22)
@@ -125,48 +126,6 @@ def _grid_barrier(barrier_ptr, pid, num_programs):
 def _trap(value):
     """End the kernel with an error (PTX `trap`): the launch fails instead of hanging."""
     tl.inline_asm_elementwise("trap; mov.u32 $0, $1;", "=r,r", [value], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_l2(ptr, num_elements, LINES: tl.constexpr):
-    """Ask L2 for the first LINES 128-byte lines of [ptr, ptr + num_elements): weights a later operation
-    reads, requested while this program waits (an address past the range repeats the last one)."""
-    per_line: tl.constexpr = 128 // (ptr.dtype.element_ty.primitive_bitwidth // 8)
-    offsets = tl.minimum(tl.arange(0, LINES) * per_line, num_elements - 1)
-    tl.inline_asm_elementwise(
-        "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l", [ptr + offsets], dtype=tl.int32, is_pure=False,
-        pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _prefetch_next_weights(
-    op, layer, pid, num_ops, qkv_weight_ptr, o_weight_ptr, gate_up_ptr, down_ptr, qkv_layer_stride,
-    o_layer_stride, gate_up_layer_stride, down_layer_stride, HIDDEN: tl.constexpr, QKV_SIZE: tl.constexpr,
-    Q_SIZE: tl.constexpr, INTERMEDIATE: tl.constexpr, QKV_TILE: tl.constexpr, O_TILE: tl.constexpr,
-    GATE_UP_TILE: tl.constexpr, DOWN_TILE: tl.constexpr, LINES: tl.constexpr,
-):  # fmt: skip
-    """Before the barrier after `op`: the first tile this program multiplies in a later weight operation
-    (after qkv: o_proj's, after the q/k epilogue: gate/up's, after o_proj: down's, after gate/up: the next
-    layer's qkv), so that the attention's and the barrier's waits overlap those loads."""
-    kind = op % 6
-    if kind == 0:
-        if pid < tl.cdiv(HIDDEN, O_TILE):
-            o = o_weight_ptr + layer * o_layer_stride + pid * O_TILE * Q_SIZE
-            _prefetch_l2(o, O_TILE * Q_SIZE, LINES)
-    elif kind == 1:
-        if pid < tl.cdiv(INTERMEDIATE, GATE_UP_TILE):
-            gate = gate_up_ptr + layer * gate_up_layer_stride + pid * GATE_UP_TILE * HIDDEN
-            _prefetch_l2(gate, GATE_UP_TILE * HIDDEN, LINES // 2)
-            _prefetch_l2(gate + INTERMEDIATE * HIDDEN, GATE_UP_TILE * HIDDEN, LINES // 2)
-    elif kind == 3:
-        if pid < tl.cdiv(HIDDEN, DOWN_TILE):
-            down = down_ptr + layer * down_layer_stride + pid * DOWN_TILE * INTERMEDIATE
-            _prefetch_l2(down, DOWN_TILE * INTERMEDIATE, LINES)
-    elif kind == 4:  # noqa: SIM102 (Triton's `and` takes no tensors)
-        if (op + 2 < num_ops) & (pid < tl.cdiv(QKV_SIZE, QKV_TILE)):
-            qkv = qkv_weight_ptr + (layer + 1) * qkv_layer_stride + pid * QKV_TILE * HIDDEN
-            _prefetch_l2(qkv, QKV_TILE * HIDDEN, LINES)
 
 
 # the op range and the grid size take no specialization: the compile that sizes the grid is the launch's
@@ -253,7 +212,6 @@ def _persistent_decode_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SYNC: tl.constexpr,  # False under the interpreter: one launch an op, no barrier
-    PREFETCH_LINES: tl.constexpr = 0,  # > 0: before each barrier, prefetch a later op's first tile (lines)
 ):
     pid = tl.program_id(0)
     num_qkv_tiles = tl.cdiv(QKV_SIZE, QKV_TILE)
@@ -324,13 +282,19 @@ def _persistent_decode_kernel(
                     DOWN_K, DOWN_STAGES,
                 )  # fmt: skip
         if SYNC:
-            if PREFETCH_LINES > 0:
-                _prefetch_next_weights(
-                    op, layer, pid, last_op, qkv_weight_ptr, o_weight_ptr, gate_up_ptr, down_ptr,
-                    qkv_layer_stride, o_layer_stride, gate_up_layer_stride, down_layer_stride, HIDDEN,
-                    QKV_SIZE, Q_SIZE, INTERMEDIATE, QKV_TILE, O_TILE, GATE_UP_TILE, DOWN_TILE, PREFETCH_LINES,
-                )  # fmt: skip
             _grid_barrier(barrier_ptr, pid, num_programs)
+
+
+def grid_gemv_config(n: int, k: int, gate_up: bool, programs: int) -> GemvConfig:
+    """A GEMV's tiles inside the persistent kernel: about one tile a program (BLOCK_N rows, the fewest
+    whose tiles `programs` programs cover), its K loop pipelined where it takes more than one step.
+    The standalone kernel's many small tiles suit a launch of up to 16 programs an SM; dealt to two
+    resident programs an SM they leave a few KiB in flight each, and Qwen3-0.6B's GEMVs then ran at
+    half the copy bandwidth."""
+    block_n = triton.next_power_of_2(triton.cdiv(n, programs))
+    rows_a_tile = block_n * (2 if gate_up else 1)
+    block_k = min(triton.next_power_of_2(k), max(64, GEMV_ACCUMULATORS // rows_a_tile))
+    return GemvConfig(block_n, block_k, NUM_WARPS, GEMV_STAGES if k > block_k else 1)
 
 
 def persistent_decode_supported(stack: LayerStack | None, kv_cache: KVCache, rows: int) -> bool:
@@ -389,12 +353,14 @@ def persistent_decode_layers(
         attention.arguments[:12]
     )
     strides = attention.arguments[12:]  # query (2), cache (4), scales (2), table, out (2)
+    device_index = hidden.device.index or 0
+    programs = num_programs or (4 if INTERPRET else num_sms(device_index) * MAX_PROGRAMS_PER_SM)
     tiles = {}
     for name, (n, k, gate_up) in {
         "QKV": (qkv_size, hidden_size, False), "O": (hidden_size, q_size, False),
         "GATE_UP": (intermediate, hidden_size, True), "DOWN": (hidden_size, intermediate, False),
     }.items():  # fmt: skip
-        config = gemv_config(1, n, k, gate_up)
+        config = grid_gemv_config(n, k, gate_up, programs)
         tiles |= {
             f"{name}_TILE": config.block_n,
             f"{name}_K": config.block_k,
@@ -435,10 +401,8 @@ def persistent_decode_layers(
                 *arguments, op, op + 1, grid, **constexprs, SYNC=False, **options
             )
         return hidden, residual
-    constexprs["PREFETCH_LINES"] = PREFETCH_LINES
     # a cooperative launch: the driver refuses a grid that would not be resident at once (no hang)
     options["launch_cooperative_grid"] = True
-    device_index = hidden.device.index or 0
     grid = num_programs or fitting_grid(arguments, num_ops, constexprs, options, device_index)
     _persistent_decode_kernel[(grid,)](*arguments, 0, num_ops, grid, **constexprs, SYNC=True, **options)
     return hidden, residual

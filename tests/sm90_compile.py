@@ -192,9 +192,6 @@ def run_engine_kernels() -> None:
     run_decoder(QWEN3_0_6B, 100, quantization="int8")  # INT8 weights in every linear kernel
     # the persistent decode kernel (its grid as on the H200: the compiler here loads no binary)
     persistent_decode.fitting_grid = lambda *args: 132
-    persistent_decode.PREFETCH_LINES = 256  # the prefetching variant too
-    run_decoder(QWEN3_0_6B, 100, stacked=True)
-    persistent_decode.PREFETCH_LINES = 0
     run_decoder(QWEN3_0_6B, 100, stacked=True)
     # as a decoder's linears run: with split-K scratch (and dequantization buffers where given)
     workspace = linear.LinearWorkspace(SplitKScratch.allocate(torch.device("cpu")))
