@@ -161,11 +161,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def load(base_url: str) -> dict[str, Any]:
         model = serve_app.served_model(base_url)
-        asyncio.run(phase(base_url, model, args, vocab, "warm-up"))
-        alone = asyncio.run(phase(base_url, model, args, vocab, "alone"))
-        beside = asyncio.run(phase(base_url, model, args, vocab, "beside", longs=True))
-        long_alone = asyncio.run(phase(base_url, model, args, vocab, "long-alone", shorts=False, longs=True))
-        return {"alone": alone, "beside_long_prompts": beside, "long_alone": long_alone}
+        results = {}
+        for key, name, shorts, longs in (
+            ("warm_up", "warm-up", True, False), ("alone", "alone", True, False),
+            ("beside_long_prompts", "beside", True, True), ("long_alone", "long-alone", False, True),
+        ):  # fmt: skip
+            started = time.monotonic()
+            results[key] = asyncio.run(phase(base_url, model, args, vocab, name, shorts, longs))
+            took = time.monotonic() - started
+            print(f"long_prompts: {name} done in {took:.1f} s", file=sys.stderr, flush=True)
+        del results["warm_up"]
+        return results
 
     payload = serve_app.serve_and_record("long_prompts", args, config, out, load)
     print(json.dumps(payload["result"], indent=2))
