@@ -27,6 +27,18 @@ _MAX_BLOCK_H = 8192
 
 
 @triton.jit
+def _summed_block(x_row, residual_row, summed_row, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """x's columns `cols` in fp32; with a residual, x + residual rounded to its dtype (and stored)."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_row + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + residual).to(residual_row.dtype.element_ty)
+        tl.store(summed_row + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [num_rows, hidden_size]
     residual_ptr,  # [num_rows, hidden_size] (HAS_RESIDUAL)
@@ -53,12 +65,7 @@ def _rms_norm_kernel(
     if SINGLE_BLOCK:
         cols = tl.arange(0, BLOCK_H)
         mask = cols < hidden_size
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_row + cols, mask=mask, other=0.0).to(tl.float32)
-            summed = (x + residual).to(residual_ptr.dtype.element_ty)
-            tl.store(summed_row + cols, summed, mask=mask)
-            x = summed.to(tl.float32)
+        x = _summed_block(x_row, residual_row, summed_row, cols, mask, HAS_RESIDUAL)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -68,12 +75,7 @@ def _rms_norm_kernel(
         for start in range(0, hidden_size, BLOCK_H):
             cols = start + tl.arange(0, BLOCK_H)
             mask = cols < hidden_size
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                residual = tl.load(residual_row + cols, mask=mask, other=0.0).to(tl.float32)
-                summed = (x + residual).to(residual_ptr.dtype.element_ty)
-                tl.store(summed_row + cols, summed, mask=mask)
-                x = summed.to(tl.float32)
+            x = _summed_block(x_row, residual_row, summed_row, cols, mask, HAS_RESIDUAL)
             squares += x * x
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / hidden_size + eps)
         for start in range(0, hidden_size, BLOCK_H):
