@@ -368,7 +368,7 @@ class Engine:
         pending, self.in_flight = self.in_flight, None
         read = []
         if pending is not None:
-            tokens = pending.read()
+            tokens = self.runner.read(pending)
             self._measured(pending.work, pending.scheduled_at, pending.done_at or time.perf_counter())
             pairs = zip(pending.seqs, tokens, strict=True)
             read = [(seq, token) for seq, token in pairs if not seq.is_finished]

@@ -13,15 +13,10 @@ launch's inputs must stay intact until its copy has run, which may be after the 
 launch (run-ahead). A row whose source row is >= 0 takes that row of the previous launch's samples
 (token_ids, still on the device) as its input id.
 
-Structured output (engine/sampling/grammar.py). A constrained row's mask follows its previous token, which the
-host may not have read when the step launches (run-ahead), so a step samples every row unmasked and the
-constrained rows are then sampled again from their masked logits by a masked-sampling replay
-(sample_masked): a bucket of C rows gathers their logits, applies the bitmask (kernels/token_mask.py) and
-samples into their rows of token_ids, before the next launch reads them. The host writes the masks
-straight into a pinned staging buffer (masked_bitmasks), one row per constrained row of the step; each
-replay's other inputs (rows, sampling fields) have a staging buffer of their own, so none is overwritten
-before its copy has run. A step without constrained rows is unchanged, and unconstrained rows keep running
-ahead.
+Structured output (engine/sampling/grammar.py). A step samples every row unmasked, and its constrained rows
+are then sampled again from their masked logits by the replays of engine/sampling/masked_sampling.py
+(sample_masked), on this cache's logits and samples, before the next launch reads them. A step without
+constrained rows is unchanged, and unconstrained rows keep running ahead.
 
 On the CPU the same cache runs for tests: capture records the step and replay calls it, on the same
 buffers, with the torch reference ops and sampler. The GPU-only lines are capture_graph, the pinned
@@ -45,6 +40,7 @@ from tileinfer.engine.graph_buckets import (
     step_sizes,
 )
 from tileinfer.engine.models.decoder import Decoder
+from tileinfer.engine.sampling.masked_sampling import MaskedSampling
 from tileinfer.engine.sampling.sampler import Sampler
 from tileinfer.engine.sequence import Sequence
 from tileinfer.engine.step import PendingStep
@@ -52,11 +48,7 @@ from tileinfer.engine.step_inputs import StepInputs
 from tileinfer.kernels.decode_attention import DecodeWorkspace, decode_num_splits
 from tileinfer.kernels.prefill_attention import allocate_prefill_workspace, prefill_num_splits
 from tileinfer.kernels.sampling import SamplingWorkspace
-from tileinfer.kernels.token_mask import apply_token_mask, bitmask_words
-
-# The most constrained rows one masked-sampling replay takes (more take several): its gathered logits are
-# [rows, vocab] float32 scratch, 39 MB at 64 rows of a 152k vocabulary.
-MAX_MASKED_ROWS = 64
+from tileinfer.kernels.token_mask import bitmask_words
 
 
 def capture_graph(step: Callable[[], None], pool: tuple | None) -> torch.cuda.CUDAGraph:
@@ -124,13 +116,7 @@ class GraphCache:
         # sampling rows only (an eagerly computed step's logits): no tokens, no sequences
         self.sample_bucket = Bucket(False, 0, 0, 0, max_num_seqs, max_blocks_per_seq)
         buckets = [*self.decode_buckets.values(), *self.step_buckets.values(), self.sample_bucket]
-        self.vocab_words = bitmask_words(decoder.logit_vocab_size)
-        max_masked = min(MAX_MASKED_ROWS, max_num_seqs)
-        sizes = sizes_up_to(DECODE_BATCH_SIZES, max_masked)
-        self.masked_buckets = {
-            size: Bucket(False, 0, 0, 0, size, max_blocks_per_seq, masked=True) for size in sizes
-        }
-        for bucket in [*buckets, *self.masked_buckets.values()]:
+        for bucket in buckets:
             bucket.lay_out()
         nbytes = max(bucket.nbytes for bucket in buckets)
         self.inputs = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -138,20 +124,6 @@ class GraphCache:
         for bucket in buckets:
             bucket.host = [bucket.views(staging.numpy()) for staging in self.staging]
             bucket.device = bucket.views(self.inputs)
-        # the masked-sampling buckets' own static buffer and staging (sample_masked)
-        # (the replays of one step: one staging buffer each; the bitmasks: one row per constrained row)
-        nbytes = max(bucket.nbytes for bucket in self.masked_buckets.values())
-        self.masked_inputs = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.masked_staging = [
-            self._host(torch.zeros(nbytes, dtype=torch.uint8)) for _ in range(-(-max_num_seqs // max_masked))
-        ]
-        for bucket in self.masked_buckets.values():
-            bucket.host = [bucket.views(staging.numpy()) for staging in self.masked_staging]
-            bucket.device = bucket.views(self.masked_inputs)
-        self.masked_bitmask = torch.full((max_masked, self.vocab_words), -1, dtype=torch.int32, device=device)
-        self.masked_bitmask_staging = self._host(
-            torch.full((max_num_seqs, self.vocab_words), -1, dtype=torch.int32)
-        )
         # per staging buffer and block-table row: the table list last written there, and how many blocks
         self.written_tables: list[list[tuple[list[int] | None, int]]] = [
             [(None, 0)] * max(bucket.num_slots for bucket in buckets) for _ in range(2)
@@ -172,11 +144,10 @@ class GraphCache:
         self.prompt_mask = torch.zeros(max_num_seqs, vocab, dtype=torch.bool, device=device)
         self._penalized_rows: set[int] = set()
         self.sampling_workspace = SamplingWorkspace.allocate(max_num_seqs, vocab, device)
-        self.masked_logits = torch.zeros(max_masked, vocab, dtype=torch.float32, device=device)
-        self.masked_token_ids = torch.zeros(max_masked, dtype=torch.int64, device=device)
-        # constrained rows never use penalties here (the runner samples those eagerly): no counts, stride 0
-        self.no_counts = torch.zeros(1, vocab, dtype=torch.int32, device=device).expand(max_masked, vocab)
-        self.no_prompt_mask = torch.zeros(1, vocab, dtype=torch.bool, device=device).expand(max_masked, vocab)
+        self.masked = MaskedSampling(
+            self.logits, self.token_ids, sampler, self.sampling_workspace, max_num_seqs, max_blocks_per_seq,
+            bitmask_words(vocab), self._host,
+        )  # fmt: skip
         self.captured = torch.zeros(
             self.max_step_tokens if capture_layers else 0, len(capture_layers) * spec.hidden_size,
             dtype=decoder.model.embed_tokens.weight.dtype, device=device,  # the residual stream's
@@ -210,9 +181,7 @@ class GraphCache:
             self._transfer(bucket, empty)  # every row a padding one while capturing
             step = self._decode_step if bucket.decode else self._step
             bucket.replay = self._capture(lambda step=step, bucket=bucket: step(bucket))
-        for bucket in sorted(self.masked_buckets.values(), key=lambda bucket: -bucket.num_samples):
-            self._stage_masked(bucket, 0, [], 0, empty)
-            bucket.replay = self._capture(lambda bucket=bucket: self._masked_sample_step(bucket))
+        self.masked.capture(self._capture)
         self._staged = None
 
     def _host(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -258,18 +227,6 @@ class GraphCache:
             torch.cat([capture[index] for index in self.capture_layers], dim=-1, out=self.captured[:size])
         rows = views["logit_rows"]
         self.decoder.compute_logits(hidden[rows], residual[rows], out=self.logits[: len(rows)])
-
-    def _masked_sample_step(self, bucket: Bucket) -> None:
-        """Sample the bucket's rows of the last step's logits, masked, into their rows of token_ids."""
-        views, size = bucket.device, bucket.num_samples
-        rows = views["rows"]
-        logits = self.masked_logits[:size]
-        torch.index_select(self.logits, 0, rows.clamp(min=0), out=logits)
-        apply_token_mask(logits, self.masked_bitmask[:size])
-        tensors = sampling_tensors(views, size, self.no_counts, self.no_prompt_mask)
-        self.sampler.sample_into(logits, tensors, self.masked_token_ids[:size], self.sampling_workspace)
-        padding = len(self.token_ids) - 1
-        self.token_ids.index_copy_(0, torch.where(rows >= 0, rows, padding), self.masked_token_ids[:size])
 
     def _sample_step(self, bucket: Bucket, logits: torch.Tensor, num_rows: int) -> None:
         """Sample the bucket's first num_rows rows into token_ids."""
@@ -343,28 +300,6 @@ class GraphCache:
                 host, inputs.seeds, inputs.draw_positions, inputs.top_k, inputs.sampling_floats
             )  # fmt: skip
 
-    def _stage_masked(
-        self, bucket: Bucket, replay: int, rows: list[int], first_mask: int, inputs: StepInputs
-    ) -> None:
-        """Copy a masked-sampling replay's inputs to the device: the constrained rows (of the launch whose
-        inputs these are), through the step's replay-th staging buffer, and their masks, rows first_mask
-        on of the bitmask staging. Padding rows keep an earlier replay's masks (their samples go to the
-        padding row of token_ids)."""
-        host = bucket.host[replay]
-        num_rows = len(rows)
-        host["rows"][:num_rows] = rows
-        host["rows"][num_rows:] = -1
-        stage_sampling(
-            host, [inputs.seeds[row] for row in rows], [inputs.draw_positions[row] for row in rows],
-            [inputs.top_k[row] for row in rows], [inputs.sampling_floats[row] for row in rows],
-        )  # fmt: skip
-        self.masked_inputs[: bucket.nbytes].copy_(
-            self.masked_staging[replay][: bucket.nbytes], non_blocking=True
-        )
-        self.masked_bitmask[:num_rows].copy_(
-            self.masked_bitmask_staging[first_mask : first_mask + num_rows], non_blocking=True
-        )
-
     def _write_block_tables(
         self, tables: numpy.ndarray, block_tables: list[list[int]], num_slots: int
     ) -> None:
@@ -427,24 +362,11 @@ class GraphCache:
         self._sample_step(bucket, logits, num_rows)
         return self._read_back(inputs.sample_seqs)
 
-    def masked_bitmasks(self, num_rows: int) -> torch.Tensor:
-        """Where the masks of sample_masked's num_rows constrained rows are written on the host (int32
-        [num_rows, vocab words], pinned), before it is called: free once the previous step has been read."""
-        return self.masked_bitmask_staging[:num_rows]
-
     def sample_masked(self, launched: PendingStep, rows: list[int]) -> None:
         """Sample again the rows of the launch just made (launched, whose logits are launched.logits, one
-        row each) from their logits masked with their masks (masked_bitmasks, in the same order), into their
-        rows of token_ids, and queue its read-back anew, into its own host buffer and event."""
-        logits, inputs = launched.logits, launched.inputs
-        if logits.data_ptr() != self.logits.data_ptr():  # an eager step's logits
-            self.logits[: logits.shape[0]].copy_(logits)
-        largest = max(self.masked_buckets)
-        for replay, start in enumerate(range(0, len(rows), largest)):
-            chunk = rows[start : start + largest]
-            bucket = next(b for size, b in self.masked_buckets.items() if size >= len(chunk))
-            self._stage_masked(bucket, replay, chunk, start, inputs)
-            bucket.replay()
+        row each) from their masked logits (masked.bitmasks, in the same order), into their rows of
+        token_ids, and queue its read-back anew, into its own host buffer and event."""
+        self.masked.sample(launched.logits, launched.inputs, rows)
         self._copy_tokens(launched.host_tokens, launched.ready)
 
     def _read_back(self, seqs: list[Sequence]) -> PendingStep:

@@ -19,15 +19,15 @@ device before the host has read it; so a decode or launched step samples every r
 knows the constrained rows' grammar state (after reading the previous step), start_masks has their masks
 filled on a worker thread while the host goes on, and the samples are replaced from the masked logits
 (GraphCache.sample_masked, a replay) before anything reads them: the next launch, or reading this one
-(PendingStep.finish_masks). Constrained rows thus decode every step beside the others, in the same graphs,
-and the mask fill overlaps the host's other work. A verify step masks every draft position before
-verifying (the drafts are on the host), and a constrained row with penalties samples eagerly from masked
-logits.
+(finish_masks). Constrained rows thus decode every step beside the others, in the same graphs, and the
+mask fill overlaps the host's other work. A step the host does not launch ahead (execute: eager, verify)
+has its masks filled while its forward runs, at every draft position (the drafts are on the host), and
+samples or verifies from masked logits; a constrained row with penalties samples eagerly from them. Either
+way a step's masks are one GrammarMasks (engine/step.py).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 from collections.abc import Callable, Collection
 
@@ -42,7 +42,7 @@ from tileinfer.engine.sampling.sampler import Sampler
 from tileinfer.engine.sequence import Sequence
 from tileinfer.engine.spec_decode.proposer_interface import DeviceDrafts, DraftsRead
 from tileinfer.engine.spec_decode.verify_step import read_ring, ring_drafts_read, verify_rows
-from tileinfer.engine.step import PendingStep, RowOutput, ScheduledRow, is_decode_step
+from tileinfer.engine.step import GrammarMasks, PendingStep, RowOutput, ScheduledRow, is_decode_step
 from tileinfer.engine.step_inputs import StepInputs, StepInputsBuilder
 from tileinfer.kernels.paged_attention import AttentionMetadata
 from tileinfer.kernels.sampling import top_logprobs
@@ -126,14 +126,15 @@ class ModelRunner:
             and not _penalized_and_constrained(scheduled)
         ):
             launch = self._launched(self.graphs.launch(inputs), inputs)
-            self.mask_samples(launch)
-            launch.read()
+            self.start_masks(launch)
+            self.read(launch)
             logits = self.graphs.logits[: len(scheduled)]
             self._sample_into(outputs, list(range(len(scheduled))), scheduled, logits, launch.host_tokens)
             return outputs
         ring_read = read_ring(scheduled, ring, self.device) if ring is not None else None
+        masks = self._step_masks(scheduled)  # filled while the forward runs
         logits, hidden = self._forward(inputs, ring_read=ring_read)
-        raw_logits, logits = logits, self._masked(logits, scheduled)
+        raw_logits, logits = logits, masked_logits(logits, masks)
         ring_drafts = iter(ring_drafts_read(scheduled, ring_read)) if ring is not None else iter(())
         plain: list[int] = []  # rows that sample
         verifying: list[tuple[ScheduledRow, int, list[int]]] = []  # (row, its first logits row, drafts)
@@ -199,7 +200,7 @@ class ModelRunner:
         )
         inputs = self.inputs.build(scheduled)
         if previous is not None:
-            previous.finish_masks()  # its rows' masked samples before this launch reads or replaces them
+            self.finish_masks(previous)  # its rows' masked samples before this launch reads or replaces them
         if self.graphs is not None and inputs.is_decode and self.graphs.fits_decode(inputs.num_seqs):
             return self._launched(self.graphs.launch(inputs), inputs)
         fed_back = None
@@ -217,9 +218,9 @@ class ModelRunner:
     def start_masks(self, launched: PendingStep, ending: Collection[Sequence] = ()) -> None:
         """Begin sampling the launched step's constrained rows again from their masked logits: their
         grammars, which must have taken every token before these (the host has read the previous step),
-        fill the masks on a worker thread, and launched.finish_masks samples once they are written (until
-        then the rows hold unmasked samples). Rows of sequences that finished meanwhile, or are `ending`
-        (their grammar ended on the token just read), keep theirs: they are dropped."""
+        fill the masks on a worker thread, and finish_masks samples once they are written (until then the
+        rows hold unmasked samples). Rows of sequences that finished meanwhile, or are `ending` (their
+        grammar ended on the token just read), keep theirs: they are dropped."""
         rows = [
             row
             for row, seq in enumerate(launched.seqs)
@@ -228,39 +229,40 @@ class ModelRunner:
         if not rows:
             return
         if self.graphs is not None:
-            bitmask = self.graphs.masked_bitmasks(len(rows))
+            bitmask = self.graphs.masked.bitmasks(len(rows))
         else:
             bitmask = torch.empty(len(rows), bitmask_words(self.logit_vocab_size), dtype=torch.int32)
-        fill = self.masks.start([launched.seqs[row].grammar for row in rows], bitmask)
-        launched.masking = lambda: self._sample_masked(launched, rows, fill, bitmask)
-
-    def mask_samples(self, launched: PendingStep) -> None:
-        """start_masks, then wait for the masked samples."""
-        self.start_masks(launched)
-        launched.finish_masks()
+        entries = [(launched.seqs[row].grammar, index, []) for index, row in enumerate(rows)]
+        launched.masks = GrammarMasks(rows, bitmask, self.masks.start(entries, bitmask))
 
     @torch.inference_mode()
-    def _sample_masked(
-        self,
-        launched: PendingStep,
-        rows: list[int],
-        fill: concurrent.futures.Future[None],
-        bitmask: torch.Tensor,
-    ) -> None:
-        fill.result()
-        if self.graphs is not None:
-            self.graphs.sample_masked(launched, rows)
+    def finish_masks(self, launched: PendingStep) -> None:
+        """Replace the launched step's constrained rows' samples (start_masks) by ones from their masked
+        logits, once their masks are written: before anything reads the samples. Once only."""
+        masks, launched.masks = launched.masks, None
+        if masks is None:
             return
-        masked = launched.logits[rows].clone()
-        apply_token_mask(masked, bitmask)
-        seqs = [launched.seqs[row] for row in rows]
-        token_ids = self.sampler.sample(masked, seqs, [launched.inputs.draw_positions[row] for row in rows])
-        launched.host_tokens[rows] = token_ids.to(launched.host_tokens.device)
+        if self.graphs is not None:
+            masks.fill.result()
+            self.graphs.sample_masked(launched, masks.rows)
+            return
+        masks.fill.result()
+        masked = launched.logits[masks.rows]  # a copy
+        apply_token_mask(masked, masks.bitmask)
+        seqs = [launched.seqs[row] for row in masks.rows]
+        positions = [launched.inputs.draw_positions[row] for row in masks.rows]
+        token_ids = self.sampler.sample(masked, seqs, positions)
+        launched.host_tokens[masks.rows] = token_ids.to(launched.host_tokens.device)
+
+    def read(self, launched: PendingStep) -> list[int]:
+        """The launched step's sampled tokens, its constrained rows' masked (finish_masks)."""
+        self.finish_masks(launched)
+        return launched.read()
 
     def _launched(
         self, launched: PendingStep, inputs: StepInputs, logits: torch.Tensor | None = None
     ) -> PendingStep:
-        """The launch, with what mask_samples needs: its inputs and logits (a decode replay's: the graph
+        """The launch, with what start_masks needs: its inputs and logits (a decode replay's: the graph
         cache's)."""
         launched.inputs = inputs
         launched.logits = logits if logits is not None else self.graphs.logits[: inputs.num_seqs]
@@ -336,27 +338,25 @@ class ModelRunner:
             return torch.empty(0, self.logit_vocab_size, dtype=torch.float32, device=device), captured
         return self.decoder.compute_logits(hidden[rows], residual[rows]), captured
 
-    def _masked(self, logits: torch.Tensor, scheduled: list[ScheduledRow]) -> torch.Tensor:
-        """The logits (each sampling row's 1 + num_drafts rows, in order) with every constrained row's
-        disallowed tokens at -inf: a copy, the logits themselves when no row is constrained. The host
-        fills the masks while the device still runs the forward pass."""
-        rows = []
+    def _step_masks(self, scheduled: list[ScheduledRow]) -> GrammarMasks | None:
+        """Begin filling the masks of an executed step's constrained logits rows (each sampling row's
+        1 + num_drafts rows, in order): a sequence's next token, and one after each draft its grammar
+        allows (the rows after one it does not stay unmasked: verification stops there). None: no row is
+        constrained."""
+        entries, rows = [], []
         first = 0
         for item in scheduled:
             if not item.samples:
                 continue
             if item.seq.grammar is not None:  # host drafts only: the speculator gives it no ring drafts
-                rows.append((item.seq.grammar, first, item.draft_ids or []))
+                drafts = item.draft_ids or []
+                entries.append((item.seq.grammar, len(rows), drafts))
+                rows += range(first, first + 1 + len(drafts))
             first += 1 + item.num_drafts
         if not rows:
-            return logits
-        bitmask = torch.full((logits.shape[0], bitmask_words(logits.shape[1])), -1, dtype=torch.int32)
-        self.masks.fill(rows, bitmask)
-        masked = logits.clone()
-        if masked.is_cuda:
-            bitmask = bitmask.pin_memory().to(masked.device, non_blocking=True)
-        apply_token_mask(masked, bitmask)
-        return masked
+            return None
+        bitmask = torch.full((len(rows), bitmask_words(self.logit_vocab_size)), -1, dtype=torch.int32)
+        return GrammarMasks(rows, bitmask, self.masks.start(entries, bitmask))
 
     def _sample_eager(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """The next token of each sampled row (one logits row each), drawn at its draw position, on the
@@ -397,3 +397,18 @@ def _penalized_and_constrained(scheduled: list[ScheduledRow]) -> bool:
     """Whether a row's sequence has a grammar and penalties (its masked logits are sampled eagerly: the
     graph cache's masked sampling reads no token counts)."""
     return any(item.seq.grammar is not None and item.seq.params.has_penalties for item in scheduled)
+
+
+def masked_logits(logits: torch.Tensor, masks: GrammarMasks | None) -> torch.Tensor:
+    """The logits with the masks' rows' disallowed tokens at -inf (once the fill is done): a copy; the
+    logits themselves without masks."""
+    if masks is None:
+        return logits
+    masks.fill.result()
+    rows = torch.tensor(masks.rows, dtype=torch.int64, device=logits.device)
+    bitmask = masks.bitmask
+    if logits.is_cuda:
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    constrained = logits[rows]
+    apply_token_mask(constrained, bitmask)
+    return logits.index_copy(0, rows, constrained)

@@ -1,7 +1,7 @@
 """A step as data: the speculator's drafts (Drafts), what the scheduler plans for each sequence
 (ScheduledRow), what the whole step computes in the units its time grows with (StepWork), what the runner
-returns for each row (RowOutput), and a step launched on the device whose sampled tokens the host has not
-read yet (PendingStep).
+returns for each row (RowOutput), a step's constrained rows and their masks (GrammarMasks), and a step
+launched on the device whose sampled tokens the host has not read yet (PendingStep).
 
 A Sequence holds committed tokens only. Drafts ride in the row (draft_ids, or a row of the draft ring) and
 come back verified in its RowOutput. Run-ahead (EngineConfig.run_ahead) launches step n+1 before the host
@@ -11,8 +11,9 @@ holding it in the sequence, and the step reads it on the device.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -123,6 +124,18 @@ class RowOutput:
 
 
 @dataclasses.dataclass
+class GrammarMasks:
+    """A step's constrained logits rows: which rows (a sequence's next token, and one after each of its
+    drafts), their allowed-token bitmasks (int32 [len(rows), vocab words], row i for rows[i]) and the
+    fill writing them, on the host (engine/sampling/grammar.py). The runner applies them once the fill is
+    done (ModelRunner.finish_masks, masked_logits)."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+    fill: concurrent.futures.Future[None]
+
+
+@dataclasses.dataclass
 class PendingStep:
     """A step sent to the device; its sampled tokens reach the host when `ready` has fired. On a GPU the
     same tokens stay on the device (device_tokens: GraphCache.token_ids, row order), where the next
@@ -135,8 +148,8 @@ class PendingStep:
     # what ModelRunner.start_masks needs: the step's StepInputs and its logits (one row per sample)
     inputs: StepInputs | None = None
     logits: torch.Tensor | None = None
-    # set by start_masks: samples the constrained rows again once their masks are written
-    masking: Callable[[], None] | None = None
+    # set by ModelRunner.start_masks: its constrained rows, sampled again once their masks are written
+    masks: GrammarMasks | None = None
     # the step's time, for the engine's step-cost model: what it computes, when it was scheduled, and when
     # its tokens were ready (perf_counter seconds; None until read, except on the CPU: filled at launch)
     work: StepWork | None = None
@@ -147,15 +160,8 @@ class PendingStep:
         """Each sequence's row of the samples: its fed_back_row in the next step."""
         return {seq: row for row, seq in enumerate(self.seqs)}
 
-    def finish_masks(self) -> None:
-        """Replace the constrained rows' samples by masked ones (ModelRunner.start_masks), once: before
-        anything reads the samples."""
-        if self.masking is not None:
-            masking, self.masking = self.masking, None
-            masking()
-
     def read(self) -> list[int]:
-        self.finish_masks()
+        assert self.masks is None, "its constrained rows are not sampled yet (ModelRunner.finish_masks)"
         if self.ready is not None:
             self.ready.synchronize()
         return self.host_tokens.tolist()

@@ -14,11 +14,11 @@ import pytest
 from test_run_ahead import Arrivals, mixed_arrivals
 from test_structured_engine import JSON_SPEC, SCHEMA
 from tileinfer.deployments.replicas.proposer_build import build_engine
-from tileinfer.engine import graphs
 from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.engine import Engine
 from tileinfer.engine.models.loader import LoadedModel
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.engine.sampling import masked_sampling
 from tileinfer.engine.sampling.params import GrammarSpec, SamplingParams
 
 
@@ -43,7 +43,7 @@ def _with_graph_cache(engine: Engine) -> collections.Counter:
     kinds = (
         ("decode", graphs.decode_buckets),
         ("step", graphs.step_buckets),
-        ("masked", graphs.masked_buckets),
+        ("masked", graphs.masked.buckets),
     )
     for kind, buckets in kinds:
         for bucket in buckets.values():
@@ -123,7 +123,7 @@ def test_constrained_rows_sample_from_masked_replays(
     """Three constrained rows (greedy JSON, sampled JSON, a regex) beside a free one: decode replays sample
     every row, then masked-sampling replays of at most two rows (two of them here: padding rows) sample
     the constrained ones again. Outputs equal the eager engine's, and the JSON validates."""
-    monkeypatch.setattr(graphs, "MAX_MASKED_ROWS", 2)
+    monkeypatch.setattr(masked_sampling, "MAX_MASKED_ROWS", 2)
     prompt = model.tokenizer.encode_chat(
         [{"role": "user", "content": "Name a European river and its length in km, as JSON."}]
     )

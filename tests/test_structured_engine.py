@@ -22,12 +22,11 @@ from assets import llama3_tokenizer_dir, qwen3_tokenizer_dir
 from llguidance import LLMatcher, LLTokenizer
 from llguidance._tokenizer import TokenizerWrapper
 from tileinfer.deployments.replicas.proposer_build import build_engine
-from tileinfer.engine import graphs
 from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.engine import Engine
 from tileinfer.engine.errors import InvalidRequestError
 from tileinfer.engine.models.loader import LoadedModel, load_model
-from tileinfer.engine.sampling import grammar
+from tileinfer.engine.sampling import grammar, masked_sampling
 from tileinfer.engine.sampling.params import GrammarSpec, SamplingParams
 from tileinfer.engine.text.tokenizer import Tokenizer
 from tileinfer.kernels.token_mask import apply_token_mask, bitmask_words
@@ -289,7 +288,7 @@ def test_cuda_constrained_beside_free_rows_equals_the_cpu(
     buckets run ahead (the constrained ones sampled again by masked-sampling replays of one row: three
     replays a step, each staged while the ones before may not have run yet), or in verify steps with
     n-gram drafts (masked at each draft position), give the CPU's tokens."""
-    monkeypatch.setattr(graphs, "MAX_MASKED_ROWS", 1)
+    monkeypatch.setattr(masked_sampling, "MAX_MASKED_ROWS", 1)
     settings = dict(dtype="float32", kv_cache_tokens=4096, max_model_len=2048, max_num_seqs=8,
                     max_num_batched_tokens=256, proposer=proposer)  # fmt: skip
 

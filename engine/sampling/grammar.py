@@ -400,14 +400,11 @@ class MaskFiller:
             self._executor.unsafe_compute_mask_ptr(undrafted, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
 
     def start(
-        self, grammars: list[SequenceGrammar], bitmask: torch.Tensor
+        self, rows: list[tuple[SequenceGrammar, int, list[int]]], bitmask: torch.Tensor
     ) -> concurrent.futures.Future[None]:
-        """Begin writing each grammar's next-token mask into its row of bitmask (row i: grammars[i]) on the
-        worker thread; the future is done once they are written. Returns once that thread is about to let
-        go of the GIL: a thread waiting for it would otherwise wait until this one blocks, up to Python's
-        switch interval (5 ms)."""
-        assert bitmask.shape[0] >= len(grammars)
-        rows = [(grammar, row, []) for row, grammar in enumerate(grammars)]
+        """fill(rows, bitmask) on the worker thread; the future is done once the masks are written. Returns
+        once that thread is about to let go of the GIL: a thread waiting for it would otherwise wait until
+        this one blocks, up to Python's switch interval (5 ms)."""
         started = threading.Event()
 
         def run() -> None:
