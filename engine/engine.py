@@ -17,13 +17,7 @@ from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.errors import ContextLengthExceededError, GrammarFailedError, InvalidRequestError
 from tileinfer.engine.graph_buckets import step_sizes
 from tileinfer.engine.kv.block_manager import BlockManager
-from tileinfer.engine.kv.budget import (
-    dequant_buffer_bytes,
-    engine_free_bytes,
-    kv_bytes_per_token,
-    kv_cache_tokens_from_memory,
-    step_reserve_bytes,
-)
+from tileinfer.engine.kv.budget import gpu_kv_cache_tokens
 from tileinfer.engine.kv.calibration import calibration_ids
 from tileinfer.engine.models.decoder import Decoder
 from tileinfer.engine.models.loader import LoadedModel, load_model
@@ -105,23 +99,11 @@ class Engine:
         # a verify step needs the logits of every draft position, plain steps one row a sequence
         max_logit_rows = config.max_num_seqs * (1 + config.num_draft if proposer is not None else 1)
         max_model_len = min(config.max_model_len or model.spec.max_position_embeddings, 1 << 20)
-        dequant_bytes = 0
-        if self.quantization == "int8" and self.device.type == "cuda":
-            # the decoder's prefill steps dequantize its narrower INT8 layer weights into buffers of its
-            # own (kernels/linear.py), allocated after the KV cache is sized: not left to the cache
-            grouped = any(isinstance(w, Int8Weight) and w.scale.dim() == 2 for w in model.weights.values())
-            dequant_bytes = dequant_buffer_bytes(model.spec, config.torch_dtype(), group_scales=grouped)
         kv_cache_tokens = config.kv_cache_tokens
         if kv_cache_tokens is None and self.device.type == "cuda":
-            # the weights (and an in-process proposer) are on the device already: the cache takes the rest
-            kv_cache_tokens = kv_cache_tokens_from_memory(
-                engine_free_bytes(self.device, config.gpu_memory_share) - dequant_bytes,
-                config.gpu_memory_utilization,
-                kv_bytes_per_token(model.spec, config.torch_dtype(), config.kv_cache_dtype),
-                step_reserve_bytes(
-                    model.spec, config.max_num_batched_tokens, max_logit_rows, self.logit_vocab_size
-                ),
-                config.block_size, max_tokens=config.max_num_seqs * max_model_len,
+            kv_cache_tokens = gpu_kv_cache_tokens(
+                model.spec, model.weights, config, self.quantization, max_logit_rows, max_model_len,
+                self.logit_vocab_size,
             )  # fmt: skip
         num_blocks = -(-(kv_cache_tokens or max_model_len) // config.block_size)
         # No sequence may outgrow the whole cache (it would preempt itself forever): the context is at

@@ -7,12 +7,17 @@ reserve is an estimate from the shapes rather than a profiled step, so it errs o
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from tileinfer.engine.errors import InvalidRequestError
 from tileinfer.engine.models.shape import ModelSpec
-from tileinfer.kernels.int8 import fits_mma_order
+from tileinfer.kernels.int8 import Int8Weight, fits_mma_order
 from tileinfer.kernels.kv_cache import kv_bytes_per_slot
 from tileinfer.kernels.linear_dequant import DEQUANT_BUFFERS, dequantized_at_prefill
+
+if TYPE_CHECKING:
+    from tileinfer.engine.config import EngineConfig
 
 # cuBLAS and Triton workspaces, the CUDA graphs' own bookkeeping, the decode attention's split partials
 # and the allocator's fragmentation: beyond what the shapes below account for.
@@ -105,3 +110,30 @@ def kv_cache_tokens_from_memory(
             "raise gpu_memory_utilization, or lower max_num_seqs or max_num_batched_tokens"
         )
     return min(num_blocks, -(-max_tokens // block_size)) * block_size
+
+
+def gpu_kv_cache_tokens(
+    spec: ModelSpec,
+    weights: dict[str, torch.Tensor | Int8Weight],
+    config: EngineConfig,
+    quantization: str | None,
+    max_logit_rows: int,
+    max_model_len: int,
+    logit_vocab_size: int,
+) -> int:
+    """An engine's KV-cache tokens on its GPU, its weights (and an in-process proposer) on the device
+    already: what the free memory holds after the step reserve and, with INT8 weights, the buffers the
+    decoder's prefill steps dequantize its narrower layer weights into (kernels/linear.py, allocated after
+    the cache is sized, so not left to it)."""
+    device = config.torch_device()
+    dequant_bytes = 0
+    if quantization == "int8":
+        grouped = any(isinstance(w, Int8Weight) and w.scale.dim() == 2 for w in weights.values())
+        dequant_bytes = dequant_buffer_bytes(spec, config.torch_dtype(), group_scales=grouped)
+    return kv_cache_tokens_from_memory(
+        engine_free_bytes(device, config.gpu_memory_share) - dequant_bytes,
+        config.gpu_memory_utilization,
+        kv_bytes_per_token(spec, config.torch_dtype(), config.kv_cache_dtype),
+        step_reserve_bytes(spec, config.max_num_batched_tokens, max_logit_rows, logit_vocab_size),
+        config.block_size, max_tokens=config.max_num_seqs * max_model_len,
+    )  # fmt: skip
