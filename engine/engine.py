@@ -7,6 +7,7 @@ into text with stop strings honoured (detokenizer).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -29,13 +30,28 @@ from tileinfer.engine.scheduler import Scheduler
 from tileinfer.engine.sequence import Sequence, SequenceStatus
 from tileinfer.engine.spec_decode.proposer_interface import Proposer
 from tileinfer.engine.spec_decode.speculator import DEFAULT_DRAFT_COST, Speculator
-from tileinfer.engine.step import Drafts, PendingStep, RowOutput, ScheduledRow, StepWork, is_decode_step
+from tileinfer.engine.step import (
+    Drafts,
+    LateSamples,
+    PendingStep,
+    RowOutput,
+    ScheduledRow,
+    StepWork,
+    is_decode_step,
+)
 from tileinfer.engine.step_cost import StepCostModel
 from tileinfer.engine.text.detokenizer import TextStream
 from tileinfer.engine.warm_up import warm_up_engine
 from tileinfer.kernels.int8 import Int8Weight
 
 logger = logging.getLogger(__name__)
+# How often the engine looks again, while it waits for the in-flight step's masks, at whether the device has
+# finished that step (then the late rows sit out the next launch: Engine._defer_late_masks).
+LATE_POLL_S = 50e-6
+# Whether such late rows sit the next launch out; False: the launch waits for their masks (the masked
+# replays then sample every constrained row, as tests of them need on the CPU, where a run-ahead step is
+# computed in its launch and so has always finished).
+LATE_ROWS_SIT_OUT = True
 
 
 @dataclasses.dataclass(slots=True)  # one per request per step: slots make it cheaper to build
@@ -149,6 +165,7 @@ class Engine:
         # hidden states come from step graphs or eager steps, not decode graphs, so it never runs ahead.
         self.run_ahead = run_ahead and (self.speculator is None or not self.speculator.target_layer_ids)
         self.in_flight: PendingStep | None = None  # the launched step whose tokens are unread
+        self.late: LateSamples | None = None  # its constrained rows that sit out while their masks fill
 
     @classmethod
     def load(cls, model: str, config: EngineConfig | None = None) -> Engine:
@@ -229,7 +246,7 @@ class Engine:
             request.seq.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        return self.scheduler.has_unfinished() or self.in_flight is not None or self.late is not None
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -237,9 +254,10 @@ class Engine:
         """Run one step. With run-ahead, a step is launched and the previous one's tokens are returned,
         so each token comes back one step after the step that sampled it."""
         started = time.perf_counter()
-        outputs: list[RequestOutput] = []
+        outputs = self._take_late()
         if self.in_flight is not None and not self._can_schedule_ahead():
             outputs += self._apply_in_flight()
+        self._defer_late_masks()
         drafts = Drafts()
         if self.speculator is not None:
             num_drafts = self.speculator.draft_lengths(
@@ -247,13 +265,16 @@ class Engine:
                 self._in_flight_rows(),
             )  # fmt: skip
             if num_drafts:
-                outputs += self._apply_in_flight()  # the proposer must see every token
+                outputs += self._apply_in_flight() + self._take_late(
+                    wait=True
+                )  # the proposer sees every token
                 num_drafts = {seq: k for seq, k in num_drafts.items() if not seq.is_finished}
                 drafts = self.speculator.request_drafts(num_drafts)
         scheduled_at = time.perf_counter()
-        batch = self.scheduler.schedule(in_flight=self._in_flight_rows(), drafts=drafts)
+        late = set(self.late.seqs) if self.late is not None else set()
+        batch = self.scheduler.schedule(in_flight=self._in_flight_rows(), drafts=drafts, sitting_out=late)
         if not batch:
-            return outputs + self._apply_in_flight()
+            return outputs + self._apply_in_flight() + self._take_late(wait=True)
         self.runner.copy_blocks(batch.block_copies)
         scheduled = batch.scheduled
         is_decode = is_decode_step(scheduled)
@@ -327,8 +348,39 @@ class Engine:
         return merged
 
     def _in_flight_rows(self) -> dict[Sequence, int]:
-        """The sequences whose next token the in-flight step sampled, and their rows of its samples."""
-        return self.in_flight.sample_rows() if self.in_flight is not None else {}
+        """The sequences whose next token the in-flight step sampled, and their rows of its samples (not
+        the late ones: their samples there are not theirs)."""
+        if self.in_flight is None:
+            return {}
+        rows = self.in_flight.sample_rows()
+        if self.late is not None:
+            for seq in self.late.seqs:
+                rows.pop(seq, None)
+        return rows
+
+    def _defer_late_masks(self) -> None:
+        """If the in-flight step's constrained rows' masks are still being filled once the device has run
+        it (so the next launch is due), those rows sit out the next launch (ModelRunner.defer_masks) and
+        the others go on without waiting; _take_late samples them once their masks are written."""
+        pending = self.in_flight
+        if pending is None or pending.masks is None or self.late is not None or not LATE_ROWS_SIT_OUT:
+            return
+        fill = pending.masks.fill
+        while not fill.done():
+            if pending.ready is None or pending.ready.query():  # the device has nothing else to run
+                self.late = self.runner.defer_masks(pending)
+                return
+            concurrent.futures.wait([fill], timeout=LATE_POLL_S)
+
+    def _take_late(self, wait: bool = False) -> list[RequestOutput]:
+        """The late rows' tokens (_defer_late_masks), applied and emitted once their masks are written (or
+        at once, waiting for them)."""
+        late = self.late
+        if late is None or not (wait or late.masks.fill.done()):
+            return []
+        self.late = None
+        tokens = self.runner.sample_late(late)
+        return self._take_tokens([(seq, token) for seq, token in zip(late.seqs, tokens, strict=True)])
 
     def _can_schedule_ahead(self) -> bool:
         """Whether the next step can be scheduled before the in-flight step's tokens are read: the cache
@@ -352,8 +404,17 @@ class Engine:
         if pending is not None:
             tokens = self.runner.read(pending)
             self._measured(pending.work, pending.scheduled_at, pending.done_at or time.perf_counter())
-            pairs = zip(pending.seqs, tokens, strict=True)
-            read = [(seq, token) for seq, token in pairs if not seq.is_finished]
+            late = set(self.late.seqs) if self.late is not None else set()
+            read = [(seq, token) for seq, token in zip(pending.seqs, tokens, strict=True) if seq not in late]
+        return self._take_tokens(read, launched)
+
+    def _take_tokens(
+        self, read: list[tuple[Sequence, int]], launched: PendingStep | None = None
+    ) -> list[RequestOutput]:
+        """Append tokens the host has read to their sequences (those that finished or were aborted
+        meanwhile drop theirs), have their grammars take them, begin the masks of `launched` (see
+        _apply_in_flight) and emit them."""
+        read = [(seq, token) for seq, token in read if not seq.is_finished]
         grammar_finishes: dict[Sequence, str | None] = {}
         for seq, token_id in read:
             seq.token_ids.append(token_id)

@@ -43,7 +43,7 @@ from tileinfer.engine.models.decoder import Decoder
 from tileinfer.engine.sampling.masked_sampling import MaskedSampling
 from tileinfer.engine.sampling.sampler import Sampler
 from tileinfer.engine.sequence import Sequence
-from tileinfer.engine.step import PendingStep
+from tileinfer.engine.step import GrammarMasks, PendingStep
 from tileinfer.engine.step_inputs import StepInputs
 from tileinfer.kernels.decode_attention import DecodeWorkspace, decode_num_splits
 from tileinfer.kernels.prefill_attention import allocate_prefill_workspace, prefill_num_splits
@@ -362,11 +362,11 @@ class GraphCache:
         self._sample_step(bucket, logits, num_rows)
         return self._read_back(inputs.sample_seqs)
 
-    def sample_masked(self, launched: PendingStep, rows: list[int]) -> None:
-        """Sample again the rows of the launch just made (launched, whose logits are launched.logits, one
-        row each) from their masked logits (masked.bitmasks, in the same order), into their rows of
-        token_ids, and queue its read-back anew, into its own host buffer and event."""
-        self.masked.sample(launched.logits, launched.inputs, rows)
+    def sample_masked(self, launched: PendingStep, masks: GrammarMasks) -> None:
+        """Sample again the constrained rows of the launch just made (launched, whose logits are
+        launched.logits, one row each) from their masked logits (masks' bitmask, from masked.bitmasks), into
+        their rows of token_ids, and queue its read-back anew, into its own host buffer and event."""
+        self.masked.sample(launched.logits, launched.inputs, masks.rows, masks.bitmask)
         self._copy_tokens(launched.host_tokens, launched.ready)
 
     def _read_back(self, seqs: list[Sequence]) -> PendingStep:

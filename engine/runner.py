@@ -42,11 +42,22 @@ from tileinfer.engine.sampling.sampler import Sampler
 from tileinfer.engine.sequence import Sequence
 from tileinfer.engine.spec_decode.proposer_interface import DeviceDrafts, DraftsRead
 from tileinfer.engine.spec_decode.verify_step import read_ring, ring_drafts_read, verify_rows
-from tileinfer.engine.step import GrammarMasks, PendingStep, RowOutput, ScheduledRow, is_decode_step
+from tileinfer.engine.step import (
+    GrammarMasks,
+    LateSamples,
+    PendingStep,
+    RowOutput,
+    ScheduledRow,
+    is_decode_step,
+)
 from tileinfer.engine.step_inputs import StepInputs, StepInputsBuilder
 from tileinfer.kernels.paged_attention import AttentionMetadata
 from tileinfer.kernels.sampling import top_logprobs
 from tileinfer.kernels.token_mask import apply_token_mask, bitmask_words
+
+# The most constrained rows of one step that sit out a launch while their masks are filled (defer_masks):
+# their kept logits are float32 [rows, vocab], 39 MB at 64 rows of a 152k vocabulary.
+MAX_LATE_ROWS = 64
 
 
 class ModelRunner:
@@ -90,6 +101,9 @@ class ModelRunner:
         self.inputs = StepInputsBuilder(block_size, self.sampler)
         self.capture_layers = capture_layers
         self.graphs: GraphCache | None = None
+        # the half of the masked sampling's bitmask staging that the last masks began took, and the one a
+        # late step's masks hold (defer_masks; None: none)
+        self._masks_half, self._late_half = 0, None
         if graphs is None:
             graphs = self.device.type == "cuda"
         if graphs and (step_graphs or not capture_layers):
@@ -228,8 +242,9 @@ class ModelRunner:
         ]
         if not rows:
             return
-        if self.graphs is not None:
-            bitmask = self.graphs.masked.bitmasks(len(rows))
+        if self.graphs is not None:  # not the half a late fill may still be writing (defer_masks)
+            self._masks_half = 1 if self._late_half == 0 else 0
+            bitmask = self.graphs.masked.bitmasks(len(rows), self._masks_half)
         else:
             bitmask = torch.empty(len(rows), bitmask_words(self.logit_vocab_size), dtype=torch.int32)
         entries = [(launched.seqs[row].grammar, index, []) for index, row in enumerate(rows)]
@@ -244,7 +259,7 @@ class ModelRunner:
             return
         if self.graphs is not None:
             masks.fill.result()
-            self.graphs.sample_masked(launched, masks.rows)
+            self.graphs.sample_masked(launched, masks)
             return
         masks.fill.result()
         masked = launched.logits[masks.rows]  # a copy
@@ -253,6 +268,31 @@ class ModelRunner:
         positions = [launched.inputs.draw_positions[row] for row in masks.rows]
         token_ids = self.sampler.sample(masked, seqs, positions)
         launched.host_tokens[masks.rows] = token_ids.to(launched.host_tokens.device)
+
+    def defer_masks(self, launched: PendingStep) -> LateSamples | None:
+        """Take the launched step's constrained rows out of it while their masks are still being filled,
+        so that the next launch need not wait for them: their logits are kept (the next replay overwrites
+        the graph's), and sample_late samples them once the fill is done; until then their samples in
+        `launched` are not theirs to read. None (nothing taken) when the fill is done, or when there are
+        more rows than MAX_LATE_ROWS (the kept logits' bound: about 600 KB a row at Qwen3's vocabulary)."""
+        masks = launched.masks
+        if masks is None or masks.fill.done() or len(masks.rows) > MAX_LATE_ROWS:
+            return None
+        launched.masks = None
+        rows = masks.rows
+        kept = launched.logits[rows]  # a copy, queued before the next launch
+        self._late_half = self._masks_half  # a launched step's masks are the last ones begun
+        late_masks = GrammarMasks(list(range(len(rows))), masks.bitmask, masks.fill)
+        positions = [launched.inputs.draw_positions[row] for row in rows]
+        return LateSamples([launched.seqs[row] for row in rows], kept, positions, late_masks)
+
+    @torch.inference_mode()
+    def sample_late(self, late: LateSamples) -> list[int]:
+        """The late rows' tokens (defer_masks), from their kept logits masked once the fill is done (it
+        waits for it), at their draw positions: the tokens they would have had without sitting out."""
+        logits = masked_logits(late.logits, late.masks)
+        self._late_half = None
+        return self.sampler.sample(logits, late.seqs, late.draw_positions).tolist()
 
     def read(self, launched: PendingStep) -> list[int]:
         """The launched step's sampled tokens, its constrained rows' masked (finish_masks)."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from tileinfer.engine.kv.block_manager import BlockCopy, BlockManager
 from tileinfer.engine.sequence import Sequence, SequenceStatus
@@ -131,27 +131,31 @@ class Scheduler:
         return min(seq.num_uncomputed_tokens, self.long_prefill_token_threshold, budget)
 
     def schedule(
-        self, in_flight: Mapping[Sequence, int] | None = None, drafts: Drafts | None = None
+        self,
+        in_flight: Mapping[Sequence, int] | None = None,
+        drafts: Drafts | None = None,
+        sitting_out: Collection[Sequence] = (),
     ) -> Batch:
         """in_flight: running sequences whose next token a launched step sampled and the host has not read
         yet, and its row of that step's samples. Such a token counts toward the sequence's length: the
         sequence computes it (fed back on the device), or sits this step out when it ends the sequence by
         length (it finishes once the host reads it). drafts: the speculator's, for decoding sequences: a
         row computes its last token and its drafts (the speculator asked for no more than the cache and the
-        budget hold)."""
+        budget hold). sitting_out: running sequences whose next token is not known yet (a constrained row
+        whose mask came late: Engine._defer_late_masks); they sit this step out."""
         in_flight = in_flight or {}
         drafts = drafts or Drafts()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRow] = []
-        sitting_out = False
+        any_sitting_out = False
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq not in self.running or _is_prefilling(seq):
                 continue  # preempted below to make room for an earlier sequence, or a prompt
             num_pending = int(seq in in_flight)
-            if num_pending and self._ends_by_length(seq, num_pending):
-                sitting_out = True
+            if seq in sitting_out or (num_pending and self._ends_by_length(seq, num_pending)):
+                any_sitting_out = True
                 continue
             num_drafts = drafts.count(seq)
             while not self.block_manager.can_append(seq, num_pending + num_drafts):
@@ -185,6 +189,9 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if seq in sitting_out:  # preempted while its token is still to come
+                any_sitting_out = True
+                continue
             if not self.block_manager.can_allocate(seq):
                 if self.times_passed_over.get(seq, 0) >= MAX_TIMES_PASSED_OVER:
                     break  # it reserves the cache: nothing behind it starts first
@@ -232,7 +239,9 @@ class Scheduler:
         scheduled += chunks
         # an empty step with work left would repeat forever: the engine would spin without progress
         # (sequences sitting out finish when their tokens are read)
-        assert scheduled or sitting_out or not self.has_unfinished(), "no sequence can run, yet work is left"
+        assert scheduled or any_sitting_out or not self.has_unfinished(), (
+            "no sequence can run, yet work is left"
+        )
         return Batch(scheduled, copies)
 
     def _timed_chunk(self, item: ScheduledRow, work: StepWork, may_sit_out: bool) -> int:

@@ -1,7 +1,8 @@
 """A step as data: the speculator's drafts (Drafts), what the scheduler plans for each sequence
 (ScheduledRow), what the whole step computes in the units its time grows with (StepWork), what the runner
-returns for each row (RowOutput), a step's constrained rows and their masks (GrammarMasks), and a step
-launched on the device whose sampled tokens the host has not read yet (PendingStep).
+returns for each row (RowOutput), a step's constrained rows and their masks (GrammarMasks), a step
+launched on the device whose sampled tokens the host has not read yet (PendingStep), and constrained rows
+whose masks came late (LateSamples).
 
 A Sequence holds committed tokens only. Drafts ride in the row (draft_ids, or a row of the draft ring) and
 come back verified in its RowOutput. Run-ahead (EngineConfig.run_ahead) launches step n+1 before the host
@@ -133,6 +134,18 @@ class GrammarMasks:
     rows: list[int]
     bitmask: torch.Tensor
     fill: concurrent.futures.Future[None]
+
+
+@dataclasses.dataclass
+class LateSamples:
+    """A launched step's constrained rows whose masks were not written when the next launch was due: they
+    sat that launch out (ModelRunner.defer_masks). Their logits are kept (a copy, float32 [rows, vocab]),
+    and they are sampled at their own draw positions once the fill is done (ModelRunner.sample_late)."""
+
+    seqs: list[Sequence]
+    logits: torch.Tensor
+    draw_positions: list[int]
+    masks: GrammarMasks  # rows: 0..len(seqs) - 1, the kept logits'
 
 
 @dataclasses.dataclass

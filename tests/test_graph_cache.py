@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import collections
 import json
+import time
 
 import jsonschema
 import pytest
 from test_run_ahead import Arrivals, mixed_arrivals
 from test_structured_engine import JSON_SPEC, SCHEMA
 from tileinfer.deployments.replicas.proposer_build import build_engine
+from tileinfer.engine import engine as engine_module
 from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.engine import Engine
 from tileinfer.engine.models.loader import LoadedModel
 from tileinfer.engine.runner import ModelRunner
 from tileinfer.engine.sampling import masked_sampling
+from tileinfer.engine.sampling.grammar import MaskFiller
 from tileinfer.engine.sampling.params import GrammarSpec, SamplingParams
+from tileinfer.engine.step import LateSamples, PendingStep
 
 
 @pytest.fixture(scope="module")
@@ -116,14 +120,37 @@ def test_verify_steps_from_the_graph_cache_equal_eager_ones(model: LoadedModel) 
     assert graphed.speculator.stats.drafts_proposed > 0 and replays["step"] > 3, replays
 
 
-@pytest.mark.parametrize("run_ahead", [False, True], ids=["step-by-step", "run-ahead"])
+@pytest.mark.parametrize(
+    ("run_ahead", "late"), [(False, False), (True, False), (True, True)],
+    ids=["step-by-step", "run-ahead", "run-ahead-late-masks"],
+)  # fmt: skip
 def test_constrained_rows_sample_from_masked_replays(
-    model: LoadedModel, run_ahead: bool, monkeypatch: pytest.MonkeyPatch
+    model: LoadedModel, run_ahead: bool, late: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three constrained rows (greedy JSON, sampled JSON, a regex) beside a free one: decode replays sample
     every row, then masked-sampling replays of at most two rows (two of them here: padding rows) sample
-    the constrained ones again. Outputs equal the eager engine's, and the JSON validates."""
+    the constrained ones again. Outputs equal the eager engine's, and the JSON validates. With every fill
+    late (0.1 s), the constrained rows sit launches out while the free one goes on; their masks and the
+    next step's take the bitmask staging's two halves in turn, and the outputs are the same."""
     monkeypatch.setattr(masked_sampling, "MAX_MASKED_ROWS", 2)
+    monkeypatch.setattr(engine_module, "LATE_ROWS_SIT_OUT", late)  # off: every constrained row replayed
+    if late:
+        fill = MaskFiller.fill
+
+        def late_fill(self: MaskFiller, *args: object) -> None:
+            time.sleep(0.1)
+            fill(self, *args)
+
+        monkeypatch.setattr(MaskFiller, "fill", late_fill)
+    deferred = []  # the rows of each step whose masks came late
+    defer_masks = ModelRunner.defer_masks
+
+    def counted_defer(self: ModelRunner, launched: PendingStep) -> LateSamples | None:
+        taken = defer_masks(self, launched)
+        deferred.extend([] if taken is None else [len(taken.seqs)])
+        return taken
+
+    monkeypatch.setattr(ModelRunner, "defer_masks", counted_defer)
     prompt = model.tokenizer.encode_chat(
         [{"role": "user", "content": "Name a European river and its length in km, as JSON."}]
     )
@@ -142,7 +169,8 @@ def test_constrained_rows_sample_from_masked_replays(
 
     replays, got, eager_tokens = _graphed_and_eager(model, run_ahead, requests)
     assert got == eager_tokens
-    assert replays["decode"] > 5 and replays["masked"] >= 2 * 5, replays
+    assert replays["decode"] > 5 and replays["masked"] >= (0 if late else 2 * 5), replays
+    assert (len(deferred) >= 5) if late else not deferred, deferred
     for request_id in ("json", "sampled"):
         jsonschema.validate(
             json.loads(model.tokenizer.decode(got[request_id], skip_special_tokens=True)), SCHEMA

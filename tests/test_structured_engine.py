@@ -22,6 +22,7 @@ from assets import llama3_tokenizer_dir, qwen3_tokenizer_dir
 from llguidance import LLMatcher, LLTokenizer
 from llguidance._tokenizer import TokenizerWrapper
 from tileinfer.deployments.replicas.proposer_build import build_engine
+from tileinfer.engine import engine as engine_module
 from tileinfer.engine.config import EngineConfig
 from tileinfer.engine.engine import Engine
 from tileinfer.engine.errors import InvalidRequestError
@@ -132,34 +133,55 @@ def test_constrained_output_equals_itself_with_ngram_speculation(engine: Engine,
     assert speculative.speculator.stats.drafts_accepted > 0  # the drafts were verified, not skipped
 
 
-def test_constrained_rows_run_ahead_beside_free_ones(model: LoadedModel) -> None:
-    """With run-ahead, a constrained sequence launches every step beside the free one (its sample is masked
-    once the host has read its previous token), and both outputs equal step-by-step decoding."""
+@pytest.mark.parametrize("late", [False, True], ids=["masks-waited-for", "late-masks-sit-out"])
+def test_constrained_rows_run_ahead_beside_free_ones(
+    model: LoadedModel, late: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With run-ahead, a constrained sequence launches beside the free one (its sample is masked once the
+    host has read its previous token), and both outputs equal step-by-step decoding. Waiting for its masks,
+    it launches every step. With every fill made late (0.2 s), it sits launches out while its mask fills
+    (sampled from its kept logits after), the free one launches without waiting, and the tokens are the
+    same, the seeded draws too."""
     prompt = _prompt(model, "Count from 1 to 30.")
     requests = {
         "free": SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
         "json": SamplingParams(max_tokens=10, temperature=0.7, seed=5, grammar=JSON_SPEC),
     }
+    monkeypatch.setattr(engine_module, "LATE_ROWS_SIT_OUT", late)
 
-    def run(run_ahead: bool) -> tuple[dict[str, list[int]], list[set[str]]]:
+    def run(run_ahead: bool) -> tuple[dict[str, list[int]], list[set[str]], int]:
         engine = Engine(model, EngineConfig(max_num_seqs=4, run_ahead=run_ahead))
         for request_id, params in requests.items():
             engine.add_request(prompt, params, request_id)
         tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
         launched: list[set[str]] = []  # the sequences of each step left in flight
+        free_beside_late = 0  # launches of the free sequence while the constrained one's mask fills
         while engine.has_unfinished():
             for output in engine.step():
                 tokens[output.request_id] += output.new_token_ids
             if engine.in_flight is not None:
                 launched.append({seq.request_id for seq in engine.in_flight.seqs})
-        return tokens, launched
+                if engine.late is not None and "free" in launched[-1]:
+                    assert {seq.request_id for seq in engine.late.seqs} == {"json"} != launched[-1]
+                    free_beside_late += 1
+        return tokens, launched, free_beside_late
 
-    plain, _ = run(run_ahead=False)
-    ahead, launched = run(run_ahead=True)
+    plain, _, _ = run(run_ahead=False)
+    if late:
+        fill = grammar.MaskFiller.fill
+
+        def late_fill(self: grammar.MaskFiller, *args: object) -> None:
+            time.sleep(0.2)
+            fill(self, *args)
+
+        monkeypatch.setattr(grammar.MaskFiller, "fill", late_fill)
+    ahead, launched, free_beside_late = run(run_ahead=True)
     assert ahead == plain
-    # every token after the first (a prompt step's) comes from a launch ahead, the constrained ones too
-    for request_id in requests:
-        assert sum(request_id in step for step in launched) >= len(plain[request_id]) - 1
+    if late:
+        assert free_beside_late >= 5, launched
+    else:  # every token after the first (a prompt step's) comes from a launch ahead, the constrained too
+        for request_id in requests:
+            assert sum(request_id in step for step in launched) >= len(plain[request_id]) - 1
 
 
 def test_one_fill_of_rows_with_and_without_drafts_equals_each_alone(model: LoadedModel) -> None:

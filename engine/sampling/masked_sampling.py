@@ -66,7 +66,8 @@ class MaskedSampling:
             bucket.host = [bucket.views(staging.numpy()) for staging in self.staging]
             bucket.device = bucket.views(self.inputs)
         self.bitmask = torch.full((max_masked, vocab_words), -1, dtype=torch.int32, device=device)
-        self.bitmask_staging = host(torch.full((max_num_seqs, vocab_words), -1, dtype=torch.int32))
+        # two halves: a step's masks fill one while a late step's (ModelRunner.defer_masks) may hold the other
+        self.bitmask_staging = host(torch.full((2, max_num_seqs, vocab_words), -1, dtype=torch.int32))
         self.masked_logits = torch.zeros(max_masked, vocab, dtype=torch.float32, device=device)
         self.masked_token_ids = torch.zeros(max_masked, dtype=torch.int64, device=device)
         # constrained rows never use penalties here (the runner samples those eagerly): no counts, stride 0
@@ -77,24 +78,27 @@ class MaskedSampling:
         """Each bucket's replay: capture(step) (the graph cache's, on its memory pool), largest first."""
         empty = StepInputs.empty()
         for bucket in sorted(self.buckets.values(), key=lambda bucket: -bucket.num_samples):
-            self._stage(bucket, 0, [], 0, empty)
+            self._stage(bucket, 0, [], self.bitmask_staging[0, :0], empty)
             bucket.replay = capture(lambda bucket=bucket: self._step(bucket))
 
-    def bitmasks(self, num_rows: int) -> torch.Tensor:
-        """Where the masks of sample's num_rows rows are written on the host (int32 [num_rows, vocab
-        words], pinned), before it is called: free once the previous step has been read."""
-        return self.bitmask_staging[:num_rows]
+    def bitmasks(self, num_rows: int, half: int = 0) -> torch.Tensor:
+        """Where the masks of num_rows rows are written on the host (int32 [num_rows, vocab words], pinned;
+        in one half of the staging), before sample is called: free once that step has been read. A
+        step's masks that sit out a launch (ModelRunner.defer_masks) hold their half until sampled."""
+        return self.bitmask_staging[half, :num_rows]
 
-    def sample(self, logits: torch.Tensor, inputs: StepInputs, rows: list[int]) -> None:
+    def sample(
+        self, logits: torch.Tensor, inputs: StepInputs, rows: list[int], bitmask: torch.Tensor
+    ) -> None:
         """Sample again the rows of a step (its inputs and logits, one row each) from their logits masked
-        with their masks (bitmasks, in the same order), into their rows of token_ids."""
+        with their masks (bitmask, from bitmasks: row i for rows[i]), into their rows of token_ids."""
         if logits.data_ptr() != self.logits.data_ptr():  # an eager step's logits
             self.logits[: logits.shape[0]].copy_(logits)
         largest = max(self.buckets)
         for replay, start in enumerate(range(0, len(rows), largest)):
             chunk = rows[start : start + largest]
             bucket = next(b for size, b in self.buckets.items() if size >= len(chunk))
-            self._stage(bucket, replay, chunk, start, inputs)
+            self._stage(bucket, replay, chunk, bitmask[start : start + len(chunk)], inputs)
             bucket.replay()
 
     def _step(self, bucket: Bucket) -> None:
@@ -110,12 +114,11 @@ class MaskedSampling:
         self.token_ids.index_copy_(0, torch.where(rows >= 0, rows, padding), self.masked_token_ids[:size])
 
     def _stage(
-        self, bucket: Bucket, replay: int, rows: list[int], first_mask: int, inputs: StepInputs
+        self, bucket: Bucket, replay: int, rows: list[int], masks: torch.Tensor, inputs: StepInputs
     ) -> None:
         """Copy a replay's inputs to the device: the constrained rows (of the step whose inputs these are),
-        through the step's replay-th staging buffer, and their masks, rows first_mask on of the bitmask
-        staging. Padding rows keep an earlier replay's masks (their samples go to the padding row of
-        token_ids)."""
+        through the step's replay-th staging buffer, and their masks (pinned host rows). Padding rows keep
+        an earlier replay's masks (their samples go to the padding row of token_ids)."""
         host = bucket.host[replay]
         num_rows = len(rows)
         host["rows"][:num_rows] = rows
@@ -125,6 +128,4 @@ class MaskedSampling:
             [inputs.top_k[row] for row in rows], [inputs.sampling_floats[row] for row in rows],
         )  # fmt: skip
         self.inputs[: bucket.nbytes].copy_(self.staging[replay][: bucket.nbytes], non_blocking=True)
-        self.bitmask[:num_rows].copy_(
-            self.bitmask_staging[first_mask : first_mask + num_rows], non_blocking=True
-        )
+        self.bitmask[:num_rows].copy_(masks, non_blocking=True)
