@@ -10,12 +10,12 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Iterator
 
+from tileinfer.engine.admission import check_request
 from tileinfer.engine.config import EngineConfig
-from tileinfer.engine.errors import ContextLengthExceededError, GrammarFailedError, InvalidRequestError
+from tileinfer.engine.errors import GrammarFailedError, InvalidRequestError
 from tileinfer.engine.graph_buckets import step_sizes
 from tileinfer.engine.kv.block_manager import BlockManager
 from tileinfer.engine.kv.budget import gpu_kv_cache_tokens
@@ -40,11 +40,11 @@ from tileinfer.engine.step import (
     is_decode_step,
 )
 from tileinfer.engine.step_cost import StepCostModel
+from tileinfer.engine.stopping import finish_reason, grammar_failed, grammar_finish
 from tileinfer.engine.text.detokenizer import TextStream
 from tileinfer.engine.warm_up import warm_up_engine
 from tileinfer.kernels.int8 import Int8Weight
 
-logger = logging.getLogger(__name__)
 # How often the engine looks again, while it waits for the in-flight step's masks, at whether the device has
 # finished that step (then the late rows sit out the next launch: Engine._defer_late_masks).
 LATE_POLL_S = 50e-6
@@ -178,41 +178,11 @@ class Engine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError (or ContextLengthExceededError) for a request the engine cannot
-        run. Reads only fixed configuration, so any thread may call it."""
-        params.validate()
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer, and this engine has none")
-        if params.grammar is not None:
-            if self.grammars is None:
-                raise InvalidRequestError(
-                    "structured output needs the model's tokenizer, and this engine has none"
-                )
-            self.grammars.check(params.grammar)  # waits for its compile (a worker thread's), at most 10 s
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        # the ids that get logits: a penalty counts each prompt token in a row of that width, and a stop id
-        # past them is never generated (the HTTP API's schema publishes this bound:
-        # deployments/openai_api/openapi.py)
-        checked = (("prompt token ids", prompt_token_ids), ("stop_token_ids", params.stop_token_ids))
-        for name, token_ids in checked:
-            if any(not 0 <= token < self.logit_vocab_size for token in token_ids):
-                raise InvalidRequestError(f"{name} must be in [0, {self.logit_vocab_size})")
-        num_prompt_tokens = len(prompt_token_ids)
-        if num_prompt_tokens > self.max_prompt_tokens:
-            raise ContextLengthExceededError(
-                f"the prompt has {num_prompt_tokens} tokens; this model's context holds at most "
-                f"{self.max_prompt_tokens} prompt tokens plus one generated token"
-            )
-        # Run to max_tokens, a sequence holds prompt + max_tokens tokens at most: the speculator asks for
-        # no draft past a request's max_tokens or max_model_len, so drafts add none. More than the whole
-        # cache could never finish (it would preempt itself forever), so it is refused here.
-        kv_cache_tokens = self.block_manager.num_blocks * self.config.block_size
-        if num_prompt_tokens + params.max_tokens > kv_cache_tokens:
-            raise ContextLengthExceededError(
-                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) need "
-                f"{num_prompt_tokens + params.max_tokens} tokens, but the KV cache holds {kv_cache_tokens} "
-                f"tokens; ask for at most {kv_cache_tokens - num_prompt_tokens} tokens"
-            )
+        run (admission.py). Reads only fixed configuration, so any thread may call it."""
+        check_request(
+            prompt_token_ids, params, self.tokenizer is not None, self.grammars, self.logit_vocab_size,
+            self.max_prompt_tokens, self.block_manager.num_blocks * self.config.block_size,
+        )  # fmt: skip
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -337,8 +307,8 @@ class Engine:
         parts = []
         for position in range(seq.num_tokens - num_new, seq.num_tokens):
             token_id = seq.token_ids[position]
-            grammar_finish = self._grammar_finish(seq, token_id) if seq.grammar is not None else None
-            parts.append(self._emit(seq, logprob, position + 1, grammar_finish))
+            finished = grammar_finish(seq, token_id, self.eos_token_ids) if seq.grammar is not None else None
+            parts.append(self._emit(seq, logprob, position + 1, finished))
             if parts[-1].finished:
                 break
         merged = parts[-1]
@@ -419,11 +389,11 @@ class Engine:
         for seq, token_id in read:
             seq.token_ids.append(token_id)
             if seq.grammar is not None:
-                grammar_finishes[seq] = self._grammar_finish(seq, token_id)
+                grammar_finishes[seq] = grammar_finish(seq, token_id, self.eos_token_ids)
         if launched is not None:
             ending = {seq for seq, finish in grammar_finishes.items() if finish is not None}
             self.runner.start_masks(launched, ending=ending)
-        return [self._emit(seq, None, grammar_finish=grammar_finishes.get(seq)) for seq, _ in read]
+        return [self._emit(seq, None, grammar_finished=grammar_finishes.get(seq)) for seq, _ in read]
 
     def _measured(self, work: StepWork | None, scheduled_at: float, done_at: float) -> None:
         """Give the step-cost model a step's time: from when it was scheduled, or when the step before it had
@@ -444,82 +414,33 @@ class Engine:
         seq: Sequence,
         logprob: TokenLogprob | None,
         num_known_tokens: int | None = None,
-        grammar_finish: str | None = None,
+        grammar_finished: str | None = None,
     ) -> RequestOutput:
         """Stop-check (and detokenize, when the engine does) the sequence's newest known token (the last
-        of its first num_known_tokens; by default all of them) and say what it adds. grammar_finish: what
-        _grammar_finish said for the token (its grammar has taken it already)."""
+        of its first num_known_tokens; by default all of them) and say what it adds (stopping.py).
+        grammar_finished: what stopping.grammar_finish said for the token."""
         text = self.requests[seq.request_id].text
-        params = seq.params
         num_known_tokens = num_known_tokens or seq.num_tokens
-        token_id = seq.token_ids[num_known_tokens - 1]
-        finish_reason = None
-        new_text = ""
-        if self._stops_on(seq, token_id):
-            finish_reason = grammar_finish or "stop"  # a stop token adds no text
-        else:
-            if text is not None:
-                new_text = text.push(token_id)
-            if grammar_finish is not None:
-                finish_reason = grammar_finish
-            elif text is not None and text.stopped:
-                finish_reason = "stop"
-            elif (
-                num_known_tokens - seq.num_prompt_tokens >= params.max_tokens
-                or num_known_tokens >= self.max_model_len
-            ):
-                finish_reason = "length"
+        reason, new_text = finish_reason(
+            seq, text, num_known_tokens, self.max_model_len, self.eos_token_ids, grammar_finished
+        )
         error = None
-        if finish_reason == "error":  # its grammar failed
-            error = self._grammar_failed(seq, num_known_tokens - seq.num_prompt_tokens)
-        if finish_reason is not None:
+        if reason == "error":  # its grammar failed
+            error = grammar_failed(seq, num_known_tokens - seq.num_prompt_tokens)
+        if reason is not None:
             if text is not None:
-                new_text += text.finish(flush=finish_reason == "length")
-            self._finish(seq, finish_reason)
+                new_text += text.finish(flush=reason == "length")
+            self._finish(seq, reason)
         return RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=[token_id],
+            new_token_ids=[seq.token_ids[num_known_tokens - 1]],
             new_text=new_text,
-            finished=finish_reason is not None,
-            finish_reason=finish_reason,
+            finished=reason is not None,
+            finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_prompt_tokens,
             new_logprobs=[logprob] if logprob is not None else [],
             error=error,
-        )
-
-    def _stops_on(self, seq: Sequence, token_id: int) -> bool:
-        """Whether the token is one that stops the sequence (it adds no text and no grammar takes it)."""
-        params = seq.params
-        return token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos)
-
-    def _grammar_finish(self, seq: Sequence, token_id: int) -> str | None:
-        """Commit a generated token to the sequence's grammar: the finish reason that gives, or None. The
-        mask allows an end-of-sequence token only where the grammar accepts, or once it has failed
-        (engine/sampling/grammar.py): a stop token, which no grammar takes, ends the sequence "stop", or
-        "error" where it failed. With ignore_eos, a complete grammar's taking that token ends it "stop". A
-        token the grammar refuses (the mask allowed it: the matcher failed on it, at one of llguidance's
-        limits) ends it "error"."""
-        grammar = seq.grammar
-        assert grammar is not None
-        if self._stops_on(seq, token_id):
-            return "error" if grammar.error is not None else "stop"
-        if not grammar.consume(token_id):
-            return "error"
-        if token_id in self.eos_token_ids and grammar.is_complete:  # a failed matcher takes it too
-            return "error" if grammar.error is not None else "stop"
-        return None
-
-    @staticmethod
-    def _grammar_failed(seq: Sequence, num_generated: int) -> GrammarFailedError:
-        """The error a sequence whose grammar failed ends with (logged: the client gets it, not "stop")."""
-        assert seq.grammar is not None
-        why = seq.grammar.error
-        logger.warning("request %s: its grammar failed after %d generated tokens: %s", seq.request_id,
-                       num_generated, why)  # fmt: skip
-        return GrammarFailedError(
-            f"the output could not follow its grammar after {num_generated} generated tokens ({why}), so "
-            "it does not match it; simplify the schema or grammar"
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:

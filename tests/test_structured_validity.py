@@ -126,7 +126,7 @@ def test_a_grammar_that_fails_while_generating_ends_with_an_error(
         ),
         "too wide": (dataclasses.replace(greedy, grammar=_json(past_the_probe(properties(500)))), "too many"),
     }
-    with caplog.at_level(logging.WARNING, logger="tileinfer.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="tileinfer.engine.stopping"):
         results = _run(engine, prompt, {name: params for name, (params, _) in requests.items()})
     for name, (_, named) in requests.items():
         text, finish_reason, error = results[name]
