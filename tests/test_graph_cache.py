@@ -130,7 +130,7 @@ def test_constrained_rows_sample_from_masked_replays(
     """Three constrained rows (greedy JSON, sampled JSON, a regex) beside a free one: decode replays sample
     every row, then masked-sampling replays of at most two rows (two of them here: padding rows) sample
     the constrained ones again. Outputs equal the eager engine's, and the JSON validates. With every fill
-    late (0.1 s), the constrained rows sit launches out while the free one goes on; their masks and the
+    late (50 ms), the constrained rows sit launches out while the free one goes on; their masks and the
     next step's take the bitmask staging's two halves in turn, and the outputs are the same."""
     monkeypatch.setattr(masked_sampling, "MAX_MASKED_ROWS", 2)
     monkeypatch.setattr(engine_module, "LATE_ROWS_SIT_OUT", late)  # off: every constrained row replayed
@@ -138,7 +138,7 @@ def test_constrained_rows_sample_from_masked_replays(
         fill = MaskFiller.fill
 
         def late_fill(self: MaskFiller, *args: object) -> None:
-            time.sleep(0.1)
+            time.sleep(0.05)
             fill(self, *args)
 
         monkeypatch.setattr(MaskFiller, "fill", late_fill)

@@ -139,7 +139,7 @@ def test_constrained_rows_run_ahead_beside_free_ones(
 ) -> None:
     """With run-ahead, a constrained sequence launches beside the free one (its sample is masked once the
     host has read its previous token), and both outputs equal step-by-step decoding. Waiting for its masks,
-    it launches every step. With every fill made late (0.2 s), it sits launches out while its mask fills
+    it launches every step. With every fill made late (50 ms), it sits launches out while its mask fills
     (sampled from its kept logits after), the free one launches without waiting, and the tokens are the
     same, the seeded draws too."""
     prompt = _prompt(model, "Count from 1 to 30.")
@@ -171,7 +171,7 @@ def test_constrained_rows_run_ahead_beside_free_ones(
         fill = grammar.MaskFiller.fill
 
         def late_fill(self: grammar.MaskFiller, *args: object) -> None:
-            time.sleep(0.2)
+            time.sleep(0.05)
             fill(self, *args)
 
         monkeypatch.setattr(grammar.MaskFiller, "fill", late_fill)
