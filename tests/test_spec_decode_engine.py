@@ -68,8 +68,9 @@ def test_greedy_speculation_equals_plain_decoding(
     engine = build_engine(model, EngineConfig(num_draft=4, **settings))
     assert engine.speculator is not None and not engine.run_ahead
     engine.speculator.adaptive = False
-    assert [engine.generate(prompt, GREEDY)[0] for prompt in prompts] == plain
-    assert run_batch(engine, prompts, GREEDY) == plain  # both in one batch
+    if settings["proposer"] == "ngram":  # one at a time too (the self-draft's costs the suite 10 s)
+        assert [engine.generate(prompt, GREEDY)[0] for prompt in prompts] == plain
+    assert run_batch(engine, prompts, GREEDY) == plain  # all in one batch
     stats = engine.speculator.stats
     assert stats.drafts_accepted > 0 and stats.drafts_proposed >= stats.drafts_accepted
     assert stats.proposer_failures == 0
