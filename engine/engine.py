@@ -349,8 +349,7 @@ class Engine:
         if late is None or not (wait or late.masks.fill.done()):
             return []
         self.late = None
-        tokens = self.runner.sample_late(late)
-        return self._take_tokens([(seq, token) for seq, token in zip(late.seqs, tokens, strict=True)])
+        return self._take_tokens(self.runner.sample_late(late))
 
     def _can_schedule_ahead(self) -> bool:
         """Whether the next step can be scheduled before the in-flight step's tokens are read: the cache

@@ -287,12 +287,18 @@ class ModelRunner:
         return LateSamples([launched.seqs[row] for row in rows], kept, positions, late_masks)
 
     @torch.inference_mode()
-    def sample_late(self, late: LateSamples) -> list[int]:
+    def sample_late(self, late: LateSamples) -> list[tuple[Sequence, int]]:
         """The late rows' tokens (defer_masks), from their kept logits masked once the fill is done (it
-        waits for it), at their draw positions: the tokens they would have had without sitting out."""
+        waits for it), at their draw positions: the tokens they would have had without sitting out. Rows
+        of sequences that finished meanwhile (aborted) draw nothing."""
         logits = masked_logits(late.logits, late.masks)
         self._late_half = None
-        return self.sampler.sample(logits, late.seqs, late.draw_positions).tolist()
+        live = [row for row, seq in enumerate(late.seqs) if not seq.is_finished]
+        if not live:
+            return []
+        seqs = [late.seqs[row] for row in live]
+        positions = [late.draw_positions[row] for row in live]
+        return list(zip(seqs, self.sampler.sample(logits[live], seqs, positions).tolist(), strict=True))
 
     def read(self, launched: PendingStep) -> list[int]:
         """The launched step's sampled tokens, its constrained rows' masked (finish_masks)."""

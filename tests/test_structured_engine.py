@@ -184,6 +184,35 @@ def test_constrained_rows_run_ahead_beside_free_ones(
             assert sum(request_id in step for step in launched) >= len(plain[request_id]) - 1
 
 
+def test_a_late_row_aborted_while_its_mask_fills_leaves_nothing_behind(
+    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampled constrained request aborted while it sits out for its late mask: the free one goes on to
+    its end, the late row draws no token, and the engine keeps no state of it (its sampling key)."""
+    fill = grammar.MaskFiller.fill
+
+    def late_fill(self: grammar.MaskFiller, *args: object) -> None:
+        time.sleep(0.05)
+        fill(self, *args)
+
+    monkeypatch.setattr(grammar.MaskFiller, "fill", late_fill)
+    engine = Engine(model, EngineConfig(max_num_seqs=4, run_ahead=True))
+    prompt = _prompt(model, "Count from 1 to 30.")
+    engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), "free")
+    engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.9, grammar=JSON_SPEC), "json")
+    free_tokens, aborted_late = [], False
+    while engine.has_unfinished():
+        for output in engine.step():
+            assert output.request_id == "free" or not output.finished
+            if output.request_id == "free":
+                free_tokens += output.new_token_ids
+        if engine.late is not None and "json" in engine.requests:
+            engine.abort("json")
+            aborted_late = True
+    assert aborted_late and len(free_tokens) == 8 and engine.late is None
+    assert "json" not in engine.requests and "json" not in engine.runner.sampler.keys
+
+
 def test_one_fill_of_rows_with_and_without_drafts_equals_each_alone(model: LoadedModel) -> None:
     """A verify step's fill: a row with host drafts (its mask, then one after each draft) beside a row
     with none gives each row what a fill of it alone gives (llguidance's draft call refuses an empty
