@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from tileinfer.engine.errors import InvalidRequestError
+from tileinfer.engine.spec_decode.draft_tree import DraftTree
 from tileinfer.engine.spec_decode.proposer_interface import DraftRequest, Proposer
 
 
@@ -14,9 +15,15 @@ class _History:
     """What one request's tokens have been indexed into so far."""
 
     num_indexed: int = 0  # tokens[:num_indexed] are in the tables
-    # for each n: n-gram -> where its latest occurrence that has a token after it ends (the index of
-    # that next token); one dict per n so that each step only adds the n-grams the new tokens complete
-    last_end: dict[int, dict[tuple[int, ...], int]] = dataclasses.field(default_factory=dict)
+    # for each n: n-gram -> where each of its occurrences that has a token after it ends (the index of that
+    # next token), oldest first; one dict per n so that each step only adds the n-grams the new tokens
+    # complete
+    ends: dict[int, dict[tuple[int, ...], list[int]]] = dataclasses.field(default_factory=dict)
+
+
+# A tree of n nodes looks at up to this many times n earlier occurrences (a short suffix recurs all over a
+# long context, and branches that repeat one already taken add no node).
+BRANCHES_PER_NODE = 4
 
 
 class NgramProposer(Proposer):
@@ -46,22 +53,37 @@ class NgramProposer(Proposer):
     def forget(self, request_id: str) -> None:
         self._histories.pop(request_id, None)
 
+    def propose_trees(self, requests: Sequence[DraftRequest], max_nodes: int) -> list[DraftTree]:
+        """Every earlier occurrence of the current suffix gives a branch: the longest suffix first, the
+        more recent first, each continued num_drafts deep; branches that share a prefix share nodes, up to
+        max_nodes nodes a tree. Its first branch is what propose drafts."""
+        return [
+            DraftTree.from_branches(self._branches(request, BRANCHES_PER_NODE * max_nodes), max_nodes)
+            for request in requests
+        ]
+
     def _propose_one(self, request: DraftRequest) -> list[int]:
+        return next(self._branches(request, 1), [])
+
+    def _branches(self, request: DraftRequest, max_branches: int) -> Iterator[list[int]]:
+        """The continuations of the request's suffix, best first, up to max_branches distinct ones."""
         token_ids = request.token_ids
         history = self._histories.get(request.request_id)
         if history is None or len(token_ids) < history.num_indexed:  # new, or rolled back: start over
             history = self._histories[request.request_id] = _History()
         self._index_new_tokens(history, token_ids)
         if request.num_drafts <= 0:
-            return []
-
+            return
         num_tokens = len(token_ids)
+        taken: set[int] = set()  # where the branches start: a shorter suffix finds the longer one's too
         for ngram_size in range(min(self.max_ngram, num_tokens - 1), self.min_ngram - 1, -1):
             suffix = tuple(token_ids[num_tokens - ngram_size :])
-            next_index = history.last_end[ngram_size].get(suffix)
-            if next_index is not None:
-                return _copy_forward(token_ids, next_index, request.num_drafts)
-        return []
+            for next_index in reversed(history.ends[ngram_size].get(suffix, ())):
+                if next_index not in taken:
+                    taken.add(next_index)
+                    yield _copy_forward(token_ids, next_index, request.num_drafts)
+                    if len(taken) == max_branches:
+                        return
 
     def _index_new_tokens(self, history: _History, token_ids: Sequence[int]) -> None:
         """Record every n-gram that the tokens since the last call gave a following token."""
@@ -72,8 +94,9 @@ class NgramProposer(Proposer):
             window = token_ids[first_end - ngram_size : num_tokens - 1]  # tokens of the n-grams ending there
             ngrams = zip(*(window[offset:] for offset in range(ngram_size)), strict=False)
             ends = range(first_end, max(first_end, num_tokens))
-            # later occurrences overwrite earlier ones, so each n-gram maps to its most recent end
-            history.last_end.setdefault(ngram_size, {}).update(zip(ngrams, ends, strict=True))
+            table = history.ends.setdefault(ngram_size, {})
+            for ngram, end in zip(ngrams, ends, strict=True):
+                table.setdefault(ngram, []).append(end)
         history.num_indexed = num_tokens
 
 

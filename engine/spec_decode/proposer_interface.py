@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from tileinfer.engine.spec_decode.draft_tree import DraftTree
+
 if TYPE_CHECKING:
     import torch
 
@@ -103,6 +105,11 @@ class Proposer(abc.ABC):
 
     @abc.abstractmethod
     def forget(self, request_id: str) -> None: ...
+
+    def propose_trees(self, requests: Sequence[DraftRequest], max_nodes: int) -> list[DraftTree]:
+        """Drafts as trees of at most max_nodes nodes, num_drafts deep at most (engine/spec_decode/
+        draft_tree.py); by default each request's chain from propose, the one-branch tree."""
+        return [DraftTree.chain(drafts[:max_nodes]) for drafts in self.propose(requests)]
 
     def launch(self, requests: Sequence[DraftRequest]) -> DeviceDrafts | None:
         """Ask for drafts that cross on the device, without waiting for them; None: call propose (drafts on
