@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 from test_proposer_ngram import propose
-from tileinfer.engine.spec_decode.draft_tree import DraftTree, accept_greedy
+from tileinfer.engine.spec_decode.draft_tree import DraftTree, accept_path
 from tileinfer.engine.spec_decode.proposer_interface import DraftRequest, Proposer
 from tileinfer.engine.spec_decode.verification import verify_greedy
 from tileinfer.proposers.ngram import BRANCHES_PER_NODE, NgramProposer
@@ -38,8 +38,8 @@ def test_a_node_sees_the_root_itself_and_its_ancestors_only() -> None:
 def test_greedy_acceptance_takes_the_branch_the_target_agrees_with() -> None:
     tree = DraftTree.from_branches([[5, 6, 7], [5, 9, 4], [8]], max_nodes=8)  # 5 6 7 9 4 8
     argmax = [5, 9, 0, 0, 4, 3, 0]  # root -> 5; after 5 -> 9; after 9 -> 4; after 4 -> 3
-    assert accept_greedy(tree, argmax) == ([0, 3, 4], [5, 9, 4, 3])
-    assert accept_greedy(tree, [2, 0, 0, 0, 0, 0, 0]) == ([], [2])  # no child matches: the target's own
+    assert accept_path(tree, argmax) == ([0, 3, 4], [5, 9, 4, 3])
+    assert accept_path(tree, [2, 0, 0, 0, 0, 0, 0]) == ([], [2])  # no child matches: the target's own
 
 
 def test_on_a_chain_greedy_acceptance_equals_verify_greedy() -> None:
@@ -47,7 +47,7 @@ def test_on_a_chain_greedy_acceptance_equals_verify_greedy() -> None:
     for _ in range(200):
         drafts = [rng.randrange(4) for _ in range(rng.randint(0, 6))]
         argmax = [rng.randrange(4) for _ in range(len(drafts) + 1)]
-        _, kept = accept_greedy(DraftTree.chain(drafts), argmax)
+        _, kept = accept_path(DraftTree.chain(drafts), argmax)
         verified = verify_greedy(
             torch.tensor([argmax]),
             torch.tensor([drafts + [0]])[:, : len(drafts)],

@@ -6,9 +6,13 @@ verify step computes them. A chain of drafts is the tree whose node i hangs unde
 proposer that returns chains is the one-branch case.
 
 A verify step scores the root and every node (rows 0 and 1 + i); node i is at position context + depth(i)
-and attends to the committed context and its own ancestors only (ancestor_mask). Greedy verification
-(accept_greedy) walks down from the root, taking at each node the child that equals the target's argmax
-there, and ends with the target's own token after the last node taken.
+and attends to the committed context and its own ancestors only (ancestor_mask). Verification
+(accept_path) walks down from the root, taking at each node the child that equals the target's own token
+there, and ends with the target's token after the last node taken. The target's token at a row is what
+plain decoding would give there: its argmax (greedy), or its sample drawn at that row's draw position
+(context + depth: siblings share it), so sampled output is plain sampling's token for token. With
+deterministic drafts (every proposer's here) this is SpecInfer's multi-step speculative sampling: a child
+is taken with its target probability, in order, and otherwise the token comes from the rest.
 """
 
 from __future__ import annotations
@@ -94,19 +98,19 @@ class DraftTree:
         return mask
 
 
-def accept_greedy(tree: DraftTree, argmax: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Greedy verification of a tree: argmax[0] is the target's next token after the root, argmax[1 + i]
-    its next token after node i. Walks down from the root, at each step into the child whose token equals
-    the target's argmax there (the first such child: tokens are unique among siblings). Returns the nodes
-    accepted (a path from the root) and the tokens the sequence keeps: theirs, then the target's own after
-    the last one."""
+def accept_path(tree: DraftTree, target: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Verification of a tree: target[0] is the target's next token after the root, target[1 + i] its next
+    token after node i (argmax, or a sample at that row's draw position). Walks down from the root, at each
+    step into the child whose token equals the target's there (tokens are unique among siblings). Returns
+    the nodes accepted (a path from the root) and the tokens the sequence keeps: theirs, then the target's
+    own after the last one."""
     children: dict[tuple[int, int], int] = {
         (parent, token): node
         for node, (parent, token) in enumerate(zip(tree.parents, tree.tokens, strict=True))
     }
     accepted: list[int] = []
     parent = -1
-    while (node := children.get((parent, argmax[1 + parent]))) is not None:
+    while (node := children.get((parent, target[1 + parent]))) is not None:
         accepted.append(node)
         parent = node
-    return accepted, [tree.tokens[node] for node in accepted] + [argmax[1 + parent]]
+    return accepted, [tree.tokens[node] for node in accepted] + [target[1 + parent]]
