@@ -257,16 +257,13 @@ class ModelRunner:
         masks, launched.masks = launched.masks, None
         if masks is None:
             return
+        masks.fill.result()
         if self.graphs is not None:
-            masks.fill.result()
             self.graphs.sample_masked(launched, masks)
             return
-        masks.fill.result()
-        masked = launched.logits[masks.rows]  # a copy
-        apply_token_mask(masked, masks.bitmask)
         seqs = [launched.seqs[row] for row in masks.rows]
         positions = [launched.inputs.draw_positions[row] for row in masks.rows]
-        token_ids = self.sampler.sample(masked, seqs, positions)
+        token_ids = self._sample_masked_rows(launched.logits[masks.rows], masks.bitmask, seqs, positions)
         launched.host_tokens[masks.rows] = token_ids.to(launched.host_tokens.device)
 
     def defer_masks(self, launched: PendingStep) -> LateSamples | None:
@@ -291,14 +288,23 @@ class ModelRunner:
         """The late rows' tokens (defer_masks), from their kept logits masked once the fill is done (it
         waits for it), at their draw positions: the tokens they would have had without sitting out. Rows
         of sequences that finished meanwhile (aborted) draw nothing."""
-        logits = masked_logits(late.logits, late.masks)
-        self._late_half = None
+        late.masks.fill.result()
         live = [row for row, seq in enumerate(late.seqs) if not seq.is_finished]
+        self._late_half = None  # read below, before the next masks begin
         if not live:
             return []
         seqs = [late.seqs[row] for row in live]
         positions = [late.draw_positions[row] for row in live]
-        return list(zip(seqs, self.sampler.sample(logits[live], seqs, positions).tolist(), strict=True))
+        tokens = self._sample_masked_rows(late.logits[live], late.masks.bitmask[live], seqs, positions)
+        return list(zip(seqs, tokens.tolist(), strict=True))
+
+    def _sample_masked_rows(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, seqs: list[Sequence], positions: list[int]
+    ) -> torch.Tensor:
+        """Each row's token from its logits (a copy, masked in place by its row of the host bitmask), at
+        its draw position."""
+        apply_token_mask(logits, bitmask.to(logits.device))
+        return self.sampler.sample(logits, seqs, positions)
 
     def read(self, launched: PendingStep) -> list[int]:
         """The launched step's sampled tokens, its constrained rows' masked (finish_masks)."""

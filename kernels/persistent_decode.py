@@ -395,10 +395,9 @@ def persistent_decode_layers(
     if MAX_REGISTERS is not None:
         options["maxnreg"] = MAX_REGISTERS
     if INTERPRET:  # programs run one at a time: one launch an op, each a barrier
-        grid = num_programs or 4
         for op in range(num_ops):
-            _persistent_decode_kernel[(grid,)](
-                *arguments, op, op + 1, grid, **constexprs, SYNC=False, **options
+            _persistent_decode_kernel[(programs,)](
+                *arguments, op, op + 1, programs, **constexprs, SYNC=False, **options
             )
         return hidden, residual
     # a cooperative launch: the driver refuses a grid that would not be resident at once (no hang)
