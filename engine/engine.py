@@ -234,15 +234,14 @@ class Engine:
                 self.scheduler.running, self.block_manager, self.max_num_batched_tokens, self.max_model_len,
                 self._in_flight_rows(),
             )  # fmt: skip
-            if num_drafts:
-                outputs += self._apply_in_flight() + self._take_late(
-                    wait=True
-                )  # the proposer sees every token
+            if num_drafts:  # the proposer must see every token
+                outputs += self._apply_in_flight() + self._take_late(wait=True)
                 num_drafts = {seq: k for seq, k in num_drafts.items() if not seq.is_finished}
                 drafts = self.speculator.request_drafts(num_drafts)
         scheduled_at = time.perf_counter()
-        late = set(self.late.seqs) if self.late is not None else set()
-        batch = self.scheduler.schedule(in_flight=self._in_flight_rows(), drafts=drafts, sitting_out=late)
+        batch = self.scheduler.schedule(
+            in_flight=self._in_flight_rows(), drafts=drafts, sitting_out=self._late_seqs()
+        )
         if not batch:
             return outputs + self._apply_in_flight() + self._take_late(wait=True)
         self.runner.copy_blocks(batch.block_copies)
@@ -322,11 +321,12 @@ class Engine:
         the late ones: their samples there are not theirs)."""
         if self.in_flight is None:
             return {}
-        rows = self.in_flight.sample_rows()
-        if self.late is not None:
-            for seq in self.late.seqs:
-                rows.pop(seq, None)
-        return rows
+        late = self._late_seqs()
+        return {seq: row for seq, row in self.in_flight.sample_rows().items() if seq not in late}
+
+    def _late_seqs(self) -> set[Sequence]:
+        """The sequences whose rows sit out while their masks fill (_defer_late_masks)."""
+        return set(self.late.seqs) if self.late is not None else set()
 
     def _defer_late_masks(self) -> None:
         """If the in-flight step's constrained rows' masks are still being filled once the device has run
@@ -373,7 +373,7 @@ class Engine:
         if pending is not None:
             tokens = self.runner.read(pending)
             self._measured(pending.work, pending.scheduled_at, pending.done_at or time.perf_counter())
-            late = set(self.late.seqs) if self.late is not None else set()
+            late = self._late_seqs()
             read = [(seq, token) for seq, token in zip(pending.seqs, tokens, strict=True) if seq not in late]
         return self._take_tokens(read, launched)
 
